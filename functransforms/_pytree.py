@@ -1,0 +1,51 @@
+"""Pytree utilities (optree), used only at the API edge, never per op.
+
+All registrations live in one optree namespace, so that our node types (LinearOperators, ...)
+flatten in our transforms without leaking into other libraries' optree registries.
+"""
+
+from __future__ import annotations
+
+import optree
+
+NAMESPACE = "functransforms"
+
+# None is a node with no children (as in torch.func and JAX): `f(x, None)` maps over x only.
+_KW = dict(none_is_leaf=False, namespace=NAMESPACE)
+
+
+def tree_flatten(tree):
+    return optree.tree_flatten(tree, **_KW)
+
+
+def tree_unflatten(treespec, leaves):
+    return optree.tree_unflatten(treespec, leaves)
+
+
+def tree_leaves(tree):
+    return optree.tree_leaves(tree, **_KW)
+
+
+def tree_map(fn, tree, *rest):
+    return optree.tree_map(fn, tree, *rest, **_KW)
+
+
+def tree_structure(tree):
+    return optree.tree_structure(tree, **_KW)
+
+
+def register_pytree_node(cls, flatten, unflatten):
+    """Register `cls` as a pytree node in our namespace.
+
+    Args:
+        cls: the node type.
+        flatten: ``obj -> (children, aux_data)``; children are the leaves/subtrees (tensors).
+        unflatten: ``(aux_data, children) -> obj``.
+    """
+    optree.register_pytree_node(
+        cls,
+        lambda obj: flatten(obj),
+        lambda aux, children: unflatten(aux, children),
+        namespace=NAMESPACE,
+    )
+    return cls
