@@ -1,0 +1,195 @@
+"""BatchedTensor and the vmap interpreter."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from functransforms._core import Interpreter, TransformTensor
+from functransforms._ops import facts, op_name
+from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
+
+from ._registry import VMAP_RULES
+
+
+class BatchedTensor(TransformTensor):
+    """A value with one extra (physical) batch dimension ``_bdim``, hidden from user code.
+
+    ``_value`` is the physical tensor (possibly a wrapper of a lower level); the wrapper itself
+    has the per-example (logical) shape.
+    """
+
+    _value: torch.Tensor
+    _bdim: int
+
+    def _describe(self):
+        return f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, value={self._value!r})"
+
+
+_mk = torch.Tensor._make_wrapper_subclass
+
+
+def wrap_batched(value, bdim, interp):
+    shape = value.shape
+    r = _mk(BatchedTensor, shape[:bdim] + shape[bdim + 1 :], dtype=value.dtype, device=value.device)
+    r._value = value
+    r._bdim = bdim
+    r._interp = interp
+    return r
+
+
+class VmapInterpreter(Interpreter):
+    """Processes ops on this level's BatchedTensors through the batching rules."""
+
+    name = "vmap"
+
+    def __init__(self, batch_size: int, randomness: str, call: str = "vmap(f)"):
+        super().__init__()
+        self.batch_size = batch_size
+        self.randomness = randomness
+        self.call = call
+
+    # -- unwrapping ------------------------------------------------------------------------
+    def _unwrap(self, args):
+        vals = list(args)
+        bdims = [None] * len(args)
+        for i, a in enumerate(args):
+            if isinstance(a, BatchedTensor):
+                if a._interp is self:
+                    vals[i] = a._value
+                    bdims[i] = a._bdim
+            elif type(a) is list or type(a) is tuple:
+                if any(isinstance(b, BatchedTensor) and b._interp is self for b in a):
+                    sub_v, sub_b = self._unwrap(a)
+                    vals[i] = sub_v
+                    bdims[i] = sub_b
+        return vals, bdims
+
+    def _wrap(self, out, bdim):
+        if bdim is None:
+            return out
+        if isinstance(out, torch.Tensor):
+            return wrap_batched(out, bdim, self)
+        return type(out)(self._wrap(o, b) for o, b in zip(out, bdim))
+
+    # -- processing ------------------------------------------------------------------------
+    def process(self, func, args, kwargs):
+        vals, bdims = self._unwrap(args)
+        for v in kwargs.values():
+            if isinstance(v, BatchedTensor) and v._interp is self:
+                return self._fallback(func, args, kwargs)
+        rule = VMAP_RULES.get(func) or _derived_rule(func)
+        f = facts(func)
+        if f.inplace and bdims[0] is None and any(b is not None for b in bdims):
+            raise InplaceError(
+                f"{self.call}: {op_name(func)} writes a batched value in place into a tensor that "
+                "is not batched (captured from outside vmap or created inside it). Expected: the "
+                "tensor written to is batched too. Do: write out of place (`y = x + z` instead of "
+                "`x += z`), or make the target batched, e.g. `x = x.expand(...).clone()` per example."
+            )
+        if rule is None:
+            return self._fallback(func, args, kwargs)
+        out, out_bdim = rule(self, vals, bdims, kwargs)
+        if f.inplace:
+            return args[0]
+        if f.inplace_view:
+            return _set_view_inplace(args[0], out, out_bdim)
+        return self._wrap(out, out_bdim)
+
+    def _fallback(self, func, args, kwargs):
+        """Note [vmap fallback]: run the op once per example and stack the results."""
+        f = facts(func)
+        if f.random and self.randomness == "error":
+            raise_random(self, func)
+        if func not in _WARNED:
+            _WARNED.add(func)
+            warnings.warn(
+                f"vmap: there is no batching rule for {op_name(func)}, so it runs as a "
+                "per-example loop (correct but slow). Register one with "
+                f"`@functransforms.batching.register_vmap_rule({op_name(func)})`.",
+                FallbackWarning,
+                stacklevel=3,
+            )
+        B = self.batch_size
+        results = []
+        for i in range(B):
+            a_i = [_select(a, self, i) for a in args]
+            k_i = {k: _select(v, self, i) for k, v in kwargs.items()}
+            results.append(func(*a_i, **k_i))
+        if f.inplace:
+            return args[0]
+        first = results[0]
+        if isinstance(first, torch.Tensor):
+            return wrap_batched(torch.stack(results), 0, self)
+        if isinstance(first, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in first):
+            return type(first)(
+                wrap_batched(torch.stack([r[j] for r in results]), 0, self)
+                for j in range(len(first))
+            )
+        raise_data_dependent(self, func)
+
+
+_WARNED: set = set()
+_DERIVED: dict = {}
+
+
+def _derived_rule(func):
+    """Rules that follow from an op's tags (every pointwise op shares one rule), cached."""
+    rule = _DERIVED.get(func, False)
+    if rule is False:
+        rule = None
+        if torch.Tag.pointwise in func.tags and not facts(func).random:
+            from .elementwise import make_pointwise_rule
+
+            rule = make_pointwise_rule(func)
+        _DERIVED[func] = rule
+    return rule
+
+
+def _select(a, interp, i):
+    if isinstance(a, BatchedTensor) and a._interp is interp:
+        return a._value.select(a._bdim, i)
+    if type(a) is list or type(a) is tuple:
+        return type(a)(_select(b, interp, i) for b in a)
+    return a
+
+
+def _set_view_inplace(self_wrapper, new_value, bdim):
+    """In-place view ops (squeeze_, t_, ...) change the wrapper's own shape: give it the new
+    physical value and reset its logical metadata without dispatching back to us."""
+    self_wrapper._value = new_value
+    self_wrapper._bdim = bdim
+    shape = new_value.shape[:bdim] + new_value.shape[bdim + 1 :]
+    with torch._C._DisableTorchDispatch():
+        self_wrapper.as_strided_(shape, _contiguous_strides(shape))
+    return self_wrapper
+
+
+def _contiguous_strides(shape):
+    strides = []
+    s = 1
+    for n in reversed(shape):
+        strides.append(s)
+        s *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def raise_random(interp, func):
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers, but vmap was called with "
+        "randomness='error' (the default). Expected: no random ops, or an explicit choice. Do: "
+        "pass randomness='different' (independent draws per example) or randomness='same' "
+        "(one draw shared by the batch)."
+    )
+
+
+def raise_data_dependent(interp, func):
+    from functransforms.errors import DataDependentError
+
+    raise DataDependentError(
+        f"{interp.call}: {op_name(func)} reads a batched tensor as a Python value (`.item()`, "
+        "`bool(x)`, `if x > 0:`, `.tolist()`), which has one answer per example. Expected: tensor "
+        "code without data-dependent Python control flow. Do: use `torch.where(cond, a, b)` "
+        "instead of `if`, or move the check outside vmap."
+    )

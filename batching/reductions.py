@@ -1,0 +1,170 @@
+"""Batching rules for reductions and other ops with a ``dim`` argument.
+
+The batch dim goes to the front and every logical dim argument is shifted by one; "all dims"
+(``dim=None`` or ``dim=[]``) becomes every dim but the batch dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import register_vmap_rule
+from ._util import to_front, wrap_dim
+
+aten = torch.ops.aten
+
+
+def _shift(d, n):
+    return wrap_dim(d, n) + 1
+
+
+def def_dims(op, pos, *, all_if_empty=True):
+    """``op(self, ..., dim: int[]?, ...)`` with the dim list at position ``pos``."""
+
+    def dims_vmap_rule(interp, args, bdims, kwargs):
+        x = to_front(args[0], bdims[0])
+        n = x.dim() - 1
+        dim = args[pos] if len(args) > pos else kwargs.get("dim")
+        if dim is None or (all_if_empty and len(dim) == 0):
+            new_dim = list(range(1, n + 1))
+        elif isinstance(dim, int):
+            new_dim = [_shift(dim, n)]
+        else:
+            new_dim = [_shift(d, n) for d in dim]
+        if n == 0:  # a 0-d logical tensor: reduce over nothing, i.e. an identity
+            new_dim = []
+            if op in _ALL_IF_EMPTY:
+                return _reduce_nothing(op, x, args, kwargs), 0
+        a = list(args)
+        a[0] = x
+        if len(a) > pos:
+            a[pos] = new_dim
+            return op(*a, **kwargs), 0
+        kw = dict(kwargs)
+        kw["dim"] = new_dim
+        return op(*a, **kw), 0
+
+    register_vmap_rule(op)(dims_vmap_rule)
+
+
+_ALL_IF_EMPTY = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
+
+
+def _reduce_nothing(op, x, args, kwargs):
+    # sum/mean/amax over no dims of a 0-d tensor is the tensor itself (cast like the op would)
+    out = op(x.unsqueeze(1), [1], True, **kwargs)
+    return out.squeeze(1)
+
+
+def def_dim(op, pos, *, default=None):
+    """``op(self, ..., dim: int, ...)`` with one dim at position ``pos``; for ``int?`` dims
+    ``None`` means "over the flattened tensor"."""
+
+    def dim_vmap_rule(interp, args, bdims, kwargs):
+        x = to_front(args[0], bdims[0])
+        n = x.dim() - 1
+        a = list(args)
+        dim = args[pos] if len(args) > pos else kwargs.get("dim", default)
+        if dim is None:
+            x = x.reshape(x.shape[0], -1)
+            new_dim = 1
+        else:
+            new_dim = _shift(dim, n) if n > 0 else None
+            if new_dim is None:  # 0-d logical: add a unit dim, apply, drop it
+                a[0] = x.unsqueeze(1)
+                a += [None] * (pos + 1 - len(a))
+                a[pos] = 1
+                out = op(*a, **kwargs)
+                keep = _keepdim(op, args, kwargs)
+                if isinstance(out, torch.Tensor):
+                    return (out if keep else out.squeeze(1)), 0
+                return tuple(o if keep else o.squeeze(1) for o in out), (0,) * len(out)
+        a[0] = x
+        a += [None] * (pos + 1 - len(a))
+        a[pos] = new_dim
+        out = op(*a, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return out, 0
+        return out, (0,) * len(out)
+
+    register_vmap_rule(op)(dim_vmap_rule)
+
+
+def _keepdim(op, args, kwargs):
+    return bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
+
+
+# dim lists: (op, position of dim)
+for _op, _pos in (
+    (aten.sum.dim_IntList, 1),
+    (aten.mean.dim, 1),
+    (aten.amax.default, 1),
+    (aten.amin.default, 1),
+    (aten.logsumexp.default, 1),
+    (aten.var.correction, 1),
+    (aten.std.correction, 1),
+    (aten.var_mean.correction, 1),
+    (aten.std_mean.correction, 1),
+    (aten.linalg_vector_norm.default, 2),
+    (aten.nansum.default, 1),
+    (aten.any.dims, 1),
+    (aten.all.dims, 1),
+    (aten.count_nonzero.dim_IntList, 1),
+):
+    def_dims(_op, _pos)
+
+_LAST_BY_DEFAULT = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable, aten.topk.default, aten.kthvalue.default, aten.mode.default}
+
+# one dim: (op, position of dim)
+for _op, _pos in (
+    (aten.prod.dim_int, 1),
+    (aten.max.dim, 1),
+    (aten.min.dim, 1),
+    (aten.argmax.default, 1),
+    (aten.argmin.default, 1),
+    (aten.any.dim, 1),
+    (aten.all.dim, 1),
+    (aten._softmax.default, 1),
+    (aten._log_softmax.default, 1),
+    (aten.cumsum.default, 1),
+    (aten.cumprod.default, 1),
+    (aten.logcumsumexp.default, 1),
+    (aten.cummax.default, 1),
+    (aten.cummin.default, 1),
+    (aten.sort.default, 1),
+    (aten.sort.stable, 2),
+    (aten.argsort.default, 1),
+    (aten.argsort.stable, 2),
+    (aten.median.dim, 1),
+    (aten.mode.default, 1),
+    (aten.kthvalue.default, 2),
+    (aten.topk.default, 2),
+):
+    def_dim(_op, _pos, default=-1 if _op in _LAST_BY_DEFAULT else None)
+
+
+def _full(op, via):
+    """Full reductions (``x.sum()``) become the dim version over every logical dim."""
+
+    def full_vmap_rule(interp, args, bdims, kwargs):
+        x = to_front(args[0], bdims[0])
+        return via(x.reshape(x.shape[0], -1), **kwargs), 0
+
+    register_vmap_rule(op)(full_vmap_rule)
+
+
+_full(aten.sum.default, lambda x, **kw: aten.sum.dim_IntList(x, [1], False, **kw))
+_full(aten.mean.default, lambda x, **kw: aten.mean.dim(x, [1], False, **kw))
+_full(aten.prod.default, lambda x, **kw: aten.prod.dim_int(x, 1, False, **kw))
+_full(aten.max.default, lambda x: aten.amax.default(x, [1]))
+_full(aten.min.default, lambda x: aten.amin.default(x, [1]))
+_full(aten.any.default, lambda x: aten.any.dim(x, 1))
+_full(aten.all.default, lambda x: aten.all.dim(x, 1))
+_full(aten.median.default, lambda x: aten.median.dim(x, 1)[0])
+
+
+@register_vmap_rule(aten.flip.default)
+def flip_vmap_rule(interp, args, bdims, kwargs):
+    x = to_front(args[0], bdims[0])
+    n = x.dim() - 1
+    return aten.flip.default(x, [_shift(d, n) for d in args[1]]), 0

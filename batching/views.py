@@ -1,0 +1,166 @@
+"""Batching rules for view and shape ops: the batch dim goes to the front, logical dims shift."""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import register_vmap_rule
+from ._util import expand_front, to_front, wrap_dim
+
+aten = torch.ops.aten
+
+
+def _front(args, bdims):
+    x = to_front(args[0], bdims[0])
+    return x, x.dim() - 1
+
+
+@register_vmap_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def view_vmap_rule(interp, args, bdims, kwargs):
+    x, _ = _front(args, bdims)
+    shape = (x.shape[0], *args[1])
+    try:
+        return x.view(shape), 0
+    except RuntimeError:  # the batch dim was not outermost in memory: a view is impossible
+        return x.reshape(shape), 0
+
+
+@register_vmap_rule(aten.expand.default)
+def expand_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    size = list(args[1])
+    if len(size) > n:
+        x = x.reshape((x.shape[0],) + (1,) * (len(size) - n) + tuple(x.shape[1:]))
+    return x.expand([x.shape[0], *size]), 0
+
+
+@register_vmap_rule(aten.permute.default)
+def permute_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    return x.permute([0] + [wrap_dim(d, n) + 1 for d in args[1]]), 0
+
+
+@register_vmap_rule(aten.transpose.int, aten.transpose_.default)
+def transpose_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    if n == 0:
+        return x, 0
+    return x.transpose(wrap_dim(args[1], n) + 1, wrap_dim(args[2], n) + 1), 0
+
+
+@register_vmap_rule(aten.t.default, aten.t_.default)
+def t_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    return (x.transpose(1, 2) if n == 2 else x), 0
+
+
+@register_vmap_rule(aten.unsqueeze.default, aten.unsqueeze_.default)
+def unsqueeze_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    return x.unsqueeze(wrap_dim(args[1], n + 1) + 1), 0
+
+
+@register_vmap_rule(aten.squeeze.dim, aten.squeeze_.dim, aten.squeeze.dims, aten.squeeze_.dims)
+def squeeze_dim_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    if n == 0:
+        return x, 0
+    dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+    return x.squeeze(tuple(wrap_dim(d, n) + 1 for d in dims)), 0
+
+
+@register_vmap_rule(aten.squeeze.default, aten.squeeze_.default)
+def squeeze_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    dims = tuple(i for i in range(1, n + 1) if x.shape[i] == 1)  # never the batch dim
+    return (x.squeeze(dims) if dims else x), 0
+
+
+@register_vmap_rule(aten.select.int)
+def select_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    return x.select(wrap_dim(args[1], n) + 1, args[2]), 0
+
+
+@register_vmap_rule(aten.slice.Tensor)
+def slice_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    a = list(args)
+    a[0] = x
+    a[1] = wrap_dim(args[1] if len(args) > 1 else 0, n) + 1
+    return aten.slice.Tensor(*a, **kwargs), 0
+
+
+@register_vmap_rule(aten.diagonal.default)
+def diagonal_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    offset = args[1] if len(args) > 1 else 0
+    d1 = args[2] if len(args) > 2 else 0
+    d2 = args[3] if len(args) > 3 else 1
+    return x.diagonal(offset, wrap_dim(d1, n) + 1, wrap_dim(d2, n) + 1), 0
+
+
+@register_vmap_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor)
+def split_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    dim = args[2] if len(args) > 2 else 0
+    outs = torch.split(x, args[1], wrap_dim(dim, n) + 1)
+    return tuple(outs), (0,) * len(outs)
+
+
+@register_vmap_rule(aten.unbind.int)
+def unbind_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    outs = x.unbind(wrap_dim(args[1] if len(args) > 1 else 0, n) + 1)
+    return outs, (0,) * len(outs)
+
+
+def _list_front(interp, tensors, bds):
+    return [expand_front(t, b, interp.batch_size) for t, b in zip(tensors, bds)]
+
+
+@register_vmap_rule(aten.cat.default)
+def cat_vmap_rule(interp, args, bdims, kwargs):
+    tensors = args[0]
+    bds = bdims[0] if bdims[0] is not None else [None] * len(tensors)
+    n = max(t.dim() - (b is not None) for t, b in zip(tensors, bds))
+    dim = args[1] if len(args) > 1 else 0
+    # legacy: cat skips 1-d empty tensors of any other rank
+    keep = [
+        (t, b) for t, b in zip(tensors, bds) if not (t.dim() - (b is not None) == 1 and t.shape[-1] == 0 and n > 1)
+    ]
+    return torch.cat(_list_front(interp, *zip(*keep)), wrap_dim(dim, n) + 1), 0
+
+
+@register_vmap_rule(aten.stack.default)
+def stack_vmap_rule(interp, args, bdims, kwargs):
+    tensors = args[0]
+    bds = bdims[0] if bdims[0] is not None else [None] * len(tensors)
+    n = tensors[0].dim() - (bds[0] is not None)
+    dim = args[1] if len(args) > 1 else 0
+    return torch.stack(_list_front(interp, tensors, bds), wrap_dim(dim, n + 1) + 1), 0
+
+
+@register_vmap_rule(aten.unfold.default)
+def unfold_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    return x.unfold(wrap_dim(args[1], n) + 1 if n else 1, args[2], args[3]), 0
+
+
+@register_vmap_rule(aten.roll.default)
+def roll_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    dims = args[2] if len(args) > 2 else []
+    if not dims:
+        flat = x.reshape(x.shape[0], -1)
+        return flat.roll(args[1], 1).reshape(x.shape), 0
+    return x.roll(args[1], [wrap_dim(d, n) + 1 for d in dims]), 0
+
+
+@register_vmap_rule(aten.repeat.default)
+def repeat_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    reps = list(args[1])
+    if len(reps) > n:
+        x = x.reshape((x.shape[0],) + (1,) * (len(reps) - n) + tuple(x.shape[1:]))
+    return x.repeat([1, *reps]), 0

@@ -1,0 +1,55 @@
+"""Facts about ATen op overloads that every interpreter needs, computed once per op and cached.
+
+Reading an op's schema costs microseconds; the interpreters ask on every op, so the answer is
+kept in a plain dict keyed by the ``OpOverload``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+class OpFacts:
+    __slots__ = ("inplace", "inplace_view", "view", "random", "functional", "name")
+
+    def __init__(self, func):
+        schema = func._schema
+        self.name = f"aten.{schema.name.split('::')[-1]}.{func._overloadname}"
+        first = schema.arguments[0] if schema.arguments else None
+        writes_self = bool(first is not None and first.alias_info and first.alias_info.is_write)
+        tags = func.tags
+        self.inplace_view = torch.Tag.inplace_view in tags
+        self.inplace = writes_self and schema.name.endswith("_") and not self.inplace_view
+        self.view = (not writes_self) and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
+        self.random = torch.Tag.nondeterministic_seeded in tags
+        self.functional = _functional_variant(func) if (self.inplace or self.inplace_view) else None
+
+
+def _functional_variant(func):
+    """aten.add_.Tensor -> aten.add.Tensor; aten.squeeze_.dim -> aten.squeeze.dim."""
+    base = func._schema.name.split("::")[-1]
+    if not base.endswith("_"):
+        return None
+    packet = getattr(aten, base[:-1], None)
+    if packet is None:
+        return None
+    return getattr(packet, func._overloadname, None)
+
+
+_FACTS: dict = {}
+
+
+def facts(func) -> OpFacts:
+    f = _FACTS.get(func)
+    if f is None:
+        f = _FACTS[func] = OpFacts(func)
+    return f
+
+
+def op_name(func) -> str:
+    """The op as a user would type it: ``aten.add.Tensor``."""
+    return facts(func).name if hasattr(func, "_schema") else getattr(func, "__name__", str(func))

@@ -1,0 +1,258 @@
+"""vmap: the public entry point of batching. Rules live in functransforms.batching."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _pytree as pt
+
+_RANDOMNESS = ("error", "different", "same")
+
+
+def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
+    """Vectorize ``func`` over a dimension of its inputs.
+
+    Args:
+        func: a function of tensors (pytrees of tensors) returning tensors (a pytree of them).
+        in_dims: which dim of each input is mapped: an int, ``None`` (not mapped), or a tree
+            prefix of the positional inputs (a tuple with one entry per input). Keyword
+            arguments are never mapped.
+        out_dims: where the mapped dim goes in each output: an int or a prefix of the outputs.
+        randomness: ``'error'`` (random ops raise), ``'different'`` (independent draws per
+            example) or ``'same'`` (one draw for the whole batch).
+        chunk_size: map over at most this many examples at a time (saves memory).
+
+    Returns:
+        A function with the signature of ``func`` whose outputs have the mapped dim.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.randn(5, 3)                       # [N, D]
+        >>> w = torch.randn(3)                          # [D]
+        >>> ft.vmap(torch.dot, in_dims=(0, None))(x, w).shape   # [N]
+        torch.Size([5])
+    """
+    if randomness not in _RANDOMNESS:
+        raise ValueError(
+            f"vmap(func, randomness={randomness!r}): expected one of {_RANDOMNESS}, "
+            f"got {randomness!r}."
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
+            f"got {chunk_size!r}."
+        )
+    if not callable(func):
+        raise TypeError(f"vmap(func): expected a callable, got {type(func).__name__}.")
+
+    @functools.wraps(func)
+    def vmapped(*args, **kwargs):
+        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)
+
+    return vmapped
+
+
+def _fname(func):
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _call_repr(func, in_dims, out_dims=0):
+    s = f"vmap({_fname(func)}, in_dims={in_dims!r}"
+    if out_dims != 0:
+        s += f", out_dims={out_dims!r}"
+    return s + ")(<inputs>)"
+
+
+def broadcast_prefix(prefix, tree, what, call):
+    """Flatten ``prefix`` against ``tree``: one entry per leaf of ``tree``."""
+    leaves, _ = pt.tree_flatten(tree)
+    if prefix is None or isinstance(prefix, int):
+        return [prefix] * len(leaves)
+    out = []
+    _broadcast(prefix, tree, what, call, out, path=what)
+    return out
+
+
+def _broadcast(prefix, tree, what, call, out, path):
+    if prefix is None or isinstance(prefix, int):
+        out.extend([prefix] * len(pt.tree_leaves(tree)))
+        return
+    if isinstance(prefix, (tuple, list)):
+        if not isinstance(tree, (tuple, list)) or len(tree) != len(prefix):
+            got = f"{type(tree).__name__} of length {len(tree)}" if isinstance(tree, (tuple, list)) else type(tree).__name__
+            raise ValueError(
+                f"{call}: {path} is a {type(prefix).__name__} of length {len(prefix)}, so the "
+                f"matching value must be a tuple/list of that length; got a {got}. Expected "
+                f"{what} to be a tree prefix of the values (an int or None applies to a whole subtree)."
+            )
+        for i, (p, t) in enumerate(zip(prefix, tree)):
+            _broadcast(p, t, what, call, out, f"{path}[{i}]")
+        return
+    if isinstance(prefix, dict):
+        if not isinstance(tree, dict) or set(tree) != set(prefix):
+            raise ValueError(
+                f"{call}: {path} is a dict with keys {sorted(map(str, prefix))}, which must match "
+                f"the keys of the value; got {sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__}."
+            )
+        for k in tree:  # leaves are flattened in the tree's key order
+            _broadcast(prefix[k], tree[k], what, call, out, f"{path}[{k!r}]")
+        return
+    raise TypeError(
+        f"{call}: {path} must be an int, None, or a tuple/list/dict of those; got "
+        f"{type(prefix).__name__} ({prefix!r})."
+    )
+
+
+def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
+    from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
+    from functransforms.batching.random import DifferentRandomnessMode, rng_changed, rng_state
+
+    if not isinstance(in_dims, (int, tuple, type(None))):
+        raise TypeError(
+            f"{_call_repr(func, in_dims)}: expected in_dims to be an int, None or a tuple with one "
+            f"entry per positional input; got {type(in_dims).__name__}."
+        )
+    if isinstance(in_dims, tuple) and len(in_dims) != len(args):
+        raise ValueError(
+            f"{_call_repr(func, in_dims)}: in_dims has {len(in_dims)} entries but {len(args)} "
+            "positional inputs were given. Expected one in_dim per positional input."
+        )
+    flat_args, spec = pt.tree_flatten(args)
+    call = None
+    if isinstance(in_dims, int) or in_dims is None:
+        flat_dims = [in_dims] * len(flat_args)
+    else:
+        call = _call_repr(func, in_dims)
+        flat_dims = broadcast_prefix(in_dims, args, "in_dims", call)
+
+    batch_size = None
+    norm_dims = []
+    for i, (x, d) in enumerate(zip(flat_args, flat_dims)):
+        if d is None:
+            norm_dims.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but "
+                f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
+                "None as its in_dim."
+            )
+        n = x.dim()
+        if not -n <= d < n:
+            raise ValueError(
+                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but it "
+                f"has {n} dims (shape {tuple(x.shape)}); expected in_dim in [{-n}, {n - 1}]."
+            )
+        d %= n
+        norm_dims.append(d)
+        if batch_size is None:
+            batch_size = x.shape[d]
+        elif x.shape[d] != batch_size:
+            sizes = [
+                (j, tuple(a.shape), e)
+                for j, (a, e) in enumerate(zip(flat_args, flat_dims))
+                if e is not None
+            ]
+            raise ValueError(
+                f"{call or _call_repr(func, in_dims)}: expected all mapped inputs to have the same "
+                f"size along their in_dim, got: "
+                + ", ".join(f"input {j} of shape {s} mapped over dim {e}" for j, s, e in sizes)
+                + "."
+            )
+    if batch_size is None:
+        raise ValueError(
+            f"{call or _call_repr(func, in_dims)}: no input is mapped: every in_dim is None or no "
+            "tensor was given. Expected at least one tensor input with a non-None in_dim."
+        )
+
+    if chunk_size is not None and chunk_size < batch_size:
+        return _chunked(func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size)
+
+    interp = VmapInterpreter(batch_size, randomness)
+    interp.call = call or _call_repr(func, in_dims, out_dims)
+    check_rng = randomness == "error"
+    if check_rng:
+        devices = {x.device.type for x in flat_args if isinstance(x, torch.Tensor)}
+        before = rng_state(devices)
+    mode = DifferentRandomnessMode() if randomness == "different" else None
+    with interp:
+        wrapped = [
+            x if d is None else wrap_batched(x, d, interp) for x, d in zip(flat_args, norm_dims)
+        ]
+        if mode is None:
+            out = func(*pt.tree_unflatten(spec, wrapped), **kwargs)
+        else:
+            with mode:
+                out = func(*pt.tree_unflatten(spec, wrapped), **kwargs)
+    if check_rng and rng_changed(before, rng_state(devices)):
+        from functransforms.batching._tensor import raise_random
+
+        raise_random(interp, "a random op (detected from the global RNG state)")
+    return _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
+
+
+def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor):
+    flat_out, out_spec = pt.tree_flatten(out)
+    if isinstance(out_dims, int) or out_dims is None:
+        flat_od = [out_dims] * len(flat_out)
+    else:
+        if isinstance(out_dims, tuple) and not isinstance(out, tuple) and len(out_dims) == 1:
+            out_dims = out_dims[0]
+        flat_od = broadcast_prefix(out_dims, out, "out_dims", _call_repr(func, in_dims, out_dims))
+    results = []
+    for i, (o, od) in enumerate(zip(flat_out, flat_od)):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(
+                f"{_call_repr(func, in_dims, out_dims)}: output {i} (flattened) is a "
+                f"{type(o).__name__}; vmap's function must return tensors (or pytrees of tensors)."
+            )
+        if isinstance(o, BatchedTensor) and o._interp is interp:
+            v, b = o._value, o._bdim
+            if od is None:
+                raise ValueError(
+                    f"{_call_repr(func, in_dims, out_dims)}: output {i} has out_dim=None but it "
+                    "depends on the mapped inputs (it differs per example). Expected out_dim=None "
+                    "only for outputs that are the same for every example."
+                )
+        else:
+            if od is None:
+                results.append(o)
+                continue
+            v = o.unsqueeze(0).expand((batch_size,) + tuple(o.shape))
+            b = 0
+        n = v.dim()
+        if not -n <= od < n:
+            raise ValueError(
+                f"{_call_repr(func, in_dims, out_dims)}: out_dim={od} is out of range for output "
+                f"{i}, which has {n} dims with the mapped dim (shape {tuple(v.shape)})."
+            )
+        results.append(v.movedim(b, od) if b != od % n else v)
+    return pt.tree_unflatten(out_spec, results)
+
+
+def _chunked(func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size):
+    pieces = []
+    for start in range(0, batch_size, chunk_size):
+        length = min(chunk_size, batch_size - start)
+        chunk_args = [
+            x if d is None else x.narrow(d, start, length) for x, d in zip(flat_args, norm_dims)
+        ]
+        chunk_dims = tuple(pt.tree_unflatten(spec, list(norm_dims)))
+        pieces.append(
+            _vmap_call(func, chunk_dims, out_dims, randomness, None, pt.tree_unflatten(spec, chunk_args), kwargs)
+        )
+    first_flat, out_spec = pt.tree_flatten(pieces[0])
+    flat_od = (
+        [out_dims] * len(first_flat)
+        if isinstance(out_dims, int) or out_dims is None
+        else broadcast_prefix(out_dims, pieces[0], "out_dims", _call_repr(func, in_dims, out_dims))
+    )
+    flats = [pt.tree_leaves(p) for p in pieces]
+    merged = [
+        flats[0][j] if od is None else torch.cat([f[j] for f in flats], od)
+        for j, od in enumerate(flat_od)
+    ]
+    return pt.tree_unflatten(out_spec, merged)
+

@@ -1,0 +1,552 @@
+"""The `LinearOperator` base: metadata, algebra, pytree registration and torch integration.
+
+A LinearOperator represents a (batch of) matrices of shape ``batch_shape + (m, n)`` by a few
+tensors and the algorithms that exploit its structure. Nothing is materialized unless asked
+(`to_dense()`), and `torch` functions called on an operator are routed to structured algorithms
+through `__torch_function__` (see `_dispatch.py`).
+
+# Note [Properties are promises]
+Properties (``symmetric``, ``positive_definite``, ``lower``/``upper`` triangular, ``unitary``)
+are declared by the user or derived by algebra, and are *not checked* unless ``check=True`` is
+passed on construction. They choose algorithms (Cholesky instead of LU, a transpose for an
+inverse, ...). A false promise gives a wrong answer, as with ``torch.linalg.eigh`` on a
+non-symmetric matrix. For complex dtypes "symmetric" means Hermitian (self-adjoint).
+
+# Note [Operators are pytrees]
+Every subclass is registered in the ``functransforms`` optree namespace: its children are its
+tensors (and child operators), its aux data the static configuration and the properties.
+Unflattening calls the constructor again, so that shapes are recomputed from the children: under
+`vmap` the same operator class is rebuilt around per-example or batched tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from functransforms._pytree import register_pytree_node
+
+_PROPERTY_NAMES = ("symmetric", "positive_definite", "lower", "upper", "unitary")
+
+
+class LinearOperator:
+    """A structured (batch of) matrices, never materialized unless asked.
+
+    Subclasses implement ``_matmul(X)`` for ``X`` of shape ``(..., n, k)`` and, where structure
+    allows, faster ``_transpose``, ``_diagonal``, ``_solve``, ``_slogdet``, ``_cholesky``,
+    ``_eigh``, ``_inverse``... The defaults are dense and correct.
+
+    Args:
+        shape: ``batch_shape + (m, n)``.
+        dtype, device: of the represented matrix.
+        symmetric, positive_definite, lower, upper, unitary: declared properties, unchecked
+            promises (see Note [Properties are promises]).
+        check: verify the declared properties on construction (dense, for debugging).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator
+        >>> D = DiagonalOperator(torch.tensor([1.0, 2.0, 4.0]))  # [3, 3]
+        >>> (D @ torch.ones(3)).tolist()  # [3]
+        [1.0, 2.0, 4.0]
+    """
+
+    # Names of constructor arguments that are children (tensors/operators), in order.
+    _tree_fields: tuple[str, ...] = ()
+    # Names of constructor keyword arguments that are static aux data.
+    _static_fields: tuple[str, ...] = ()
+    # Number of trailing non-batch dims of each tensor child (for batch indexing).
+    _core_ndims: tuple[int, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        register_pytree_node(cls, _flatten_operator, lambda aux, ch: _unflatten_operator(aux, ch))
+
+    def __init__(
+        self,
+        shape,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        symmetric: bool = False,
+        positive_definite: bool = False,
+        lower: bool = False,
+        upper: bool = False,
+        unitary: bool = False,
+        check: bool = False,
+    ):
+        self._shape = torch.Size(shape)
+        self._dtype = dtype
+        self._device = device
+        self.symmetric = bool(symmetric or positive_definite)
+        self.positive_definite = bool(positive_definite)
+        self.lower = bool(lower)
+        self.upper = bool(upper)
+        self.unitary = bool(unitary)
+        if check:
+            self.check_properties()
+
+    # ----------------------------------------------------------------- metadata
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    def size(self, dim: int | None = None):
+        return self._shape if dim is None else self._shape[dim]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self._shape[:-2]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def is_square(self) -> bool:
+        return self._shape[-1] == self._shape[-2]
+
+    @property
+    def is_complex(self) -> bool:
+        return self._dtype.is_complex
+
+    def properties(self) -> dict[str, bool]:
+        """The declared/derived properties, e.g. ``{'symmetric': True, ...}``."""
+        return {name: getattr(self, name) for name in _PROPERTY_NAMES}
+
+    def _props(self, **overrides) -> dict[str, bool]:
+        props = self.properties()
+        props.update(overrides)
+        return props
+
+    def check_properties(self, rtol: float = 1e-6, atol: float = 1e-8) -> None:
+        """Verify the declared properties densely; raise ValueError naming the first false one."""
+        A = self.to_dense()
+        name = type(self).__name__
+        eye = torch.eye(self._shape[-1], dtype=A.dtype, device=A.device)
+
+        def close(x, y):
+            return torch.allclose(x, y, rtol=rtol, atol=atol)
+
+        failures = []
+        if self.symmetric and not close(A, A.mH):
+            failures.append("symmetric (A != A^H)")
+        if self.positive_definite:
+            if torch.linalg.cholesky_ex(A)[1].any():
+                failures.append("positive_definite (Cholesky failed)")
+        if self.lower and not close(A, A.tril()):
+            failures.append("lower (nonzero entries above the diagonal)")
+        if self.upper and not close(A, A.triu()):
+            failures.append("upper (nonzero entries below the diagonal)")
+        if self.unitary and not close(A.mH @ A, eye.expand_as(A)):
+            failures.append("unitary (A^H A != I)")
+        if failures:
+            raise ValueError(
+                f"{name}(..., check=True): declared properties do not hold: "
+                f"{', '.join(failures)}. Fix the operator or drop the declaration."
+            )
+
+    def __repr__(self) -> str:
+        props = [k for k, v in self.properties().items() if v]
+        extra = self._repr_extra()
+        parts = [f"shape={tuple(self._shape)}", f"dtype={self._dtype}"]
+        if extra:
+            parts.insert(0, extra)
+        if props:
+            parts.append("props=" + "|".join(props))
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def _repr_extra(self) -> str:
+        return ""
+
+    # ----------------------------------------------------------------- to be specialized
+    def _matmul(self, X: torch.Tensor) -> torch.Tensor:
+        """``self @ X`` for a tensor ``X`` of shape ``(..., n, k)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _matmul")
+
+    def _rmatmul(self, X: torch.Tensor) -> torch.Tensor:
+        """``X @ self`` for ``X`` of shape ``(..., k, m)``: ``(self^T @ X^T)^T``."""
+        return self._transpose()._matmul(X.mT).mT
+
+    def _to_dense(self) -> torch.Tensor:
+        eye = torch.eye(self._shape[-1], dtype=self._dtype, device=self._device)
+        return self._matmul(eye)
+
+    def _transpose(self) -> LinearOperator:
+        from ._composite import TransposeOperator
+
+        return TransposeOperator(self)
+
+    def _adjoint(self) -> LinearOperator:
+        if not self.is_complex:
+            return self._transpose()
+        from ._composite import AdjointOperator
+
+        return AdjointOperator(self)
+
+    def _conj(self) -> LinearOperator:
+        return self._adjoint()._transpose()
+
+    def _diagonal(self) -> torch.Tensor:
+        return self._to_dense().diagonal(dim1=-2, dim2=-1)
+
+    def _scale(self, c) -> LinearOperator:
+        from ._composite import ProductOperator
+        from ._dense import ScaledIdentityOperator
+
+        return ProductOperator(ScaledIdentityOperator(c, self._shape[-2], like=self), self)
+
+    def _add(self, other: LinearOperator) -> LinearOperator | None:
+        """A structured sum, or None to let the other side / SumOperator handle it."""
+        return None
+
+    def _matmul_operator(self, other: LinearOperator) -> LinearOperator | None:
+        """A structured product, or None for a ProductOperator."""
+        return None
+
+    # ----------------------------------------------------------------- user-facing algebra
+    def to_dense(self) -> torch.Tensor:
+        """The materialized ``batch_shape + (m, n)`` tensor (ground truth in tests)."""
+        return self._to_dense()
+
+    def matmul(self, other):
+        from ._functions import matmul
+
+        return matmul(self, other)
+
+    def __matmul__(self, other):
+        from ._functions import matmul
+
+        return matmul(self, other)
+
+    def __rmatmul__(self, other):
+        from ._functions import matmul
+
+        return matmul(other, self)
+
+    def __mul__(self, c):
+        if isinstance(c, LinearOperator):
+            raise TypeError(
+                f"{type(self).__name__} * {type(c).__name__}: elementwise products of operators "
+                "are not supported; use `@` for the matrix product."
+            )
+        if isinstance(c, torch.Tensor) and c.dim() > 0 and c.numel() != 1:
+            raise ValueError(
+                f"{type(self).__name__} * tensor: expected a scalar (Python number or 1-element "
+                f"tensor), received a tensor of shape {tuple(c.shape)}."
+            )
+        if isinstance(c, torch.Tensor):
+            c = c.reshape(())
+        return self._scale(c)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, c):
+        return self * (1.0 / c)
+
+    def __neg__(self):
+        return self._scale(-1.0)
+
+    def __add__(self, other):
+        from ._functions import add
+
+        return add(self, other)
+
+    def __radd__(self, other):
+        from ._functions import add
+
+        return add(other, self)
+
+    def __sub__(self, other):
+        from ._functions import add
+
+        return add(self, -other)
+
+    def __rsub__(self, other):
+        from ._functions import add
+
+        return add(other, -self)
+
+    @property
+    def mT(self) -> LinearOperator:
+        return self._transpose()
+
+    @property
+    def mH(self) -> LinearOperator:
+        return self._adjoint()
+
+    @property
+    def T(self) -> LinearOperator:
+        if self.ndim != 2:
+            raise ValueError(
+                f"{type(self).__name__}.T: expected a 2-D operator, received shape "
+                f"{tuple(self._shape)}; use .mT to transpose the last two dimensions of a batch."
+            )
+        return self._transpose()
+
+    @property
+    def H(self) -> LinearOperator:
+        return self.T._conj() if self.is_complex else self.T
+
+    def transpose(self, dim0: int = -2, dim1: int = -1) -> LinearOperator:
+        if {dim0 % self.ndim, dim1 % self.ndim} != {self.ndim - 2, self.ndim - 1}:
+            raise ValueError(
+                f"{type(self).__name__}.transpose({dim0}, {dim1}): only the last two dimensions "
+                "can be transposed."
+            )
+        return self._transpose()
+
+    def adjoint(self) -> LinearOperator:
+        return self._adjoint()
+
+    def conj(self) -> LinearOperator:
+        return self._conj() if self.is_complex else self
+
+    def diagonal(self, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor:
+        from ._functions import diagonal
+
+        return diagonal(self, offset=offset, dim1=dim1, dim2=dim2)
+
+    def evaluate(self) -> torch.Tensor:
+        return self._to_dense()
+
+    # ----------------------------------------------------------------- indexing
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            key = (key,)
+        nb = len(self.batch_shape)
+        if any(k is Ellipsis for k in key):
+            i = next(j for j, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            if fill < 0:
+                raise IndexError(f"{type(self).__name__}[...]: too many indices for {self!r}")
+            key = key[:i] + (slice(None),) * fill + key[i + 1 :]
+        if len(key) > self.ndim:
+            raise IndexError(
+                f"{type(self).__name__}[...]: too many indices ({len(key)}) for an operator of "
+                f"shape {tuple(self._shape)}."
+            )
+        key = key + (slice(None),) * (self.ndim - len(key))
+        batch_key, (rows, cols) = key[:nb], key[nb:]
+        op = self
+        if any(not _is_full_slice(k) for k in batch_key):
+            op = op._batch_getitem(batch_key)
+        if _is_full_slice(rows) and _is_full_slice(cols):
+            return op
+        return op._select(rows, cols)
+
+    def _select(self, rows, cols) -> torch.Tensor:
+        # Rows and columns of A are A^T e_i and A e_j: one matmul with the selected unit vectors.
+        if _is_full_slice(rows):
+            eye = torch.eye(self._shape[-1], dtype=self._dtype, device=self._device)
+            return self._matmul(eye[:, cols]) if _is_index_seq(cols) else self @ eye[:, cols]
+        eye = torch.eye(self._shape[-2], dtype=self._dtype, device=self._device)
+        if _is_index_seq(rows):
+            out = self._rmatmul(eye[rows, :])  # (..., k, n)
+        else:
+            out = eye[rows, :] @ self  # (..., n) for an int row
+        if _is_full_slice(cols):
+            return out
+        return out[..., cols]
+
+    def _batch_getitem(self, batch_key) -> LinearOperator:
+        """Index the batch dimensions: expand every child to the full batch shape, then index."""
+        children, aux = _flatten_operator(self)
+        new = []
+        bshape = self.batch_shape
+        for child, core in zip(children, self._child_core_ndims(children)):
+            if isinstance(child, LinearOperator):
+                child = child._expand_batch(bshape)._batch_getitem(batch_key)
+            elif isinstance(child, torch.Tensor):
+                child = child.expand(bshape + child.shape[child.dim() - core :])[batch_key]
+            new.append(child)
+        return _unflatten_operator(aux, new)
+
+    def _expand_batch(self, batch_shape) -> LinearOperator:
+        if self.batch_shape == torch.Size(batch_shape):
+            return self
+        children, aux = _flatten_operator(self)
+        new = []
+        for child, core in zip(children, self._child_core_ndims(children)):
+            if isinstance(child, LinearOperator):
+                child = child._expand_batch(batch_shape)
+            elif isinstance(child, torch.Tensor):
+                child = child.expand(torch.Size(batch_shape) + child.shape[child.dim() - core :])
+            new.append(child)
+        return _unflatten_operator(aux, new)
+
+    def _child_core_ndims(self, children):
+        if len(self._core_ndims) == len(children):
+            return self._core_ndims
+        return tuple(0 if isinstance(c, LinearOperator) else 2 for c in children)
+
+    # ----------------------------------------------------------------- linear algebra defaults
+    def _solve(self, B: torch.Tensor) -> torch.Tensor:
+        """``self^{-1} B`` for ``B`` of shape ``(..., n, k)``. Dense default."""
+        A = self._to_dense()
+        if self.positive_definite:
+            L = dense_cholesky(A, self)
+            Y = torch.linalg.solve_triangular(L, B, upper=False)
+            return torch.linalg.solve_triangular(L.mH, Y, upper=True)
+        if self.lower or self.upper:
+            return torch.linalg.solve_triangular(A, B, upper=self.upper)
+        if self.unitary:
+            return A.mH @ B
+        return torch.linalg.solve(A, B)
+
+    def _inverse(self) -> LinearOperator:
+        from ._dense import DenseOperator, TriangularOperator
+
+        if self.unitary:
+            return self._adjoint()
+        if self.lower or self.upper:
+            eye = torch.eye(self._shape[-1], dtype=self._dtype, device=self._device)
+            return TriangularOperator(self._solve(eye), upper=self.upper)
+        eye = torch.eye(self._shape[-1], dtype=self._dtype, device=self._device)
+        return DenseOperator(self._solve(eye), **self._props())
+
+    def _slogdet(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positive_definite:
+            L = self._cholesky()
+            logabs = 2 * L._slogdet()[1]
+            return torch.ones_like(logabs), logabs
+        if self.lower or self.upper:
+            d = self._diagonal()
+            return _sign_prod(d), d.abs().log().sum(-1)
+        return torch.linalg.slogdet(self._to_dense())
+
+    def _cholesky(self) -> LinearOperator:
+        from ._dense import TriangularOperator
+
+        return TriangularOperator(dense_cholesky(self._to_dense(), self), upper=False)
+
+    def _eigh(self) -> tuple[torch.Tensor, LinearOperator]:
+        from ._dense import DenseOperator
+
+        evals, evecs = torch.linalg.eigh(self._to_dense())
+        return evals, DenseOperator(evecs, unitary=True)
+
+    def _eigvalsh(self) -> torch.Tensor:
+        return self._eigh()[0]
+
+    def _svd(self):
+        from ._dense import DenseOperator
+
+        U, S, Vh = torch.linalg.svd(self._to_dense(), full_matrices=False)
+        return DenseOperator(U), S, DenseOperator(Vh)
+
+    def _trace(self) -> torch.Tensor:
+        return self._diagonal().sum(-1)
+
+    def _frobenius_sq(self) -> torch.Tensor:
+        A = self._to_dense()
+        return (A * A.conj()).real.sum((-2, -1))
+
+    # ----------------------------------------------------------------- torch integration
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from ._dispatch import torch_function
+
+        return torch_function(func, args, kwargs or {})
+
+
+def dense_cholesky(A: torch.Tensor, op: Any = None, max_tries: int = 6) -> torch.Tensor:
+    """Cholesky of a dense PD matrix, retrying with increasing jitter (and warning) on failure.
+
+    Under `vmap` the failure flag cannot be read (data-dependent control flow); then the
+    factorization is returned as is.
+    """
+    L, info = torch.linalg.cholesky_ex(A)
+    failed = _try_bool(info.ne(0).any())
+    if not failed:
+        return L
+    import warnings
+
+    diag_mean = A.diagonal(dim1=-2, dim2=-1).abs().mean(-1, keepdim=True).detach()
+    scale = float(diag_mean.max()) if diag_mean.numel() else 1.0
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    jitter = 1e-8 * scale if A.dtype == torch.float64 else 1e-5 * scale
+    for _ in range(max_tries):
+        L, info = torch.linalg.cholesky_ex(A + jitter * eye)
+        if not _try_bool(info.ne(0).any()):
+            name = type(op).__name__ if op is not None else "tensor"
+            warnings.warn(
+                f"cholesky({name}): the matrix is not numerically positive definite; "
+                f"added jitter {jitter:.3g} * I to the diagonal.",
+                stacklevel=3,
+            )
+            return L
+        jitter *= 10
+    raise ValueError(
+        f"cholesky({type(op).__name__ if op is not None else 'tensor'}): the matrix is not "
+        f"positive definite even with jitter {jitter / 10:.3g} * I. Declare it without "
+        "positive_definite=True to use LU-based algorithms, or check its construction."
+    )
+
+
+def _try_bool(t: torch.Tensor) -> bool:
+    """``bool(t)``, or False when the value cannot be read (inside a vmap, say)."""
+    try:
+        return bool(t)
+    except RuntimeError:
+        return False
+
+
+def _sign_prod(d: torch.Tensor) -> torch.Tensor:
+    if d.is_complex():
+        return (d / d.abs()).prod(-1)
+    return torch.sign(d).prod(-1)
+
+
+def _is_full_slice(k) -> bool:
+    return isinstance(k, slice) and k == slice(None)
+
+
+def _is_index_seq(k) -> bool:
+    return isinstance(k, (slice, list)) or (isinstance(k, torch.Tensor) and k.dim() > 0)
+
+
+def _flatten_operator(op: LinearOperator):
+    children = [getattr(op, name) for name in op._tree_fields]
+    static = tuple((name, getattr(op, name)) for name in op._static_fields)
+    props = tuple(getattr(op, name) for name in _PROPERTY_NAMES)
+    return children, (type(op), static, props)
+
+
+def _unflatten_operator(aux, children):
+    cls, static, props = aux
+    kwargs = dict(static)
+    kwargs.update(zip(_PROPERTY_NAMES, props))
+    return cls._from_children(list(children), kwargs)
+
+
+def _from_children(cls, children, kwargs):
+    return cls(*children, **kwargs)
+
+
+LinearOperator._from_children = classmethod(_from_children)
+
+
+def broadcast_batch(*shapes) -> torch.Size:
+    """Broadcast batch shapes, with a readable error."""
+    try:
+        return torch.broadcast_shapes(*shapes)
+    except RuntimeError as e:
+        raise ValueError(f"incompatible batch shapes {[tuple(s) for s in shapes]}: {e}") from None
+
+
+def prod(xs) -> int:
+    return math.prod(xs)

@@ -1,0 +1,495 @@
+"""Elementary operators: Dense, Diagonal, Identity, ScaledIdentity, Triangular, Permutation."""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import LinearOperator, _sign_prod, broadcast_batch, dense_cholesky
+
+
+def _as_tensor(x, name: str, call: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    raise TypeError(f"{call}: expected `{name}` to be a torch.Tensor, received {type(x).__name__}.")
+
+
+def _check_matrix(A: torch.Tensor, call: str, square: bool = True) -> None:
+    if A.dim() < 2 or (square and A.shape[-1] != A.shape[-2]):
+        kind = "a (batch of) square matrices" if square else "a (batch of) matrices"
+        raise ValueError(f"{call}: expected {kind} of shape (..., n, n), received {tuple(A.shape)}.")
+
+
+class DenseOperator(LinearOperator):
+    """A plain matrix seen as an operator (dense algorithms, chosen by the declared properties).
+
+    Args:
+        A: tensor of shape ``(..., m, n)``.
+        **props: ``symmetric``, ``positive_definite``, ``lower``, ``upper``, ``unitary``, ``check``.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DenseOperator
+        >>> A = DenseOperator(torch.eye(3) * 2, positive_definite=True)  # [3, 3]
+        >>> torch.logdet(A).item() == 3 * torch.log(torch.tensor(2.0)).item()
+        True
+    """
+
+    _tree_fields = ("A",)
+    _core_ndims = (2,)
+
+    def __init__(self, A: torch.Tensor, **props):
+        A = _as_tensor(A, "A", "DenseOperator(A)")
+        _check_matrix(A, "DenseOperator(A)", square=False)
+        self.A = A
+        super().__init__(A.shape, A.dtype, A.device, **props)
+
+    def _matmul(self, X):
+        return self.A @ X
+
+    def _rmatmul(self, X):
+        return X @ self.A
+
+    def _to_dense(self):
+        return self.A
+
+    def _transpose(self):
+        return DenseOperator(self.A.mT, **_transposed_props(self))
+
+    def _adjoint(self):
+        return DenseOperator(self.A.mH, **_transposed_props(self))
+
+    def _diagonal(self):
+        return self.A.diagonal(dim1=-2, dim2=-1)
+
+    def _scale(self, c):
+        return DenseOperator(self.A * c, **_scaled_props(self, c))
+
+    def _add(self, other):
+        if isinstance(other, DenseOperator):
+            return DenseOperator(self.A + other.A, **_sum_props(self, other))
+        return None
+
+    def _matmul_operator(self, other):
+        if isinstance(other, DenseOperator):
+            return DenseOperator(self.A @ other.A, unitary=self.unitary and other.unitary)
+        return None
+
+
+class DiagonalOperator(LinearOperator):
+    """``diag(d)``: O(n) matmul, solve, logdet, eigh; Diagonal algebra stays diagonal.
+
+    Args:
+        d: diagonal of shape ``(..., n)``.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator
+        >>> D = DiagonalOperator(torch.tensor([2.0, 4.0]))  # [2, 2]
+        >>> torch.linalg.solve(D, torch.tensor([2.0, 2.0])).tolist()  # [2]
+        [1.0, 0.5]
+    """
+
+    _tree_fields = ("d",)
+    _core_ndims = (1,)
+
+    def __init__(self, d: torch.Tensor, **props):
+        d = _as_tensor(d, "d", "DiagonalOperator(d)")
+        if d.dim() < 1:
+            raise ValueError(
+                f"DiagonalOperator(d): expected a diagonal of shape (..., n), received a scalar; "
+                "use ScaledIdentityOperator(scale, n)."
+            )
+        self.d = d
+        n = d.shape[-1]
+        props.update(lower=True, upper=True)
+        if not d.is_complex():
+            props["symmetric"] = True
+        super().__init__(d.shape[:-1] + (n, n), d.dtype, d.device, **props)
+
+    def _matmul(self, X):
+        return self.d.unsqueeze(-1) * X
+
+    def _rmatmul(self, X):
+        return X * self.d.unsqueeze(-2)
+
+    def _to_dense(self):
+        return torch.diag_embed(self.d)
+
+    def _transpose(self):
+        return self
+
+    def _adjoint(self):
+        return DiagonalOperator(self.d.conj(), **self._props()) if self.is_complex else self
+
+    def _diagonal(self):
+        return self.d
+
+    def _scale(self, c):
+        return DiagonalOperator(self.d * c, **_scaled_props(self, c))
+
+    def _add(self, other):
+        if isinstance(other, DiagonalOperator):
+            return DiagonalOperator(self.d + other.d, **_sum_props(self, other))
+        if isinstance(other, ScaledIdentityOperator):
+            return DiagonalOperator(self.d + other.scale.unsqueeze(-1), **_sum_props(self, other))
+        if isinstance(other, (DenseOperator, TriangularOperator)):
+            return type(other)._from_children(
+                [other._to_dense() + self._to_dense()],
+                {**_sum_props(self, other), **_static(other)},
+            )
+        return None
+
+    def _matmul_operator(self, other):
+        if isinstance(other, DiagonalOperator):
+            return DiagonalOperator(self.d * other.d)
+        if isinstance(other, ScaledIdentityOperator):
+            return DiagonalOperator(self.d * other.scale.unsqueeze(-1))
+        return None
+
+    def _solve(self, B):
+        return B / self.d.unsqueeze(-1)
+
+    def _inverse(self):
+        return DiagonalOperator(1 / self.d, **self._props())
+
+    def _slogdet(self):
+        return _sign_prod(self.d), self.d.abs().log().sum(-1)
+
+    def _cholesky(self):
+        return DiagonalOperator(self.d.sqrt())
+
+    def _eigh(self):
+        evals, idx = torch.sort(self.d.real if self.is_complex else self.d, dim=-1)
+        return evals, PermutationOperator(idx, dtype=self.dtype).mT
+
+    def _svd(self):
+        # diag(d) = U diag(s) V^H with s = |d| sorted descending, V = columns e_idx, U = V phase.
+        from ._composite import ProductOperator
+
+        s, idx = torch.sort(self.d.abs(), dim=-1, descending=True)
+        V = PermutationOperator(idx, dtype=self.dtype).mT
+        dsorted = torch.gather(self.d, -1, idx)
+        phase = torch.where(s > 0, dsorted / torch.where(s > 0, s, 1), 1).to(self.dtype)
+        return ProductOperator([V, DiagonalOperator(phase)]), s, V.mH
+
+    def _trace(self):
+        return self.d.sum(-1)
+
+    def _frobenius_sq(self):
+        return (self.d * self.d.conj()).real.sum(-1)
+
+
+class ScaledIdentityOperator(LinearOperator):
+    """``c * I_n`` (``c`` a scalar or a batch of scalars of shape ``batch_shape``).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import ScaledIdentityOperator
+        >>> S = ScaledIdentityOperator(torch.tensor(3.0), 4)  # [4, 4]
+        >>> torch.logdet(S).item() == 4 * torch.log(torch.tensor(3.0)).item()
+        True
+    """
+
+    _tree_fields = ("scale",)
+    _static_fields = ("n",)
+    _core_ndims = (0,)
+
+    def __init__(self, scale, n: int, *, like=None, dtype=None, device=None, **props):
+        if not isinstance(scale, torch.Tensor):
+            dtype = dtype or (like.dtype if like is not None else torch.get_default_dtype())
+            device = device or (like.device if like is not None else None)
+            scale = torch.tensor(scale, dtype=dtype, device=device)
+        self.scale = scale
+        self.n = int(n)
+        if not scale.is_complex():
+            props["symmetric"] = True
+        props.update(lower=True, upper=True)
+        super().__init__(scale.shape + (self.n, self.n), scale.dtype, scale.device, **props)
+
+    def _repr_extra(self):
+        return f"scale={self.scale.tolist() if self.scale.numel() <= 4 else '...'}"
+
+    def _matmul(self, X):
+        return self.scale.unsqueeze(-1).unsqueeze(-1) * X
+
+    def _rmatmul(self, X):
+        return self._matmul(X)
+
+    def _to_dense(self):
+        eye = torch.eye(self.n, dtype=self.dtype, device=self.device)
+        return self.scale.unsqueeze(-1).unsqueeze(-1) * eye
+
+    def _transpose(self):
+        return self
+
+    def _adjoint(self):
+        return ScaledIdentityOperator(self.scale.conj(), self.n) if self.is_complex else self
+
+    def _diagonal(self):
+        return self.scale.unsqueeze(-1).expand(self.scale.shape + (self.n,))
+
+    def _scale(self, c):
+        return ScaledIdentityOperator(self.scale * c, self.n, **_scaled_props(self, c))
+
+    def _add(self, other):
+        if isinstance(other, ScaledIdentityOperator):
+            return ScaledIdentityOperator(self.scale + other.scale, self.n, **_sum_props(self, other))
+        if isinstance(other, DiagonalOperator):
+            return other._add(self)
+        return None
+
+    def _matmul_operator(self, other):
+        return other._scale(self.scale)
+
+    def _solve(self, B):
+        return B / self.scale.unsqueeze(-1).unsqueeze(-1)
+
+    def _inverse(self):
+        return ScaledIdentityOperator(1 / self.scale, self.n, **self._props())
+
+    def _slogdet(self):
+        s = self.scale
+        sign = (s / s.abs()) ** self.n if s.is_complex() else torch.sign(s) ** self.n
+        return sign, self.n * s.abs().log()
+
+    def _cholesky(self):
+        return ScaledIdentityOperator(self.scale.sqrt(), self.n)
+
+    def _eigh(self):
+        evals = self._diagonal().real if self.is_complex else self._diagonal()
+        return evals, IdentityOperator(self.n, dtype=self.dtype, device=self.device)
+
+    def _trace(self):
+        return self.n * self.scale
+
+    def _frobenius_sq(self):
+        return self.n * (self.scale * self.scale.conj()).real
+
+
+class IdentityOperator(ScaledIdentityOperator):
+    """``I_n``: every algorithm is free.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import IdentityOperator
+        >>> I = IdentityOperator(3, dtype=torch.float64)  # [3, 3]
+        >>> torch.logdet(I).item()
+        0.0
+    """
+
+    _tree_fields = ()
+    _static_fields = ("n", "dtype", "device")
+
+    def __init__(self, n: int, *, dtype=None, device=None, **props):
+        dtype = dtype or torch.get_default_dtype()
+        props.update(positive_definite=True, unitary=True)
+        super().__init__(torch.ones((), dtype=dtype, device=device), n, **props)
+
+    def _repr_extra(self):
+        return ""
+
+    def _matmul(self, X):
+        return X
+
+    def _matmul_operator(self, other):
+        return other
+
+    def _solve(self, B):
+        return B
+
+
+class TriangularOperator(LinearOperator):
+    """A lower (default) or upper triangular matrix: O(n^2) solve, O(n) logdet.
+
+    Only the triangle is read (as ``torch.linalg.solve_triangular``).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import TriangularOperator
+        >>> L = TriangularOperator(torch.tensor([[2.0, 0.0], [1.0, 1.0]]))  # [2, 2], lower
+        >>> torch.linalg.solve(L, torch.tensor([2.0, 2.0])).tolist()  # [2]
+        [1.0, 1.0]
+    """
+
+    _tree_fields = ("A",)
+    _static_fields = ("upper",)
+    _core_ndims = (2,)
+
+    def __init__(self, A: torch.Tensor, upper: bool = False, **props):
+        A = _as_tensor(A, "A", "TriangularOperator(A)")
+        _check_matrix(A, "TriangularOperator(A)")
+        self.A = A.triu() if upper else A.tril()
+        props["lower"], props["upper"] = not upper, bool(upper)
+        super().__init__(A.shape, A.dtype, A.device, **props)
+        self.upper = bool(upper)
+
+    def _matmul(self, X):
+        return self.A @ X
+
+    def _rmatmul(self, X):
+        return X @ self.A
+
+    def _to_dense(self):
+        return self.A
+
+    def _transpose(self):
+        return TriangularOperator(self.A.mT, upper=not self.upper, **_transposed_props(self))
+
+    def _adjoint(self):
+        return TriangularOperator(self.A.mH, upper=not self.upper, **_transposed_props(self))
+
+    def _diagonal(self):
+        return self.A.diagonal(dim1=-2, dim2=-1)
+
+    def _scale(self, c):
+        return TriangularOperator(self.A * c, upper=self.upper, **_scaled_props(self, c))
+
+    def _add(self, other):
+        if isinstance(other, TriangularOperator) and other.upper == self.upper:
+            return TriangularOperator(self.A + other.A, upper=self.upper, **_sum_props(self, other))
+        return None
+
+    def _matmul_operator(self, other):
+        if isinstance(other, TriangularOperator) and other.upper == self.upper:
+            return TriangularOperator(self.A @ other.A, upper=self.upper)
+        return None
+
+    def _solve(self, B):
+        return torch.linalg.solve_triangular(self.A, B, upper=self.upper)
+
+    def _slogdet(self):
+        d = self._diagonal()
+        return _sign_prod(d), d.abs().log().sum(-1)
+
+    def _cholesky(self):
+        if self.positive_definite:  # a PD triangular matrix is diagonal
+            return DiagonalOperator(self._diagonal().sqrt())
+        return TriangularOperator(dense_cholesky(self._to_dense(), self))
+
+    def _trace(self):
+        return self._diagonal().sum(-1)
+
+
+class PermutationOperator(LinearOperator):
+    """The permutation ``(P x)[i] = x[perm[i]]`` (i.e. ``P = I[perm]``): unitary, O(n) matmul.
+
+    Args:
+        perm: integer tensor of shape ``(..., n)``, a permutation of ``range(n)``.
+        dtype: dtype of the represented matrix (default: the default dtype).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import PermutationOperator
+        >>> P = PermutationOperator(torch.tensor([2, 0, 1]))  # [3, 3]
+        >>> (P @ torch.tensor([10.0, 20.0, 30.0])).tolist()  # [3]
+        [30.0, 10.0, 20.0]
+    """
+
+    _tree_fields = ("perm",)
+    _static_fields = ("perm_dtype",)
+    _core_ndims = (1,)
+
+    def __init__(self, perm: torch.Tensor, *, dtype=None, perm_dtype=None, **props):
+        perm = _as_tensor(perm, "perm", "PermutationOperator(perm)")
+        if perm.is_floating_point() or perm.is_complex() or perm.dim() < 1:
+            raise TypeError(
+                "PermutationOperator(perm): expected an integer tensor of shape (..., n), "
+                f"received dtype {perm.dtype} and shape {tuple(perm.shape)}."
+            )
+        self.perm = perm
+        self.perm_dtype = perm_dtype or dtype or torch.get_default_dtype()
+        n = perm.shape[-1]
+        props.update(unitary=True)
+        super().__init__(perm.shape[:-1] + (n, n), self.perm_dtype, perm.device, **props)
+
+    def _matmul(self, X):
+        idx = self.perm.unsqueeze(-1).expand(
+            broadcast_batch(self.perm.shape[:-1], X.shape[:-2]) + (X.shape[-2], X.shape[-1])
+        )
+        return torch.gather(X.expand(idx.shape[:-2] + X.shape[-2:]), -2, idx)
+
+    def _to_dense(self):
+        eye = torch.eye(self.shape[-1], dtype=self.dtype, device=self.device)
+        return eye[self.perm]
+
+    def _inverse_perm(self):
+        return torch.argsort(self.perm, dim=-1)
+
+    def _transpose(self):
+        return PermutationOperator(self._inverse_perm(), dtype=self.dtype)
+
+    def _diagonal(self):
+        ar = torch.arange(self.shape[-1], device=self.device)
+        return (self.perm == ar).to(self.dtype)
+
+    def _matmul_operator(self, other):
+        if isinstance(other, PermutationOperator):  # (P Q x)[i] = x[q[p[i]]]
+            return PermutationOperator(torch.gather(other.perm, -1, self.perm), dtype=self.dtype)
+        return None
+
+    def _solve(self, B):
+        return self._transpose()._matmul(B)
+
+    def _inverse(self):
+        return self._transpose()
+
+    def _slogdet(self):
+        # sign = (-1)^(n - number of cycles); integer data, no derivative.
+        perms = self.perm.reshape(-1, self.shape[-1]).tolist()
+        signs = [_perm_sign(p) for p in perms]
+        sign = torch.tensor(signs, dtype=self.dtype, device=self.device).reshape(self.batch_shape)
+        return sign, torch.zeros(self.batch_shape, dtype=self.dtype, device=self.device)
+
+    def _frobenius_sq(self):
+        return torch.full(self.batch_shape, float(self.shape[-1]), dtype=self.dtype)
+
+
+def _perm_sign(p) -> float:
+    seen, cycles = [False] * len(p), 0
+    for i in range(len(p)):
+        if not seen[i]:
+            cycles += 1
+            j = i
+            while not seen[j]:
+                seen[j] = True
+                j = p[j]
+    return -1.0 if (len(p) - cycles) % 2 else 1.0
+
+
+# ------------------------------------------------------------------ property algebra
+def _transposed_props(op: LinearOperator) -> dict:
+    """Transpose/adjoint keep symmetry, definiteness and unitarity; swap lower/upper."""
+    return dict(
+        symmetric=op.symmetric,
+        positive_definite=op.positive_definite,
+        lower=op.upper,
+        upper=op.lower,
+        unitary=op.unitary,
+    )
+
+
+def _scaled_props(op: LinearOperator, c) -> dict:
+    """``c * A``: triangularity always; symmetry for real c; definiteness for c > 0 known."""
+    real = not (isinstance(c, complex) or (isinstance(c, torch.Tensor) and c.is_complex()))
+    positive = isinstance(c, (int, float)) and c > 0
+    return dict(
+        symmetric=op.symmetric and real,
+        positive_definite=op.positive_definite and positive,
+        lower=op.lower,
+        upper=op.upper,
+    )
+
+
+def _sum_props(a: LinearOperator, b: LinearOperator) -> dict:
+    """Sums keep symmetry, definiteness (PD + PD) and triangularity of the same kind."""
+    return dict(
+        symmetric=a.symmetric and b.symmetric,
+        positive_definite=a.positive_definite and b.positive_definite,
+        lower=a.lower and b.lower,
+        upper=a.upper and b.upper,
+    )
+
+
+def _static(op: LinearOperator) -> dict:
+    return {name: getattr(op, name) for name in op._static_fields}
+
