@@ -15,7 +15,9 @@ def as_operator(x, call: str = "as_operator(x)") -> LinearOperator:
         from ._dense import DenseOperator
 
         return DenseOperator(x)
-    raise TypeError(f"{call}: expected a LinearOperator or a torch.Tensor, received {type(x).__name__}.")
+    raise TypeError(
+        f"{call}: expected a LinearOperator or a torch.Tensor, received {type(x).__name__}."
+    )
 
 
 class _MultiOperator(LinearOperator):
@@ -62,7 +64,9 @@ class TransposeOperator(LinearOperator):
             upper=base.lower,
             unitary=base.unitary,
         )
-        super().__init__(base.shape[:-2] + base.shape[-2:].__reversed__(), base.dtype, base.device, **props)
+        super().__init__(
+            base.shape[:-2] + base.shape[-2:].__reversed__(), base.dtype, base.device, **props
+        )
 
     def _repr_extra(self):
         return repr(self.base)
@@ -351,7 +355,11 @@ class BlockDiagonalOperator(_MultiOperator):
         i = 0
         rows = []
         for d, n in zip(dense, self.sizes):
-            pieces = [out[..., i : i + n, :i], d.expand(batch + d.shape[-2:]), out[..., i : i + n, i + n :]]
+            pieces = [
+                out[..., i : i + n, :i],
+                d.expand(batch + d.shape[-2:]),
+                out[..., i : i + n, i + n :],
+            ]
             rows.append(torch.cat(pieces, dim=-1))
             i += n
         return torch.cat(rows, dim=-2)

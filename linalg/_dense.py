@@ -16,7 +16,9 @@ def _as_tensor(x, name: str, call: str) -> torch.Tensor:
 def _check_matrix(A: torch.Tensor, call: str, square: bool = True) -> None:
     if A.dim() < 2 or (square and A.shape[-1] != A.shape[-2]):
         kind = "a (batch of) square matrices" if square else "a (batch of) matrices"
-        raise ValueError(f"{call}: expected {kind} of shape (..., n, n), received {tuple(A.shape)}.")
+        raise ValueError(
+            f"{call}: expected {kind} of shape (..., n, n), received {tuple(A.shape)}."
+        )
 
 
 class DenseOperator(LinearOperator):
@@ -96,7 +98,7 @@ class DiagonalOperator(LinearOperator):
         d = _as_tensor(d, "d", "DiagonalOperator(d)")
         if d.dim() < 1:
             raise ValueError(
-                f"DiagonalOperator(d): expected a diagonal of shape (..., n), received a scalar; "
+                "DiagonalOperator(d): expected a diagonal of shape (..., n), received a scalar; "
                 "use ScaledIdentityOperator(scale, n)."
             )
         self.d = d
@@ -233,7 +235,9 @@ class ScaledIdentityOperator(LinearOperator):
 
     def _add(self, other):
         if isinstance(other, ScaledIdentityOperator):
-            return ScaledIdentityOperator(self.scale + other.scale, self.n, **_sum_props(self, other))
+            return ScaledIdentityOperator(
+                self.scale + other.scale, self.n, **_sum_props(self, other)
+            )
         if isinstance(other, DiagonalOperator):
             return other._add(self)
         return None
@@ -492,4 +496,3 @@ def _sum_props(a: LinearOperator, b: LinearOperator) -> dict:
 
 def _static(op: LinearOperator) -> dict:
     return {name: getattr(op, name) for name in op._static_fields}
-

@@ -10,9 +10,13 @@ from ._dense import DiagonalOperator, ScaledIdentityOperator, _scaled_props
 
 def _check_factor(U, name, call):
     if not isinstance(U, torch.Tensor):
-        raise TypeError(f"{call}: expected `{name}` to be a torch.Tensor, received {type(U).__name__}.")
+        raise TypeError(
+            f"{call}: expected `{name}` to be a torch.Tensor, received {type(U).__name__}."
+        )
     if U.dim() < 2:
-        raise ValueError(f"{call}: expected `{name}` of shape (..., n, r), received {tuple(U.shape)}.")
+        raise ValueError(
+            f"{call}: expected `{name}` of shape (..., n, r), received {tuple(U.shape)}."
+        )
 
 
 def _herm(A, B):
@@ -149,7 +153,9 @@ class LowRankPlusDiagonalOperator(LinearOperator):
         if V is not None:
             _check_factor(V, "V", call)
             if V.shape[-2:] != U.shape[-2:]:
-                raise ValueError(f"{call}: expected V of shape like U {tuple(U.shape)}, received {tuple(V.shape)}.")
+                raise ValueError(
+                    f"{call}: expected V of shape like U {tuple(U.shape)}, received {tuple(V.shape)}."
+                )
         elif not d.is_complex():
             props["symmetric"] = True
         self.U, self.d, self.V = U, d, V
@@ -187,7 +193,9 @@ class LowRankPlusDiagonalOperator(LinearOperator):
         return self.d + (self.U * self._V.conj()).sum(-1)
 
     def _scale(self, c):
-        return LowRankPlusDiagonalOperator(self.U * c, self.d * c, self._V, **_scaled_props(self, c))
+        return LowRankPlusDiagonalOperator(
+            self.U * c, self.d * c, self._V, **_scaled_props(self, c)
+        )
 
     def _add(self, other):
         if isinstance(other, (DiagonalOperator, ScaledIdentityOperator)):

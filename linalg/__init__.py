@@ -1,0 +1,102 @@
+"""Structured linear operators: ``functransforms.linalg``.
+
+Operators are never materialized unless asked (``to_dense()``); torch functions called on them
+(``torch.linalg.solve``, ``torch.logdet``, ``torch.linalg.cholesky``, ...) dispatch to the
+algorithms their structure allows. See docs/linalg.md.
+"""
+
+from ._base import LinearOperator
+from ._composite import (
+    AdjointOperator,
+    BlockDiagonalOperator,
+    ProductOperator,
+    SumOperator,
+    TransposeOperator,
+    as_operator,
+)
+from ._dense import (
+    DenseOperator,
+    DiagonalOperator,
+    IdentityOperator,
+    PermutationOperator,
+    ScaledIdentityOperator,
+    TriangularOperator,
+)
+from ._functions import (
+    add,
+    cholesky,
+    cholesky_solve,
+    det,
+    diagonal,
+    eigh,
+    eigvalsh,
+    frobenius_norm,
+    inv,
+    logdet,
+    matmul,
+    slogdet,
+    solve,
+    solve_triangular,
+    svd,
+    svdvals,
+    trace,
+)
+from ._iterative import (
+    SolverInfo,
+    cg,
+    hutchinson_trace,
+    hutchpp_trace,
+    iterative,
+    lanczos,
+    slq_logdet,
+)
+from ._kronecker import KroneckerOperator, KroneckerPlusScaledIdentityOperator
+from ._lowrank import LowRankOperator, LowRankPlusDiagonalOperator
+from ._structured import CholeskyOperator, RootOperator, ToeplitzOperator
+
+__all__ = [
+    "AdjointOperator",
+    "BlockDiagonalOperator",
+    "CholeskyOperator",
+    "DenseOperator",
+    "DiagonalOperator",
+    "IdentityOperator",
+    "KroneckerOperator",
+    "KroneckerPlusScaledIdentityOperator",
+    "LinearOperator",
+    "LowRankOperator",
+    "LowRankPlusDiagonalOperator",
+    "PermutationOperator",
+    "ProductOperator",
+    "RootOperator",
+    "ScaledIdentityOperator",
+    "SolverInfo",
+    "SumOperator",
+    "ToeplitzOperator",
+    "TransposeOperator",
+    "TriangularOperator",
+    "add",
+    "as_operator",
+    "cg",
+    "cholesky",
+    "cholesky_solve",
+    "det",
+    "diagonal",
+    "eigh",
+    "eigvalsh",
+    "frobenius_norm",
+    "hutchinson_trace",
+    "hutchpp_trace",
+    "inv",
+    "iterative",
+    "lanczos",
+    "logdet",
+    "matmul",
+    "slogdet",
+    "slq_logdet",
+    "solve",
+    "solve_triangular",
+    "svd",
+    "svdvals",
+    "trace",
+]

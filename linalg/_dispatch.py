@@ -1,0 +1,270 @@
+"""`__torch_function__` routing: torch functions on operators -> structured algorithms.
+
+One table maps each supported torch callable to an adapter with torch's signature. Anything
+else is computed on the dense tensors with a one-time warning naming the op and the operator:
+never a silent wrong result, never NotImplementedError for a function with a dense answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from . import _functions as F
+from ._base import LinearOperator
+
+
+def _is_op(x) -> bool:
+    return isinstance(x, LinearOperator)
+
+
+def _densify(x):
+    if isinstance(x, LinearOperator):
+        return x._to_dense()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_densify(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _densify(v) for k, v in x.items()}
+    return x
+
+
+def _func_name(func) -> str:
+    mod = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    if "TensorBase" in name or mod.startswith("torch._C"):
+        return name.replace("TensorBase", "Tensor")
+    return f"{mod}.{name}" if mod else name
+
+
+@functools.cache
+def _warn_once(func_name: str, op_names: str) -> None:
+    warnings.warn(
+        f"{func_name} has no structured rule for {op_names}: computing it on the dense "
+        f"matrix (to_dense()). Every later call does the same, silently.",
+        stacklevel=4,
+    )
+
+
+def dense_fallback(func, args, kwargs, reason: str | None = None):
+    ops = sorted({type(x).__name__ for x in _flat_ops((args, kwargs))})
+    _warn_once(reason or _func_name(func), ", ".join(ops))
+    return func(*_densify(args), **_densify(kwargs))
+
+
+def _flat_ops(x):
+    if isinstance(x, LinearOperator):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat_ops(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flat_ops(y)
+
+
+# ------------------------------------------------------------------ adapters (torch signatures)
+def _matmul(input, other, *, out=None):
+    if out is not None:
+        return None
+    return F.matmul(input, other)
+
+
+def _rmatmul(self, other):
+    return F.matmul(other, self)
+
+
+def _solve(A, B, *, left=True, out=None):
+    if out is not None or not _is_op(A):
+        return None
+    return F.solve(A, B, left=left)
+
+
+def _solve_triangular(A, B, *, upper, left=True, unitriangular=False, out=None):
+    if out is not None or not _is_op(A):
+        return None
+    return F.solve_triangular(A, B, upper=upper, left=left, unitriangular=unitriangular)
+
+
+def _cholesky(A, *, upper=False, out=None):
+    if out is not None:
+        return None
+    return F.cholesky(A, upper=upper)
+
+
+def _cholesky_old(A, upper=False, *, out=None):
+    return _cholesky(A, upper=upper, out=out)
+
+
+def _cholesky_solve(B, L, upper=False, *, out=None):
+    if out is not None or not _is_op(L):
+        return None
+    return F.cholesky_solve(B, L, upper=upper)
+
+
+def _inv(A, *, out=None):
+    return None if out is not None else F.inv(A)
+
+
+def _det(A, *, out=None):
+    return None if out is not None else F.det(A)
+
+
+def _slogdet(A, *, out=None):
+    return None if out is not None else F.slogdet(A)
+
+
+def _logdet(A):
+    return F.logdet(A)
+
+
+def _eigh(A, UPLO="L", *, out=None):
+    return None if out is not None else F.eigh(A, UPLO=UPLO)
+
+
+def _eigvalsh(A, UPLO="L", *, out=None):
+    return None if out is not None else F.eigvalsh(A, UPLO=UPLO)
+
+
+def _svd(A, full_matrices=True, *, driver=None, out=None):
+    if out is not None or driver is not None:
+        return None
+    return F.svd(A, full_matrices=full_matrices)
+
+
+def _svdvals(A, *, driver=None, out=None):
+    return None if (out is not None or driver is not None) else F.svdvals(A)
+
+
+def _trace(A):
+    return F.trace(A)
+
+
+def _diagonal(A, offset=0, dim1=0, dim2=1):
+    return F.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
+
+
+def _diagonal_method(A, offset=0, dim1=0, dim2=1):
+    return F.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
+
+
+def _linalg_diagonal(A, *, offset=0, dim1=-2, dim2=-1):
+    return F.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
+
+
+def _matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=None):
+    if ord != "fro" or out is not None or dtype is not None:
+        return None
+    if tuple(d % A.ndim for d in dim) not in ((A.ndim - 2, A.ndim - 1), (A.ndim - 1, A.ndim - 2)):
+        return None
+    n = F.frobenius_norm(A)
+    return n.unsqueeze(-1).unsqueeze(-1) if keepdim else n
+
+
+def _norm(A, ord=None, dim=None, keepdim=False, *, dtype=None, out=None):
+    if ord in (None, "fro") and dim is None and A.ndim == 2:
+        return _matrix_norm(A, "fro", (-2, -1), keepdim, dtype=dtype, out=out)
+    return None
+
+
+def _diag(A, diagonal=0, *, out=None):
+    if not _is_op(A) or A.ndim != 2 or diagonal != 0 or out is not None:
+        return None
+    return A._diagonal()
+
+
+def _add(input, other, *, alpha=1, out=None):
+    if out is not None:
+        return None
+    if alpha != 1:
+        other = other * alpha
+    return F.add(input, other)
+
+
+def _sub(input, other, *, alpha=1, out=None):
+    return _add(input, -other, alpha=alpha, out=out)
+
+
+def _rsub(input, other, *, alpha=1):
+    return F.add(other, -input * alpha)
+
+
+def _mul(input, other, *, out=None):
+    if out is not None:
+        return None
+    if _is_op(input) and not _is_op(other):
+        return input * other
+    if _is_op(other) and not _is_op(input):
+        return other * input
+    return None
+
+
+def _neg(input):
+    return -input
+
+
+_TABLE = {
+    torch.matmul: _matmul,
+    torch.mm: _matmul,
+    torch.linalg.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch.Tensor.__matmul__: _matmul,
+    torch.Tensor.__rmatmul__: _rmatmul,
+    torch.linalg.solve: _solve,
+    torch.linalg.solve_triangular: _solve_triangular,
+    torch.linalg.cholesky: _cholesky,
+    torch.cholesky: _cholesky_old,
+    torch.cholesky_solve: _cholesky_solve,
+    torch.linalg.inv: _inv,
+    torch.inverse: _inv,
+    torch.linalg.det: _det,
+    torch.det: _det,
+    torch.linalg.slogdet: _slogdet,
+    torch.slogdet: _slogdet,
+    torch.logdet: _logdet,
+    torch.linalg.eigh: _eigh,
+    torch.linalg.eigvalsh: _eigvalsh,
+    torch.linalg.svd: _svd,
+    torch.linalg.svdvals: _svdvals,
+    torch.trace: _trace,
+    torch.diagonal: _diagonal,
+    torch.Tensor.diagonal: _diagonal_method,
+    torch.linalg.diagonal: _linalg_diagonal,
+    torch.linalg.matrix_norm: _matrix_norm,
+    torch.linalg.norm: _norm,
+    torch.diag: _diag,
+    torch.add: _add,
+    torch.Tensor.add: _add,
+    torch.Tensor.__add__: _add,
+    torch.Tensor.__radd__: lambda a, b: F.add(b, a),
+    torch.sub: _sub,
+    torch.Tensor.sub: _sub,
+    torch.Tensor.__sub__: _sub,
+    torch.Tensor.__rsub__: _rsub,
+    torch.mul: _mul,
+    torch.Tensor.mul: _mul,
+    torch.Tensor.__mul__: _mul,
+    torch.Tensor.__rmul__: _mul,
+    torch.neg: _neg,
+}
+
+
+def torch_function(func, args, kwargs):
+    """Route ``func(*args, **kwargs)`` with LinearOperator arguments (see module docstring)."""
+    adapter = _TABLE.get(func)
+    if adapter is not None:
+        try:
+            result = adapter(*args, **kwargs)
+        except TypeError as e:
+            if "argument" not in str(e):  # not a signature mismatch: a real error
+                raise
+            result = None
+        if result is not None:
+            return result
+    return dense_fallback(func, args, kwargs)
+
+
+def structured_functions() -> list[str]:
+    """Names of the torch functions with a structured rule (for docs and tests)."""
+    return sorted({_func_name(f) for f in _TABLE})

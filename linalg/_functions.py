@@ -1,0 +1,340 @@
+"""Public linear-algebra functions on operators (what `__torch_function__` routes to).
+
+Each function accepts LinearOperators (and tensors where torch does), keeps structure where the
+operator has it, and returns operators for matrix-valued results (`inv`, `cholesky`, the
+eigenvectors of `eigh`), so that they stay structured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._base import LinearOperator
+from ._composite import ProductOperator, SumOperator
+
+
+def _name(x) -> str:
+    return type(x).__name__
+
+
+def _require_operator(A, call: str) -> LinearOperator:
+    if not isinstance(A, LinearOperator):
+        raise TypeError(f"{call}: expected a LinearOperator, received {_name(A)}.")
+    return A
+
+
+def _require_square(A: LinearOperator, call: str) -> None:
+    if not A.is_square:
+        raise ValueError(f"{call}: expected a square operator, received {A!r}.")
+
+
+# ------------------------------------------------------------------ products and sums
+def matmul(a, b):
+    """``a @ b`` for operators and tensors; operator @ operator keeps structure when it can.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, matmul
+        >>> K = KroneckerOperator(torch.eye(2), torch.eye(3))  # [6, 6]
+        >>> type(matmul(K, K)).__name__  # Kronecker of products
+        'KroneckerOperator'
+    """
+    a_op, b_op = isinstance(a, LinearOperator), isinstance(b, LinearOperator)
+    if a_op and b_op:
+        if a.shape[-1] != b.shape[-2]:
+            raise ValueError(
+                f"matmul({a!r}, {b!r}): inner dimensions differ ({a.shape[-1]} != {b.shape[-2]})."
+            )
+        out = a._matmul_operator(b)
+        if out is None and b._matmul_operator.__func__ is not LinearOperator._matmul_operator:
+            out = _rmatmul_operator(b, a)
+        return out if out is not None else ProductOperator([a, b])
+    if a_op:
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(
+                f"matmul({a!r}, b): expected b to be a Tensor or LinearOperator, received {_name(b)}."
+            )
+        if b.dim() == 1:
+            _check_inner(a, b, a.shape[-1], b.shape[0])
+            return a._matmul(b.unsqueeze(-1)).squeeze(-1)
+        _check_inner(a, b, a.shape[-1], b.shape[-2])
+        return a._matmul(b)
+    if b_op:
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(
+                f"matmul(a, {b!r}): expected a to be a Tensor or LinearOperator, received {_name(a)}."
+            )
+        if a.dim() == 1:
+            _check_inner(a, b, a.shape[0], b.shape[-2])
+            return b._rmatmul(a.unsqueeze(-2)).squeeze(-2)
+        _check_inner(a, b, a.shape[-1], b.shape[-2])
+        return b._rmatmul(a)
+    return torch.matmul(a, b)
+
+
+def _rmatmul_operator(b: LinearOperator, a: LinearOperator):
+    """Structured ``a @ b`` known to ``b`` (scaled identities, identities)."""
+    from ._dense import IdentityOperator, ScaledIdentityOperator
+
+    if isinstance(b, IdentityOperator):
+        return a
+    if isinstance(b, ScaledIdentityOperator):
+        return a._scale(b.scale)
+    return None
+
+
+def _check_inner(a, b, k1, k2):
+    if k1 != k2:
+        sa = tuple(a.shape)
+        sb = tuple(b.shape)
+        raise ValueError(
+            f"matmul(a, b): inner dimensions differ: a has shape {sa}, b has shape {sb}."
+        )
+
+
+def add(a, b):
+    """``a + b``: Diagonal + Diagonal is Diagonal, LowRank + Diagonal is LowRankPlusDiagonal,
+    Kronecker + s I is KroneckerPlusScaledIdentity, otherwise a lazy SumOperator."""
+    if isinstance(a, torch.Tensor) and a.dim() >= 2:
+        from ._dense import DenseOperator
+
+        a = DenseOperator(a)
+    if isinstance(b, torch.Tensor) and b.dim() >= 2:
+        from ._dense import DenseOperator
+
+        b = DenseOperator(b)
+    if not (isinstance(a, LinearOperator) and isinstance(b, LinearOperator)):
+        op = a if isinstance(a, LinearOperator) else b
+        from ._dispatch import dense_fallback
+
+        return dense_fallback(
+            torch.add, (a, b), {}, reason=f"{_name(op)} + {_name(a if op is b else b)}"
+        )
+    if a.shape[-2:] != b.shape[-2:]:
+        raise ValueError(f"add({a!r}, {b!r}): expected operators of one matrix shape.")
+    out = a._add(b)
+    if out is None:
+        out = b._add(a)
+    return out if out is not None else SumOperator([a, b])
+
+
+# ------------------------------------------------------------------ solves
+def _is_vector_rhs(A: LinearOperator, B: torch.Tensor) -> bool:
+    # torch.linalg.solve's rule: B is a (batch of) vectors when B.ndim == 1, or
+    # B.ndim == A.ndim - 1 and B.shape == A.shape[:-1].
+    return B.dim() == 1 or (B.dim() == A.ndim - 1 and B.shape == A.shape[:-1])
+
+
+def solve(A, B, *, left: bool = True, method: str | None = None, **options):
+    """``A^{-1} B`` through A's structure (exact), or an iterative method when asked.
+
+    Args:
+        A: a square LinearOperator ``(..., n, n)``.
+        B: ``(..., n)`` or ``(..., n, k)``.
+        left: solve ``A X = B`` (True) or ``X A = B`` (False), as ``torch.linalg.solve``.
+        method: None (exact, unless an `iterative` context asks otherwise) or ``"cg"``.
+        **options: for iterative methods (``tol``, ``maxiter``, ``preconditioner``).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, solve
+        >>> solve(DiagonalOperator(torch.tensor([2.0, 4.0])), torch.ones(2)).tolist()  # [2]
+        [0.5, 0.25]
+    """
+    A = _require_operator(A, "solve(A, B)")
+    _require_square(A, "solve(A, B)")
+    if not isinstance(B, torch.Tensor):
+        raise TypeError(f"solve({A!r}, B): expected B to be a Tensor, received {_name(B)}.")
+    if not left:
+        return solve(A._transpose(), B.mT, method=method, **options).mT
+    vec = _is_vector_rhs(A, B)
+    Bm = B.unsqueeze(-1) if vec else B
+    if Bm.shape[-2] != A.shape[-1]:
+        raise ValueError(
+            f"solve({A!r}, B): expected B with {A.shape[-1]} rows, received shape {tuple(B.shape)}."
+        )
+    from ._iterative import resolve_method
+
+    method, options = resolve_method("solve", method, options)
+    if method is None:
+        X = A._solve(Bm)
+    else:
+        from ._iterative import iterative_solve
+
+        X = iterative_solve(A, Bm, method, **options)
+    return X.squeeze(-1) if vec else X
+
+
+def solve_triangular(A, B, *, upper: bool, left: bool = True, unitriangular: bool = False):
+    """``torch.linalg.solve_triangular`` with an operator: uses its structure when it is declared
+    triangular of the same kind, else reads its triangle (as torch does)."""
+    from ._dense import TriangularOperator
+
+    A = _require_operator(A, "solve_triangular(A, B)")
+    kind_ok = (A.upper if upper else A.lower) and not unitriangular
+    if not kind_ok:
+        D = A._to_dense()
+        return torch.linalg.solve_triangular(
+            D, B, upper=upper, left=left, unitriangular=unitriangular
+        )
+    if isinstance(B, LinearOperator):
+        B = B._to_dense()
+    if not left:
+        return A._transpose()._solve(B.mT).mT
+    return A._solve(B) if not isinstance(A, TriangularOperator) else A._solve(B)
+
+
+def cholesky_solve(B, L, upper: bool = False):
+    """``torch.cholesky_solve(B, L)``: ``(L L^H)^{-1} B`` with a triangular operator ``L``."""
+    L = _require_operator(L, "cholesky_solve(B, L)")
+    if upper:
+        L = L._adjoint()
+    if isinstance(B, LinearOperator):
+        B = B._to_dense()
+    Y = L._solve(B) if L.lower else solve_triangular(L, B, upper=False)
+    LH = L._adjoint()
+    return LH._solve(Y) if LH.upper else solve_triangular(LH, Y, upper=True)
+
+
+def inv(A) -> LinearOperator:
+    """The inverse, as an operator with A's structure (Kronecker of inverses, Woodbury, ...)."""
+    A = _require_operator(A, "inv(A)")
+    _require_square(A, "inv(A)")
+    return A._inverse()
+
+
+# ------------------------------------------------------------------ determinants
+def slogdet(A, *, method: str | None = None, **options):
+    """``(sign, log|det A|)`` through A's structure.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, slogdet
+        >>> sign, logabs = slogdet(DiagonalOperator(torch.tensor([-1.0, 2.0])))
+        >>> sign.item(), round(logabs.item(), 4)
+        (-1.0, 0.6931)
+    """
+    A = _require_operator(A, "slogdet(A)")
+    _require_square(A, "slogdet(A)")
+    from ._iterative import resolve_method
+
+    method, options = resolve_method("logdet", method, options)
+    if method is not None:
+        from ._iterative import iterative_logdet
+
+        logabs = iterative_logdet(A, method, **options)
+        return torch.ones_like(logabs), logabs
+    return A._slogdet()
+
+
+def logdet(A, *, method: str | None = None, **options) -> torch.Tensor:
+    """``log det A`` (nan for a negative determinant, as ``torch.logdet``).
+
+    Exact through A's structure; ``method="slq"`` (stochastic Lanczos quadrature) for large
+    symmetric positive definite operators.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, logdet
+        >>> K = KroneckerOperator(torch.eye(2) * 2, torch.eye(2), positive_definite=True)
+        >>> round(logdet(K).item(), 4)  # 4 log 2
+        2.7726
+    """
+    sign, logabs = slogdet(A, method=method, **options)
+    if isinstance(A, LinearOperator) and A.positive_definite:
+        return logabs
+    if sign.is_complex():
+        return logabs + torch.log(sign)
+    return torch.where(
+        sign < 0, torch.full_like(logabs, math.nan), torch.where(sign == 0, -math.inf, logabs)
+    )
+
+
+def det(A) -> torch.Tensor:
+    sign, logabs = slogdet(A)
+    return sign * torch.exp(logabs)
+
+
+# ------------------------------------------------------------------ factorizations
+def cholesky(A, *, upper: bool = False) -> LinearOperator:
+    """The Cholesky factor of a symmetric PD operator, as a (structured) lower triangular operator.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, cholesky
+        >>> cholesky(DiagonalOperator(torch.tensor([4.0, 9.0]))).diagonal().tolist()
+        [2.0, 3.0]
+    """
+    A = _require_operator(A, "cholesky(A)")
+    _require_square(A, "cholesky(A)")
+    L = A._cholesky()
+    return L._adjoint() if upper else L
+
+
+def eigh(A, UPLO: str = "L"):
+    """``(eigenvalues ascending, eigenvectors as an operator)`` of a symmetric operator.
+
+    An operator not declared symmetric is handled as ``torch.linalg.eigh`` does (dense, one
+    triangle read).
+    """
+    A = _require_operator(A, "eigh(A)")
+    _require_square(A, "eigh(A)")
+    if not A.symmetric:
+        from ._dense import DenseOperator
+
+        evals, evecs = torch.linalg.eigh(A._to_dense(), UPLO=UPLO)
+        return evals, DenseOperator(evecs, unitary=True)
+    return A._eigh()
+
+
+def eigvalsh(A, UPLO: str = "L") -> torch.Tensor:
+    A = _require_operator(A, "eigvalsh(A)")
+    if not A.symmetric:
+        return torch.linalg.eigvalsh(A._to_dense(), UPLO=UPLO)
+    return A._eigvalsh()
+
+
+def svd(A, full_matrices: bool = True):
+    """``(U, S, Vh)`` with U, Vh operators (structured for Diagonal/Kronecker)."""
+    A = _require_operator(A, "svd(A)")
+    if full_matrices and not A.is_square:
+        from ._dense import DenseOperator
+
+        U, S, Vh = torch.linalg.svd(A._to_dense(), full_matrices=True)
+        return DenseOperator(U), S, DenseOperator(Vh)
+    return A._svd()
+
+
+def svdvals(A) -> torch.Tensor:
+    return svd(A, full_matrices=False)[1]
+
+
+# ------------------------------------------------------------------ reductions
+def trace(A, *, method: str | None = None, **options) -> torch.Tensor:
+    """Trace (exact through structure; ``method="hutchinson"``/``"hutchpp"`` estimates it)."""
+    A = _require_operator(A, "trace(A)")
+    _require_square(A, "trace(A)")
+    from ._iterative import resolve_method
+
+    method, options = resolve_method("trace", method, options)
+    if method is not None:
+        from ._iterative import hutchinson_trace, hutchpp_trace
+
+        fn = {"hutchinson": hutchinson_trace, "hutchpp": hutchpp_trace}[method]
+        return fn(A, **options)
+    return A._trace()
+
+
+def diagonal(A, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor:
+    A = _require_operator(A, "diagonal(A)")
+    nd = A.ndim
+    if offset == 0 and {dim1 % nd, dim2 % nd} == {nd - 2, nd - 1}:
+        return A._diagonal()
+    return torch.diagonal(A._to_dense(), offset=offset, dim1=dim1, dim2=dim2)
+
+
+def frobenius_norm(A) -> torch.Tensor:
+    A = _require_operator(A, "matrix_norm(A)")
+    return torch.sqrt(A._frobenius_sq())
