@@ -1,7 +1,19 @@
 """functransforms: composable function transforms for PyTorch (grad, vjp, jvp, vmap, ...)."""
 
-from . import batching  # noqa: F401  (registers the batching rules)
+from . import autodiff, batching  # noqa: F401  (registers the rules)
+from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._vmap import vmap
 
-__all__ = ["vmap"]
+__all__ = [
+    "grad",
+    "grad_and_value",
+    "hessian",
+    "jacfwd",
+    "jacrev",
+    "jvp",
+    "linearize",
+    "value_and_grad",
+    "vjp",
+    "vmap",
+]
 __version__ = "0.1.0"

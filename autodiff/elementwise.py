@@ -1,0 +1,286 @@
+"""Derivative rules of pointwise ops. Each derivative is defined once, as f'(x); the jvp
+(``t * f'(x)``) and the vjp (``ct * conj(f'(x))``, docs/complex.md) both come from it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._registry import register_jvp_rule, register_vjp_rule
+from ._util import unbroadcast
+from .reverse import NONDIFFERENTIABLE
+
+aten = torch.ops.aten
+
+
+def _conj(d):
+    return d.conj() if d.is_complex() else d
+
+
+def def_unary(op, deriv):
+    """``op(x, *params)`` with d/dx op = ``deriv(x, out, *params)``."""
+
+    def unary_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else t * deriv(primals[0], out, *primals[1:], **kwargs)
+
+    def unary_vjp_rule(ct, primals, kwargs, out, needs):
+        return (ct * _conj(deriv(primals[0], out, *primals[1:], **kwargs)),) + (None,) * (
+            len(primals) - 1
+        )
+
+    register_jvp_rule(op)(unary_jvp_rule)
+    register_vjp_rule(op)(unary_vjp_rule)
+
+
+def def_binary(op, dx, dy):
+    """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)``."""
+
+    def binary_jvp_rule(primals, tangents, kwargs):
+        x, y = primals[0], primals[1]
+        out = op(*primals, **kwargs)
+        tx, ty = tangents[0], tangents[1]
+        t = None
+        if tx is not None:
+            t = tx * dx(x, y, out)
+        if ty is not None:
+            t2 = ty * dy(x, y, out)
+            t = t2 if t is None else t + t2
+        if t is not None and t.shape != out.shape:
+            t = t.expand(out.shape)
+        return out, t
+
+    def binary_vjp_rule(ct, primals, kwargs, out, needs):
+        x, y = primals[0], primals[1]
+        gx = unbroadcast(ct * _conj(dx(x, y, out)), x.shape) if needs[0] else None
+        gy = unbroadcast(ct * _conj(dy(x, y, out)), y.shape) if needs[1] else None
+        return (gx, gy) + (None,) * (len(primals) - 2)
+
+    register_jvp_rule(op)(binary_jvp_rule)
+    register_vjp_rule(op)(binary_vjp_rule)
+
+
+def def_nondifferentiable(*ops):
+    """Piecewise-constant ops (floor, sign, ...): zero derivative, outputs are constants."""
+    for op in ops:
+        register_jvp_rule(op)(lambda primals, tangents, kwargs, op=op: (op(*primals, **kwargs), None))
+        register_vjp_rule(op)(NONDIFFERENTIABLE)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+
+def _gelu_deriv(x, out, approximate="none"):
+    if approximate == "tanh":
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+        th = torch.tanh(inner)
+        return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2.0)))
+    return cdf + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+
+
+def _softplus_deriv(x, out, beta=1, threshold=20):
+    z = torch.sigmoid(x * beta)
+    return torch.where(x * beta > threshold, torch.ones_like(z), z)
+
+
+def _silu_deriv(x, out):
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+def _relu_mask(x, out):
+    return (out > 0).to(out.dtype)
+
+
+def _elu_deriv(x, out, alpha=1, scale=1, input_scale=1):
+    return torch.where(x > 0, torch.full_like(x, scale), out * input_scale + alpha * scale * input_scale)
+
+
+def _pow_scalar_deriv(x, out, p):
+    if p == 0:
+        return torch.zeros_like(x)
+    return p * x.pow(p - 1)
+
+
+def _clamp_mask(x, out, lo=None, hi=None):
+    m = torch.ones_like(x, dtype=torch.bool)
+    if lo is not None:
+        m = m & (x >= lo)
+    if hi is not None:
+        m = m & (x <= hi)
+    return m.to(x.dtype)
+
+
+def _leaky_deriv(x, out, slope=0.01):
+    return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, slope))
+
+
+def _hardtanh_deriv(x, out, lo=-1.0, hi=1.0):
+    return ((x > lo) & (x < hi)).to(x.dtype)
+
+
+# d/dx f(x), with `o` = f(x) where that is cheaper
+for _op, _d in (
+    (aten.exp.default, lambda x, o: o),
+    (aten.exp2.default, lambda x, o: o * math.log(2.0)),
+    (aten.expm1.default, lambda x, o: o + 1),
+    (aten.log.default, lambda x, o: x.reciprocal()),
+    (aten.log2.default, lambda x, o: (x * math.log(2.0)).reciprocal()),
+    (aten.log10.default, lambda x, o: (x * math.log(10.0)).reciprocal()),
+    (aten.log1p.default, lambda x, o: (x + 1).reciprocal()),
+    (aten.sin.default, lambda x, o: torch.cos(x)),
+    (aten.cos.default, lambda x, o: -torch.sin(x)),
+    (aten.tan.default, lambda x, o: 1 + o * o),
+    (aten.tanh.default, lambda x, o: 1 - o * o),
+    (aten.sinh.default, lambda x, o: torch.cosh(x)),
+    (aten.cosh.default, lambda x, o: torch.sinh(x)),
+    (aten.asin.default, lambda x, o: torch.rsqrt(1 - x * x)),
+    (aten.acos.default, lambda x, o: -torch.rsqrt(1 - x * x)),
+    (aten.atan.default, lambda x, o: (1 + x * x).reciprocal()),
+    (aten.asinh.default, lambda x, o: torch.rsqrt(x * x + 1)),
+    (aten.acosh.default, lambda x, o: torch.rsqrt(x * x - 1)),
+    (aten.atanh.default, lambda x, o: (1 - x * x).reciprocal()),
+    (aten.sigmoid.default, lambda x, o: o * (1 - o)),
+    (aten.relu.default, _relu_mask),
+    (aten.sqrt.default, lambda x, o: 0.5 / o),
+    (aten.rsqrt.default, lambda x, o: -0.5 * o * o * o),
+    (aten.reciprocal.default, lambda x, o: -o * o),
+    (aten.erf.default, lambda x, o: _TWO_OVER_SQRT_PI * torch.exp(-x * x)),
+    (aten.erfc.default, lambda x, o: -_TWO_OVER_SQRT_PI * torch.exp(-x * x)),
+    (aten.erfinv.default, lambda x, o: 0.5 * math.sqrt(math.pi) * torch.exp(o * o)),
+    (aten.gelu.default, _gelu_deriv),
+    (aten.silu.default, _silu_deriv),
+    (aten.softplus.default, _softplus_deriv),
+    (aten.elu.default, _elu_deriv),
+    (aten.leaky_relu.default, _leaky_deriv),
+    (aten.hardtanh.default, _hardtanh_deriv),
+    (aten.pow.Tensor_Scalar, _pow_scalar_deriv),
+    (aten.clamp.default, _clamp_mask),
+    (aten.clamp_min.default, lambda x, o, lo: _clamp_mask(x, o, lo, None)),
+    (aten.clamp_max.default, lambda x, o, hi: _clamp_mask(x, o, None, hi)),
+    (aten.lgamma.default, lambda x, o: torch.digamma(x)),
+    (aten.digamma.default, lambda x, o: torch.polygamma(1, x)),
+    (aten.neg.default, lambda x, o: -torch.ones_like(x)),
+    (aten.logit.default, lambda x, o, eps=None: (x * (1 - x)).reciprocal()),
+    (aten.sinc.default, lambda x, o: torch.where(x == 0, torch.zeros_like(x), (torch.cos(math.pi * x) - o) / x)),
+    (aten.mul.Scalar, lambda x, o, s: torch.full_like(x, s) if not isinstance(s, torch.Tensor) else s),
+    (aten.div.Scalar, lambda x, o, s: torch.full_like(x, 1.0 / s)),
+):
+    def_unary(_op, _d)
+
+def_nondifferentiable(
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.round.decimals,
+    aten.trunc.default,
+    aten.sign.default,
+    aten.detach.default,
+    aten.zero.default,
+    aten.fill.Scalar,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.bernoulli.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_empty.default,
+    aten.new_full.default,
+)
+
+
+# partials (d/dx, d/dy) of binary ops
+def _pow_dy(x, y, o):
+    return torch.where(x == 0, torch.zeros_like(o), o * torch.log(x if not x.is_complex() else x + 0j))
+
+
+for _op, _dx, _dy in (
+    (aten.mul.Tensor, lambda x, y, o: y, lambda x, y, o: x),
+    (aten.div.Tensor, lambda x, y, o: 1 / y, lambda x, y, o: -o / y),
+    (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
+    (aten.maximum.default, lambda x, y, o: _tie(x > y, x == y, o), lambda x, y, o: _tie(y > x, x == y, o)),
+    (aten.minimum.default, lambda x, y, o: _tie(x < y, x == y, o), lambda x, y, o: _tie(y < x, x == y, o)),
+    (aten.atan2.default, lambda x, y, o: y / (x * x + y * y), lambda x, y, o: -x / (x * x + y * y)),
+    (aten.hypot.default, lambda x, y, o: x / o, lambda x, y, o: y / o),
+    (aten.xlogy.Tensor, lambda x, y, o: torch.where(x == 0, torch.zeros_like(o), torch.log(y)), lambda x, y, o: x / y),
+    (aten.fmod.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.trunc(x / y)),
+    (aten.remainder.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.floor(x / y)),
+):
+    def_binary(_op, _dx, _dy)
+
+
+def _tie(win, tie, o):
+    # ties split the derivative evenly, as torch does
+    return win.to(o.dtype) + 0.5 * tie.to(o.dtype)
+
+
+@register_jvp_rule(aten.pow.Scalar)
+def pow_scalar_base_jvp_rule(primals, tangents, kwargs):
+    """d/dy s**y = s**y log s"""
+    s, y = primals
+    out = aten.pow.Scalar(s, y)
+    t = tangents[1]
+    return out, None if t is None else t * out * math.log(s)
+
+
+@register_vjp_rule(aten.pow.Scalar)
+def pow_scalar_base_vjp_rule(ct, primals, kwargs, out, needs):
+    s = primals[0]
+    return None, ct * _conj(out * math.log(s))
+
+
+# -- linear binary ops: add, sub, rsub --------------------------------------------------------
+def _alpha(kwargs):
+    return kwargs.get("alpha", 1)
+
+
+def _scale(t, a):
+    return t if a == 1 else t * a
+
+
+def def_linear_binary(op, sx, sy):
+    """``op(x, y, alpha) = sx * x + sy * alpha * y`` with constants ``sx``, ``sy``."""
+
+    def linear_binary_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        a = _alpha(kwargs)
+        tx = tangents[0]
+        ty = tangents[1] if len(tangents) > 1 else None
+        t = None
+        if tx is not None:
+            t = _scale(tx, sx)
+        if ty is not None:
+            t2 = _scale(ty, sy * a)
+            t = t2 if t is None else t + t2
+        if t is not None and t.shape != out.shape:
+            t = t.expand(out.shape)
+        return out, t
+
+    def linear_binary_vjp_rule(ct, primals, kwargs, out, needs):
+        a = _alpha(kwargs)
+        x, y = primals[0], primals[1]
+        gx = unbroadcast(_scale(ct, sx), x.shape) if needs[0] else None
+        gy = unbroadcast(_scale(ct, sy * _conj_scalar(a)), y.shape) if needs[1] else None
+        return gx, gy
+
+    register_jvp_rule(op)(linear_binary_jvp_rule)
+    register_vjp_rule(op)(linear_binary_vjp_rule)
+
+
+def _conj_scalar(a):
+    return a.conjugate() if isinstance(a, complex) else a
+
+
+def_linear_binary(aten.add.Tensor, 1, 1)
+def_linear_binary(aten.sub.Tensor, 1, -1)
+for _op, _s in ((aten.add.Scalar, 1), (aten.sub.Scalar, 1)):
+    def_unary(_op, lambda x, o, *a, _s=_s, **k: torch.full_like(x, _s))
+

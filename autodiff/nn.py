@@ -1,0 +1,118 @@
+"""Derivative rules of the neural-network ops that reach dispatch undecomposed. Every vjp is
+written in ordinary differentiable, batchable ops, so backward passes compose with vmap and
+higher-order derivatives."""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import register_jvp_rule, register_vjp_rule
+
+aten = torch.ops.aten
+
+
+@register_jvp_rule(aten._softmax.default)
+def softmax_jvp_rule(primals, tangents, kwargs):
+    """d softmax = y * (t - <t, y>)"""
+    x, dim = primals[0], primals[1]
+    y = aten._softmax.default(*primals)
+    t = tangents[0]
+    return y, None if t is None else y * (t - (t * y).sum(dim, keepdim=True))
+
+
+@register_vjp_rule(aten._softmax.default)
+def softmax_vjp_rule(ct, primals, kwargs, out, needs):
+    dim = primals[1]
+    y = out.conj() if out.is_complex() else out
+    return y * (ct - (ct * y).sum(dim, keepdim=True)), None, None
+
+
+@register_jvp_rule(aten._log_softmax.default)
+def log_softmax_jvp_rule(primals, tangents, kwargs):
+    """d log_softmax = t - <t, softmax>"""
+    dim = primals[1]
+    y = aten._log_softmax.default(*primals)
+    t = tangents[0]
+    return y, None if t is None else t - (t * y.exp()).sum(dim, keepdim=True)
+
+
+@register_vjp_rule(aten._log_softmax.default)
+def log_softmax_vjp_rule(ct, primals, kwargs, out, needs):
+    dim = primals[1]
+    return ct - out.exp() * ct.sum(dim, keepdim=True), None, None
+
+
+def _nll_weights(x, target, weight, ignore_index):
+    """The one-hot selection matrix scaled by class weights: d loss_i / d x[i, c]."""
+    C = x.shape[-1] if x.dim() == 1 else x.shape[1]
+    classes = torch.arange(C, device=x.device)
+    if x.dim() == 1:
+        sel = (classes == target).to(x.dtype)
+    else:
+        shape = [1] * x.dim()
+        shape[1] = C
+        sel = (classes.reshape(shape) == target.unsqueeze(1)).to(x.dtype)
+    keep = (target != ignore_index).to(x.dtype)
+    w = keep if weight is None else keep * weight[target.clamp(0, C - 1)]
+    return sel, w
+
+
+@register_jvp_rule(aten.nll_loss_forward.default)
+def nll_loss_jvp_rule(primals, tangents, kwargs):
+    x, target, weight, reduction, ignore_index = primals
+    out, total = aten.nll_loss_forward.default(*primals)
+    t = tangents[0]
+    if t is None:
+        return (out, total), None
+    sel, w = _nll_weights(x, target, weight, ignore_index)
+    picked = -(t * sel).sum(1 if x.dim() > 1 else 0) * w
+    if reduction == 0:
+        return (out, total), (picked, None)
+    s = picked.sum()
+    return (out, total), ((s / total if reduction == 1 else s), None)
+
+
+@register_vjp_rule(aten.nll_loss_forward.default)
+def nll_loss_vjp_rule(cts, primals, kwargs, out, needs):
+    x, target, weight, reduction, ignore_index = primals
+    ct = cts[0]
+    if ct is None:
+        return (None,) * 5
+    sel, w = _nll_weights(x, target, weight, ignore_index)
+    if reduction == 1:
+        ct = ct / out[1]
+    if reduction == 0:
+        g = -sel * (ct * w).unsqueeze(1 if x.dim() > 1 else 0)
+    else:
+        g = -sel * (ct * w).unsqueeze(1 if x.dim() > 1 else 0) if x.dim() > 1 else -sel * ct * w
+    return g, None, None, None, None
+
+
+def _reduce(v, reduction):
+    return v if reduction == 0 else (v.mean() if reduction == 1 else v.sum())
+
+
+@register_jvp_rule(aten.mse_loss.default)
+def mse_loss_jvp_rule(primals, tangents, kwargs):
+    x, y = primals[0], primals[1]
+    reduction = primals[2] if len(primals) > 2 else 1
+    out = aten.mse_loss.default(*primals)
+    tx, ty = tangents[0], tangents[1]
+    if tx is None and ty is None:
+        return out, None
+    d = (tx if tx is not None else 0) - (ty if ty is not None else 0)
+    return out, _reduce(2 * (x - y) * d, reduction)
+
+
+@register_vjp_rule(aten.mse_loss.default)
+def mse_loss_vjp_rule(ct, primals, kwargs, out, needs):
+    x, y = primals[0], primals[1]
+    reduction = primals[2] if len(primals) > 2 else 1
+    g = 2 * (x - y) * ct
+    if reduction == 1:
+        g = g / max(torch.broadcast_shapes(x.shape, y.shape).numel(), 1)
+    from ._util import unbroadcast
+
+    gx = unbroadcast(g, x.shape) if needs[0] else None
+    gy = unbroadcast(-g, y.shape) if needs[1] else None
+    return gx, gy, None

@@ -1,0 +1,179 @@
+"""Derivative rules of reductions: the vjp broadcasts the cotangent back over the reduced dims."""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import register_jvp_rule, register_vjp_rule
+
+aten = torch.ops.aten
+
+
+def _dims(x, dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.dim()))
+    if isinstance(dim, int):
+        dim = [dim]
+    return sorted(d % max(x.dim(), 1) for d in dim)
+
+
+def _keep(ct, x, dim, keepdim):
+    """Reinsert the reduced dims of ``ct`` as size 1, so it broadcasts against ``x``."""
+    if keepdim or x.dim() == 0:
+        return ct
+    for d in _dims(x, dim):
+        ct = ct.unsqueeze(d)
+    return ct
+
+
+def _count(x, dim):
+    n = 1
+    for d in _dims(x, dim):
+        n *= x.shape[d] if x.dim() else 1
+    return n
+
+
+def _args(primals, pos=1):
+    """(x, dim, keepdim) of ``op(x, [ord,] dim=None, keepdim=False, ...)``."""
+    x = primals[0]
+    dim = primals[pos] if len(primals) > pos else None
+    keepdim = primals[pos + 1] if len(primals) > pos + 1 else False
+    return x, dim, keepdim
+
+
+# sum / mean: linear ---------------------------------------------------------------------------
+def def_sum(op, mean):
+    def sum_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else op(t, *primals[1:], **kwargs)
+
+    def sum_vjp_rule(ct, primals, kwargs, out, needs):
+        x, dim, keepdim = _args(primals)
+        g = _keep(ct, x, dim, keepdim)
+        if mean:
+            g = g / _count(x, dim)
+        return (g.expand(x.shape),) + (None,) * (len(primals) - 1)
+
+    register_jvp_rule(op)(sum_jvp_rule)
+    register_vjp_rule(op)(sum_vjp_rule)
+
+
+def_sum(aten.sum.dim_IntList, mean=False)
+def_sum(aten.sum.default, mean=False)
+def_sum(aten.mean.dim, mean=True)
+def_sum(aten.mean.default, mean=True)
+
+
+# the rest: d out = sum over dims of w(x, out) * dx, with w defined once ---------------------
+def def_weighted(op, weight, pos=1):
+    """``out = op(x, dim, keepdim)`` whose derivative is ``sum(weight(x, out_keep, dim) * t)``."""
+
+    def weighted_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        if t is None:
+            return out, None
+        x, dim, keepdim = _args(primals, pos)
+        o = out[0] if isinstance(out, tuple) else out
+        w = weight(x, _keep(o, x, dim, keepdim), dim, primals, kwargs)
+        dt = (w * t).sum(_dims(x, dim), keepdim=keepdim) if x.dim() else w * t
+        if isinstance(out, tuple):
+            return out, (dt,) + (None,) * (len(out) - 1)
+        return out, dt
+
+    def weighted_vjp_rule(ct, primals, kwargs, out, needs):
+        x, dim, keepdim = _args(primals, pos)
+        if isinstance(out, tuple):
+            ct, out = ct[0], out[0]
+            if ct is None:
+                return (None,) * len(primals)
+        w = weight(x, _keep(out, x, dim, keepdim), dim, primals, kwargs)
+        return (_keep(ct, x, dim, keepdim) * w.conj(),) + (None,) * (len(primals) - 1)
+
+    register_jvp_rule(op)(weighted_jvp_rule)
+    register_vjp_rule(op)(weighted_vjp_rule)
+
+
+def _argext_weight(x, o, dim, primals, kwargs):
+    """max/min: the derivative is shared evenly by the tied extreme elements."""
+    mask = (x == o).to(x.dtype)
+    return mask / mask.sum(_dims(x, dim), keepdim=True)
+
+
+def _logsumexp_weight(x, o, dim, primals, kwargs):
+    return torch.exp(x - o)
+
+
+def _prod_weight(x, o, dim, primals, kwargs):
+    # d prod / dx_i = prod_{j != i} x_j; written without dividing by x_i so zeros are fine
+    d = _dims(x, dim)[0] if x.dim() else 0
+    if x.dim() == 0:
+        return torch.ones_like(x)
+    ones = torch.ones_like(x.narrow(d, 0, 1))
+    left = torch.cat([ones, x.narrow(d, 0, x.shape[d] - 1)], d).cumprod(d)
+    right = torch.cat([x.narrow(d, 1, x.shape[d] - 1), ones], d).flip(d).cumprod(d).flip(d)
+    return left * right
+
+
+def _var_weight(x, o, dim, primals, kwargs, std=False):
+    c = kwargs.get("correction")
+    c = 1 if c is None else c
+    n = _count(x, dim)
+    centered = x - x.mean(_dims(x, dim), keepdim=True)
+    return 2 * centered / max(n - c, 0) if not std else centered / (max(n - c, 0) * o)
+
+
+def _norm_weight(x, o, dim, primals, kwargs):
+    """d ||x||_p / dx = sgn(x) |x|^(p-1) / ||x||^(p-1); p = 2 gives x / ||x||."""
+    p = primals[1] if len(primals) > 1 else 2
+    if p == 2:
+        return (x / o).conj() if x.is_complex() else x / o
+    if p == float("inf") or p == -float("inf"):
+        return _argext_weight(x.abs(), o, dim, primals, kwargs) * x.sgn()
+    return x.sgn() * x.abs().pow(p - 1) / o.pow(p - 1)
+
+
+def_weighted(aten.amax.default, _argext_weight)
+def_weighted(aten.amin.default, _argext_weight)
+def_weighted(aten.logsumexp.default, _logsumexp_weight)
+def_weighted(aten.var.correction, _var_weight)
+def_weighted(aten.std.correction, lambda *a: _var_weight(*a, std=True))
+
+
+def _full_max_weight(x, o, dim, primals, kwargs):
+    mask = (x == o).to(x.dtype)
+    return mask / mask.sum()
+
+
+def def_full(op, weight):
+    def full_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else (weight(primals[0], out, None, primals, kwargs) * t).sum()
+
+    def full_vjp_rule(ct, primals, kwargs, out, needs):
+        return (ct * weight(primals[0], out, None, primals, kwargs).conj(),)
+
+    register_jvp_rule(op)(full_jvp_rule)
+    register_vjp_rule(op)(full_vjp_rule)
+
+
+def_full(aten.max.default, _full_max_weight)
+def_full(aten.min.default, _full_max_weight)
+def_full(aten.prod.default, lambda x, o, *a: _prod_weight(x.reshape(-1), None, 0, (), {}).reshape(x.shape))
+
+
+def _prod_dim_weight(x, o, dim, primals, kwargs):
+    return _prod_weight(x, o, dim, primals, kwargs)
+
+
+def _max_dim_weight(x, o, dim, primals, kwargs):
+    # max.dim picks one index (not a tie split): derivative flows to the returned index
+    return (x == o).to(x.dtype) / (x == o).to(x.dtype).sum(_dims(x, dim), keepdim=True)
+
+
+def_weighted(aten.prod.dim_int, _prod_dim_weight)
+def_weighted(aten.max.dim, _max_dim_weight)
+def_weighted(aten.min.dim, _max_dim_weight)
+def_weighted(aten.linalg_vector_norm.default, _norm_weight, pos=2)

@@ -1,0 +1,256 @@
+"""Derivative rules of linear data-movement ops (views, shape ops, copies, cat/stack/split,
+indexing). For a linear op the jvp is the op applied to the tangent and the vjp is its
+transpose, so each op is one line: its transpose."""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import register_jvp_rule, register_vjp_rule
+from ._util import unbroadcast
+
+aten = torch.ops.aten
+
+
+def def_linear(op, transpose):
+    """``op(x, *params)`` linear in ``x``; ``transpose(ct, x, *params, **kwargs)`` is its adjoint."""
+
+    def linear_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else op(t, *primals[1:], **kwargs)
+
+    def linear_vjp_rule(ct, primals, kwargs, out, needs):
+        return (transpose(ct, *primals, **kwargs),) + (None,) * (len(primals) - 1)
+
+    register_jvp_rule(op)(linear_jvp_rule)
+    register_vjp_rule(op)(linear_vjp_rule)
+
+
+def _wrap(d, n):
+    return d + n if d < 0 else d
+
+
+def _inverse_perm(perm):
+    n = len(perm)
+    inv = [0] * n
+    for i, p in enumerate(perm):
+        inv[_wrap(p, n)] = i
+    return inv
+
+
+def _zeros(x, ct):
+    return torch.zeros(x.shape, dtype=ct.dtype, device=ct.device)
+
+
+def _expand_transpose(ct, x, size, implicit=False):
+    return unbroadcast(ct, x.shape)
+
+
+def _reshape_back(ct, x, *a, **k):
+    return ct.reshape(x.shape)
+
+
+for _op, _tr in (
+    (aten.view.default, _reshape_back),
+    (aten._unsafe_view.default, _reshape_back),
+    (aten.reshape.default, _reshape_back),
+    (aten.squeeze.default, _reshape_back),
+    (aten.squeeze.dim, _reshape_back),
+    (aten.squeeze.dims, _reshape_back),
+    (aten.unsqueeze.default, _reshape_back),
+    (aten.flatten.using_ints, _reshape_back),
+    (aten.expand.default, _expand_transpose),
+    (aten.permute.default, lambda ct, x, dims: ct.permute(_inverse_perm(dims))),
+    (aten.transpose.int, lambda ct, x, d0, d1: ct.transpose(d0, d1)),
+    (aten.t.default, lambda ct, x: ct.t()),
+    (aten.clone.default, lambda ct, x, **k: ct),
+    (aten.alias.default, lambda ct, x: ct),
+    (aten.lift_fresh.default, lambda ct, x: ct),
+    (aten._to_copy.default, lambda ct, x, **k: ct),
+    (aten.select.int, lambda ct, x, dim, i: aten.select_scatter.default(_zeros(x, ct), ct, dim, i)),
+    (
+        aten.slice.Tensor,
+        lambda ct, x, dim=0, start=None, end=None, step=1: aten.slice_scatter.default(
+            _zeros(x, ct), ct, dim, start, end, step
+        ),
+    ),
+    (
+        aten.diagonal.default,
+        lambda ct, x, offset=0, d1=0, d2=1: aten.diagonal_scatter.default(_zeros(x, ct), ct, offset, d1, d2),
+    ),
+    (aten.flip.default, lambda ct, x, dims: ct.flip(dims)),
+    (aten.roll.default, lambda ct, x, shifts, dims=(): ct.roll([-s for s in shifts], dims) if dims else ct.flatten().roll([-s for s in shifts]).reshape(x.shape)),
+    (aten.repeat.default, lambda ct, x, reps: _repeat_transpose(ct, x, reps)),
+    (aten._conj.default, lambda ct, x: ct.conj()),
+    (aten.conj_physical.default, lambda ct, x: ct.conj()),
+    (aten.real.default, lambda ct, x: ct + 0j if x.is_complex() else ct),
+    (aten.imag.default, lambda ct, x: ct * 1j),
+    (aten.view_as_real.default, lambda ct, x: torch.view_as_complex(ct.contiguous())),
+    (aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct)),
+    (aten.index_select.default, lambda ct, x, dim, idx: _zeros(x, ct).index_add(dim, idx, ct)),
+    (aten.gather.default, lambda ct, x, dim, idx, **k: _zeros(x, ct).scatter_add(dim, idx, ct)),
+    (aten.index.Tensor, lambda ct, x, indices: _zeros(x, ct).index_put(indices, ct, accumulate=True)),
+    (aten.cumsum.default, lambda ct, x, dim, **k: ct.flip(dim).cumsum(dim).flip(dim)),
+    (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
+):
+    def_linear(_op, _tr)
+
+
+def _repeat_transpose(ct, x, reps):
+    lead = len(reps) - x.dim()
+    shape = list(x.shape)
+    split = []
+    for i, r in enumerate(reps):
+        n = shape[i - lead] if i >= lead else 1
+        split += [r, n]
+    ct = ct.reshape(split).sum(list(range(0, 2 * len(reps), 2)))
+    return ct.reshape(x.shape)
+
+
+def _unfold_transpose(ct, x, dim, size, step):
+    out = _zeros(x, ct)
+    n = ct.shape[dim] if ct.dim() > 0 else 1
+    for i in range(n):
+        piece = ct.select(dim, i).movedim(-1, dim)
+        out = out.slice_scatter(out.narrow(dim, i * step, size) + piece, dim, i * step, i * step + size)
+    return out
+
+
+def _multi_out_linear(op, transpose):
+    def multi_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else op(t, *primals[1:], **kwargs)
+
+    def multi_vjp_rule(cts, primals, kwargs, out, needs):
+        cts = [c if c is not None else torch.zeros_like(o) for c, o in zip(cts, out)]
+        return (transpose(cts, *primals, **kwargs),) + (None,) * (len(primals) - 1)
+
+    return multi_jvp_rule, multi_vjp_rule
+
+
+for _op, _tr in (
+    (aten.split.Tensor, lambda cts, x, size, dim=0: torch.cat(cts, dim)),
+    (aten.split_with_sizes.default, lambda cts, x, sizes, dim=0: torch.cat(cts, dim)),
+    (aten.unbind.int, lambda cts, x, dim=0: torch.stack(cts, dim)),
+):
+    _j, _v = _multi_out_linear(_op, _tr)
+    register_jvp_rule(_op)(_j)
+    register_vjp_rule(_op)(_v)
+
+
+@register_jvp_rule(aten.cat.default)
+def cat_jvp_rule(primals, tangents, kwargs):
+    tensors = primals[0]
+    dim = primals[1] if len(primals) > 1 else 0
+    out = torch.cat(tensors, dim)
+    ts = tangents[0]
+    if ts is None:
+        return out, None
+    return out, torch.cat([t if t is not None else torch.zeros_like(x) for t, x in zip(ts, tensors)], dim)
+
+
+@register_vjp_rule(aten.cat.default)
+def cat_vjp_rule(ct, primals, kwargs, out, needs):
+    tensors = primals[0]
+    dim = primals[1] if len(primals) > 1 else 0
+    sizes = [t.shape[dim] if t.dim() > 0 and not (t.dim() == 1 and t.shape[0] == 0 and out.dim() > 1) else 0 for t in tensors]
+    pieces = torch.split(ct, sizes, dim if ct.dim() else 0)
+    return [p.reshape(t.shape) for p, t in zip(pieces, tensors)], None
+
+
+@register_jvp_rule(aten.stack.default)
+def stack_jvp_rule(primals, tangents, kwargs):
+    tensors = primals[0]
+    dim = primals[1] if len(primals) > 1 else 0
+    out = torch.stack(tensors, dim)
+    ts = tangents[0]
+    if ts is None:
+        return out, None
+    return out, torch.stack([t if t is not None else torch.zeros_like(x) for t, x in zip(ts, tensors)], dim)
+
+
+@register_vjp_rule(aten.stack.default)
+def stack_vjp_rule(ct, primals, kwargs, out, needs):
+    dim = primals[1] if len(primals) > 1 else 0
+    return list(ct.unbind(dim)), None
+
+
+@register_jvp_rule(aten.copy.default)
+def copy_jvp_rule(primals, tangents, kwargs):
+    """copy(self, src): the value of src, broadcast to self's shape and dtype."""
+    x, src = primals[0], primals[1]
+    out = aten.copy.default(x, src, *primals[2:])
+    t = tangents[1]
+    return out, None if t is None else t.to(out.dtype).expand(out.shape)
+
+
+@register_vjp_rule(aten.copy.default)
+def copy_vjp_rule(ct, primals, kwargs, out, needs):
+    return None, unbroadcast(ct, primals[1].shape) if needs[1] else None
+
+
+@register_jvp_rule(aten.where.self)
+def where_jvp_rule(primals, tangents, kwargs):
+    c, x, y = primals
+    out = torch.where(c, x, y)
+    tx, ty = tangents[1], tangents[2]
+    if tx is None and ty is None:
+        return out, None
+    zx = tx if tx is not None else torch.zeros((), dtype=out.dtype, device=out.device)
+    zy = ty if ty is not None else torch.zeros((), dtype=out.dtype, device=out.device)
+    return out, torch.where(c, zx, zy).expand(out.shape)
+
+
+@register_vjp_rule(aten.where.self)
+def where_vjp_rule(ct, primals, kwargs, out, needs):
+    c, x, y = primals
+    zero = torch.zeros((), dtype=ct.dtype, device=ct.device)
+    gx = unbroadcast(torch.where(c, ct, zero), x.shape) if needs[1] else None
+    gy = unbroadcast(torch.where(c, zero, ct), y.shape) if needs[2] else None
+    return None, gx, gy
+
+
+@register_jvp_rule(aten.masked_fill.Scalar)
+def masked_fill_jvp_rule(primals, tangents, kwargs):
+    out = aten.masked_fill.Scalar(*primals)
+    t = tangents[0]
+    return out, None if t is None else t.masked_fill(primals[1], 0).expand(out.shape)
+
+
+@register_vjp_rule(aten.masked_fill.Scalar)
+def masked_fill_vjp_rule(ct, primals, kwargs, out, needs):
+    return unbroadcast(ct.masked_fill(primals[1], 0), primals[0].shape), None, None
+
+
+# scatter-style ops: linear in (base, src) jointly; the src cotangent is the matching view
+def def_scatter(op, view):
+    def scatter_jvp_rule(primals, tangents, kwargs):
+        base, src = primals[0], primals[1]
+        out = op(*primals, **kwargs)
+        tb, ts = tangents[0], tangents[1]
+        if tb is None and ts is None:
+            return out, None
+        tb = tb if tb is not None else torch.zeros_like(base)
+        ts = ts if ts is not None else torch.zeros_like(src)
+        return out, op(tb, ts, *primals[2:], **kwargs)
+
+    def scatter_vjp_rule(ct, primals, kwargs, out, needs):
+        src = primals[1]
+        gb = op(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs) if needs[0] else None
+        gs = view(ct, *primals[2:], **kwargs) if needs[1] else None
+        return (gb, gs) + (None,) * (len(primals) - 2)
+
+    register_jvp_rule(op)(scatter_jvp_rule)
+    register_vjp_rule(op)(scatter_vjp_rule)
+
+
+def_scatter(aten.select_scatter.default, lambda ct, dim, i: ct.select(dim, i))
+def_scatter(
+    aten.slice_scatter.default,
+    lambda ct, dim=0, start=None, end=None, step=1: aten.slice.Tensor(ct, dim, start, end, step),
+)
+def_scatter(
+    aten.diagonal_scatter.default, lambda ct, offset=0, d1=0, d2=1: ct.diagonal(offset, d1, d2)
+)

@@ -1,0 +1,430 @@
+"""Public autodiff API: vjp, grad, grad_and_value, value_and_grad, jvp, linearize, jacrev,
+jacfwd, hessian. Rules live in functransforms.autodiff."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _pytree as pt
+from ._core import is_floating
+
+
+def _name(func):
+    return getattr(func, "__name__", type(func).__name__)
+
+
+# -- reverse mode -----------------------------------------------------------------------------
+def vjp(func, *primals, has_aux=False):
+    """Run ``func(*primals)`` and return its output and a function computing vector-Jacobian
+    products.
+
+    Args:
+        func: a function of pytrees of tensors returning a pytree of tensors (with ``has_aux``,
+            a pair ``(output, aux)``).
+        *primals: the inputs.
+        has_aux: whether ``func`` returns ``(output, aux)``; aux is returned, not differentiated.
+
+    Returns:
+        ``(output, vjp_fn)`` or ``(output, vjp_fn, aux)``; ``vjp_fn(cotangents)`` takes a pytree
+        shaped like ``output`` and returns a tuple with one cotangent per primal. It can be
+        called many times (and under vmap).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.tensor([1.0, 2.0])                 # [2]
+        >>> out, vjp_fn = ft.vjp(torch.sin, x)           # out: [2]
+        >>> torch.allclose(vjp_fn(torch.ones(2))[0], torch.cos(x))
+        True
+    """
+    from functransforms.autodiff.reverse import GradInterpreter, GradTensor, Leaf, backward, wrap_grad
+
+    flat, spec = pt.tree_flatten(primals)
+    interp = GradInterpreter()
+    leaves = []
+    with interp:
+        wrapped = []
+        for x in flat:
+            if isinstance(x, torch.Tensor) and is_floating(x):
+                leaf = Leaf()
+                leaves.append(leaf)
+                wrapped.append(wrap_grad(x, leaf, 0, interp))
+            else:
+                leaves.append(None)
+                wrapped.append(x)
+        result = func(*pt.tree_unflatten(spec, wrapped))
+    if has_aux:
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"vjp({_name(func)}, ..., has_aux=True): expected the function to return a pair "
+                f"(output, aux); got {type(result).__name__}."
+            )
+        result, aux = result
+    flat_out, out_spec = pt.tree_flatten(result)
+    roots = []
+    primals_out = []
+    for i, o in enumerate(flat_out):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(
+                f"vjp({_name(func)}, ...): output {i} (flattened) is a {type(o).__name__}; "
+                "expected the function to return tensors (or pytrees of tensors)."
+            )
+        if isinstance(o, GradTensor) and o._interp is interp:
+            roots.append((o._node, o._idx))
+            primals_out.append(o._primal)
+        else:
+            roots.append(None)
+            primals_out.append(o)
+
+    def vjp_fn(*cotangents):
+        cts = cotangents[0] if len(cotangents) == 1 else cotangents
+        flat_ct, ct_spec = pt.tree_flatten(cts)
+        if ct_spec != out_spec:
+            raise ValueError(
+                f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of the "
+                f"output, {out_spec}; got {ct_spec}."
+            )
+        root_cts = []
+        for r, c, o in zip(roots, flat_ct, primals_out):
+            if c.shape != o.shape:
+                raise ValueError(
+                    f"vjp_fn(cotangents) of {_name(func)}: a cotangent has shape {tuple(c.shape)} "
+                    f"but the matching output has shape {tuple(o.shape)}; expected equal shapes."
+                )
+            if r is not None:
+                root_cts.append((r[0], r[1], c))
+        grads = backward(root_cts, [lf for lf in leaves if lf is not None])
+        it = iter(grads)
+        out = []
+        for x, lf in zip(flat, leaves):
+            if lf is None:
+                out.append(None if not isinstance(x, torch.Tensor) else torch.zeros_like(x))
+                continue
+            g = next(it)
+            out.append(torch.zeros_like(x) if g is None else g)
+        return tuple(pt.tree_unflatten(spec, out))
+
+    output = pt.tree_unflatten(out_spec, primals_out)
+    if has_aux:
+        return output, vjp_fn, _unwrap_level(aux, interp)
+    return output, vjp_fn
+
+
+def _unwrap_level(tree, interp):
+    from functransforms._core import TransformTensor
+
+    def un(x):
+        while isinstance(x, TransformTensor) and x._interp is interp:
+            x = getattr(x, "_primal", x)
+        return x
+
+    return pt.tree_map(un, tree)
+
+
+def _check_argnums(func, argnums, n, call):
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    if not nums:
+        raise ValueError(f"{call}: argnums must not be empty.")
+    for a in nums:
+        if not isinstance(a, int):
+            raise TypeError(f"{call}: expected argnums to be an int or a tuple of ints; got {argnums!r}.")
+        if not -n <= a < n:
+            raise ValueError(
+                f"{call}: argnums={argnums!r} is out of range: the function was called with {n} "
+                f"positional arguments, so expected argnums in [{-n}, {n - 1}]."
+            )
+    return tuple(a % n for a in nums)
+
+
+def _partial(func, args, nums):
+    def f(*diff):
+        a = list(args)
+        for i, d in zip(nums, diff):
+            a[i] = d
+        return func(*a)
+
+    return f
+
+
+def grad_and_value(func, argnums=0, has_aux=False):
+    """Like :func:`grad`, but returns ``(grad, value)`` (``(grad, (value, aux))`` with aux).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> g, v = ft.grad_and_value(lambda x: (x ** 2).sum())(torch.tensor([1.0, 2.0]))
+        >>> g, v
+        (tensor([2., 4.]), tensor(5.))
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        call = f"grad({_name(func)}, argnums={argnums!r})"
+        nums = _check_argnums(func, argnums, len(args), call)
+        f = _partial(lambda *a: func(*a, **kwargs), args, nums)
+        res = vjp(f, *[args[i] for i in nums], has_aux=has_aux)
+        out, vjp_fn = res[0], res[1]
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"{call}(...): expected the function to return a scalar tensor (one element); got "
+                f"{shape}. Use vjp or jacrev for non-scalar outputs."
+            )
+        if not out.dtype.is_floating_point:
+            raise TypeError(
+                f"{call}(...): expected a real floating-point output; got {out.dtype}. For complex "
+                "outputs use vjp, or pass holomorphic functions to jacrev(..., holomorphic=True)."
+            )
+        g = vjp_fn(torch.ones_like(out))
+        g = g if isinstance(argnums, tuple) else g[0]
+        if has_aux:
+            return g, (out, res[2])
+        return g, out
+
+    return wrapper
+
+
+def grad(func, argnums=0, has_aux=False):
+    """The gradient of a scalar-valued ``func`` with respect to the inputs at ``argnums``.
+
+    Complex inputs follow PyTorch's convention (docs/complex.md): dL/dx + i dL/dy.
+
+    Args:
+        func: returns a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
+        argnums: an int or a tuple of ints: which positional inputs to differentiate.
+        has_aux: whether ``func`` returns ``(output, aux)``.
+
+    Returns:
+        A function returning the gradient (a tuple of them for tuple ``argnums``; with
+        ``has_aux``, ``(grad, aux)``), shaped like the inputs.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.tensor([0.0, 1.0])                 # [2]
+        >>> ft.grad(lambda x: torch.sin(x).sum())(x)     # [2] = cos(x)
+        tensor([1.0000, 0.5403])
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        g, v = grad_and_value(func, argnums, has_aux)(*args, **kwargs)
+        return (g, v[1]) if has_aux else g
+
+    return wrapper
+
+
+def value_and_grad(func, argnums=0, has_aux=False):
+    """JAX's order: ``(value, grad)``, or ``((value, aux), grad)`` with ``has_aux``.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> ft.value_and_grad(lambda x: (x ** 3).sum())(torch.tensor([2.0]))
+        (tensor(8.), tensor([12.]))
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        g, v = grad_and_value(func, argnums, has_aux)(*args, **kwargs)
+        return v, g
+
+    return wrapper
+
+
+# -- forward mode -----------------------------------------------------------------------------
+def jvp(func, primals, tangents, *, has_aux=False):
+    """Jacobian-vector product: ``(func(*primals), J @ tangents)``.
+
+    Args:
+        func: a function of pytrees of tensors.
+        primals: a tuple of inputs.
+        tangents: a tuple with the structure, shapes and dtypes of ``primals``.
+        has_aux: whether ``func`` returns ``(output, aux)``.
+
+    Returns:
+        ``(output, tangent_out)`` (``(output, tangent_out, aux)`` with aux).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x, v = torch.tensor([0.0, 1.0]), torch.ones(2)
+        >>> ft.jvp(torch.sin, (x,), (v,))[1]             # [2] = cos(x) * v
+        tensor([1.0000, 0.5403])
+    """
+    from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
+
+    call = f"jvp({_name(func)}, primals, tangents)"
+    if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
+        raise TypeError(
+            f"{call}: expected primals and tangents to be tuples; got {type(primals).__name__} "
+            f"and {type(tangents).__name__}."
+        )
+    flat_p, spec = pt.tree_flatten(primals)
+    flat_t, tspec = pt.tree_flatten(tangents)
+    if spec != tspec:
+        raise ValueError(f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}.")
+    for p, t in zip(flat_p, flat_t):
+        if isinstance(p, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{call}: a tangent has shape {got} but its primal has shape {tuple(p.shape)}.")
+    interp = JvpInterpreter()
+    with interp:
+        wrapped = [
+            wrap_dual(p, t.to(p.dtype) if t.dtype != p.dtype else t, interp)
+            if isinstance(p, torch.Tensor) and is_floating(p)
+            else p
+            for p, t in zip(flat_p, flat_t)
+        ]
+        result = func(*pt.tree_unflatten(spec, wrapped))
+    aux = None
+    if has_aux:
+        result, aux = result
+    flat_out, out_spec = pt.tree_flatten(result)
+    outs, touts = [], []
+    for o in flat_out:
+        if isinstance(o, DualTensor) and o._interp is interp:
+            outs.append(o._primal)
+            touts.append(o._tangent)
+        else:
+            outs.append(o)
+            touts.append(torch.zeros_like(o))
+    res = (pt.tree_unflatten(out_spec, outs), pt.tree_unflatten(out_spec, touts))
+    if has_aux:
+        return res + (_unwrap_dual(aux, interp),)
+    return res
+
+
+def _unwrap_dual(tree, interp):
+    from functransforms.autodiff.forward import DualTensor
+
+    return pt.tree_map(lambda x: x._primal if isinstance(x, DualTensor) and x._interp is interp else x, tree)
+
+
+def linearize(func, *primals):
+    """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
+    at ``primals``. Each call of ``jvp_fn`` re-runs forward mode at the saved primals.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> out, jvp_fn = ft.linearize(torch.sin, torch.zeros(2))
+        >>> jvp_fn(torch.ones(2))
+        tensor([1., 1.])
+    """
+    out = func(*primals)
+
+    def jvp_fn(*tangents):
+        return jvp(func, primals, tangents)[1]
+
+    return out, jvp_fn
+
+
+# -- Jacobians --------------------------------------------------------------------------------
+def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_copy=False, holomorphic=False):
+    """The Jacobian of ``func`` by reverse mode: one vjp per output element, vmapped.
+
+    Returns, for each output leaf, a tensor of shape ``out.shape + in.shape`` (a tuple over
+    ``argnums`` when it is a tuple).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> W = torch.eye(3) * 2
+        >>> ft.jacrev(lambda x: W @ x)(torch.ones(3)).shape    # [3, 3]
+        torch.Size([3, 3])
+    """
+    from ._vmap import vmap
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        call = f"jacrev({_name(func)}, argnums={argnums!r})"
+        nums = _check_argnums(func, argnums, len(args), call)
+        f = _partial(lambda *a: func(*a, **kwargs), args, nums)
+        res = vjp(f, *[args[i] for i in nums], has_aux=has_aux)
+        out, vjp_fn = res[0], res[1]
+        flat_out, out_spec = pt.tree_flatten(out)
+        sizes = [o.numel() for o in flat_out]
+        total = sum(sizes)
+        dtype = flat_out[0].dtype
+        basis = torch.eye(total, dtype=dtype, device=flat_out[0].device)
+        cts = [b.reshape((total,) + tuple(o.shape)).to(o.dtype) for b, o in zip(basis.split(sizes, 1), flat_out)]
+        jac = vmap(vjp_fn, chunk_size=chunk_size)(pt.tree_unflatten(out_spec, cts))
+        flat_in_jac, in_spec = pt.tree_flatten(jac)
+        per_out = []
+        for o, rows in zip(flat_out, _row_splits(sizes)):
+            leaves = [
+                j[rows].reshape(tuple(o.shape) + tuple(j.shape[1:])) for j in flat_in_jac
+            ]
+            if holomorphic:
+                leaves = [j.conj() for j in leaves]
+            tree = pt.tree_unflatten(in_spec, leaves)
+            per_out.append(tree if isinstance(argnums, tuple) else tree[0])
+        result = pt.tree_unflatten(out_spec, per_out)
+        return (result, res[2]) if has_aux else result
+
+    return wrapper
+
+
+def _row_splits(sizes):
+    start = 0
+    for s in sizes:
+        yield slice(start, start + s)
+        start += s
+
+
+def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=False):
+    """The Jacobian of ``func`` by forward mode: one jvp per input element, vmapped.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> ft.jacfwd(torch.sin)(torch.zeros(2))         # [2, 2]
+        tensor([[1., 0.],
+                [0., 1.]])
+    """
+    from ._vmap import vmap
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        call = f"jacfwd({_name(func)}, argnums={argnums!r})"
+        nums = _check_argnums(func, argnums, len(args), call)
+        f = _partial(lambda *a: func(*a, **kwargs), args, nums)
+        diff = tuple(args[i] for i in nums)
+        flat_in, in_spec = pt.tree_flatten(diff)
+        sizes = [x.numel() for x in flat_in]
+        total = sum(sizes)
+        basis = torch.eye(total, dtype=flat_in[0].dtype, device=flat_in[0].device)
+        tans = [b.reshape((total,) + tuple(x.shape)).to(x.dtype) for b, x in zip(basis.split(sizes, 1), flat_in)]
+
+        def push(*t):
+            r = jvp(f, diff, pt.tree_unflatten(in_spec, list(t)), has_aux=has_aux)
+            return (r[1], r[2]) if has_aux else r[1]
+
+        pushed = vmap(push, randomness=randomness)(*tans)
+        aux = None
+        if has_aux:
+            pushed, aux = pushed
+            aux = pt.tree_map(lambda a: a[0], aux)
+        flat_out, out_spec = pt.tree_flatten(pushed)
+        per_out = []
+        for o in flat_out:
+            leaves = []
+            for x, rows in zip(flat_in, _row_splits(sizes)):
+                j = o[rows]  # [n_in, *out]
+                j = j.movedim(0, -1).reshape(tuple(o.shape[1:]) + tuple(x.shape))
+                leaves.append(j)
+            tree = pt.tree_unflatten(in_spec, leaves)
+            per_out.append(tree if isinstance(argnums, tuple) else tree[0])
+        result = pt.tree_unflatten(out_spec, per_out)
+        if has_aux:
+            return result, aux
+        return result
+
+    return wrapper
+
+
+def hessian(func, argnums=0):
+    """The Hessian, as ``jacfwd(jacrev(func, argnums), argnums)``.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> ft.hessian(lambda x: (x ** 3).sum())(torch.tensor([1.0, 2.0]))
+        tensor([[ 6.,  0.],
+                [ 0., 12.]])
+    """
+    return jacfwd(jacrev(func, argnums), argnums)
