@@ -207,7 +207,7 @@ class LinearOperator:
         from ._composite import ProductOperator
         from ._dense import ScaledIdentityOperator
 
-        return ProductOperator(ScaledIdentityOperator(c, self._shape[-2], like=self), self)
+        return ProductOperator([ScaledIdentityOperator(c, self._shape[-2], like=self), self])
 
     def _add(self, other: LinearOperator) -> LinearOperator | None:
         """A structured sum, or None to let the other side / SumOperator handle it."""

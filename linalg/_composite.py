@@ -65,7 +65,7 @@ class TransposeOperator(LinearOperator):
             unitary=base.unitary,
         )
         super().__init__(
-            base.shape[:-2] + base.shape[-2:].__reversed__(), base.dtype, base.device, **props
+            base.shape[:-2] + (base.shape[-1], base.shape[-2]), base.dtype, base.device, **props
         )
 
     def _repr_extra(self):

@@ -316,16 +316,14 @@ class TriangularOperator(LinearOperator):
     """
 
     _tree_fields = ("A",)
-    _static_fields = ("upper",)
     _core_ndims = (2,)
 
-    def __init__(self, A: torch.Tensor, upper: bool = False, **props):
+    def __init__(self, A: torch.Tensor, upper: bool = False, lower: bool = True, **props):
         A = _as_tensor(A, "A", "TriangularOperator(A)")
         _check_matrix(A, "TriangularOperator(A)")
         self.A = A.triu() if upper else A.tril()
         props["lower"], props["upper"] = not upper, bool(upper)
         super().__init__(A.shape, A.dtype, A.device, **props)
-        self.upper = bool(upper)
 
     def _matmul(self, X):
         return self.A @ X
@@ -337,20 +335,20 @@ class TriangularOperator(LinearOperator):
         return self.A
 
     def _transpose(self):
-        return TriangularOperator(self.A.mT, upper=not self.upper, **_transposed_props(self))
+        return TriangularOperator(self.A.mT, **_transposed_props(self))
 
     def _adjoint(self):
-        return TriangularOperator(self.A.mH, upper=not self.upper, **_transposed_props(self))
+        return TriangularOperator(self.A.mH, **_transposed_props(self))
 
     def _diagonal(self):
         return self.A.diagonal(dim1=-2, dim2=-1)
 
     def _scale(self, c):
-        return TriangularOperator(self.A * c, upper=self.upper, **_scaled_props(self, c))
+        return TriangularOperator(self.A * c, **_scaled_props(self, c))
 
     def _add(self, other):
         if isinstance(other, TriangularOperator) and other.upper == self.upper:
-            return TriangularOperator(self.A + other.A, upper=self.upper, **_sum_props(self, other))
+            return TriangularOperator(self.A + other.A, **_sum_props(self, other))
         return None
 
     def _matmul_operator(self, other):

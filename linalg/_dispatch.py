@@ -257,7 +257,9 @@ def torch_function(func, args, kwargs):
         try:
             result = adapter(*args, **kwargs)
         except TypeError as e:
-            if "argument" not in str(e):  # not a signature mismatch: a real error
+            # A signature torch accepts but the adapter does not (binding fails in this very
+            # frame): compute densely. A TypeError raised deeper is a real error.
+            if e.__traceback__ is None or e.__traceback__.tb_next is not None:
                 raise
             result = None
         if result is not None:

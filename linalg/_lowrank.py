@@ -83,7 +83,8 @@ class LowRankOperator(LinearOperator):
         return self if self.V is None else LowRankOperator(self.V, self.U)
 
     def _diagonal(self):
-        return (self.U * self._V.conj()).sum(-1)
+        k = min(self.shape[-2], self.shape[-1])
+        return (self.U[..., :k, :] * self._V[..., :k, :].conj()).sum(-1)
 
     def _trace(self):
         return self._diagonal().sum(-1)
@@ -227,7 +228,7 @@ class LowRankPlusDiagonalOperator(LinearOperator):
     def _inverse(self):
         # (D + U V^H)^{-1} = D^{-1} + (-D^{-1} U C^{-1}) (D^{-H} V)^H
         C, DinvU = self._capacitance()
-        Unew = -torch.linalg.solve(C, DinvU.mT).mT  # D^{-1} U C^{-1}
+        Unew = -torch.linalg.solve(C, DinvU, left=False)  # D^{-1} U C^{-1}
         return LowRankPlusDiagonalOperator(
             Unew, 1 / self.d, self._V / self.d.conj().unsqueeze(-1), **self._props()
         )

@@ -82,7 +82,8 @@ class ToeplitzOperator(LinearOperator):
     def _transpose(self):
         if self.row is None:
             return self
-        return ToeplitzOperator(self.row, self.column, **self._props())
+        column = torch.cat([self.column[..., :1].expand(self.row.shape[:-1] + (1,)), self.row[..., 1:]], -1)
+        return ToeplitzOperator(column, self.column, **self._props())
 
     def _diagonal(self):
         return self.column[..., :1].expand(self.batch_shape + (self.shape[-1],))
