@@ -2,9 +2,11 @@
 
 from . import autodiff, batching  # noqa: F401  (registers the rules)
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
+from ._module import functional_call, stack_module_state
 from ._vmap import vmap
 
 __all__ = [
+    "functional_call",
     "grad",
     "grad_and_value",
     "hessian",
@@ -12,6 +14,7 @@ __all__ = [
     "jacrev",
     "jvp",
     "linearize",
+    "stack_module_state",
     "value_and_grad",
     "vjp",
     "vmap",
