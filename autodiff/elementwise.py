@@ -15,7 +15,9 @@ aten = torch.ops.aten
 
 
 def _conj(d):
-    return d.conj() if d.is_complex() else d
+    if isinstance(d, torch.Tensor):
+        return d.conj() if d.is_complex() else d
+    return d.conjugate() if isinstance(d, complex) else d
 
 
 def def_unary(op, deriv):

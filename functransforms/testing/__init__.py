@@ -1,0 +1,9 @@
+"""Test helpers: numerical derivative checks and vmap-vs-loop checks.
+
+``check_grads`` and ``check_vmap`` need only torch. The hypothesis strategies live in
+``functransforms.testing.strategies``, which imports hypothesis (a test extra) on use.
+"""
+
+from ._checks import check_grads, check_vmap
+
+__all__ = ["check_grads", "check_vmap"]
