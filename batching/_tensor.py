@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from functransforms._core import Interpreter, TransformTensor
+from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
 
@@ -89,6 +90,9 @@ class VmapInterpreter(Interpreter):
                 "`x += z`), or make the target batched, e.g. `x = x.expand(...).clone()` per example."
             )
         if rule is None:
+            d = decomposition(func)  # Note [Decomposition fallback]
+            if d is not None and not f.inplace:
+                return d(*args, **kwargs)
             return self._fallback(func, args, kwargs)
         out, out_bdim = rule(self, vals, bdims, kwargs)
         if f.inplace:
