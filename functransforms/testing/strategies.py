@@ -1,0 +1,95 @@
+"""Hypothesis strategies for tensors, shapes, dtypes, pytrees and devices.
+
+Importing this module imports hypothesis (the ``test`` extra); ``import functransforms`` and
+``import functransforms.testing`` never do.
+
+Example:
+    >>> from hypothesis import given
+    >>> from functransforms.testing import strategies as fts
+    >>> @given(fts.tensors(shape=(2, 3)))
+    ... def test_shape(x):                      # x: [2, 3] float64
+    ...     assert x.shape == (2, 3)
+    >>> test_shape()
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+_REAL = (torch.float32, torch.float64)
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def shapes(min_dims=0, max_dims=3, min_side=1, max_side=4):
+    """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``min_side..max_side``."""
+    return st.lists(
+        st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims
+    ).map(tuple)
+
+
+def dtypes(include_complex=True, include_float32=True):
+    """Floating dtypes (float64 always; float32 and the complex dtypes optionally)."""
+    choices = [torch.float64]
+    if include_float32:
+        choices.append(torch.float32)
+    if include_complex:
+        choices.append(torch.complex128)
+        if include_float32:
+            choices.append(torch.complex64)
+    return st.sampled_from(choices)
+
+
+def devices():
+    """'cpu', and 'cuda' when it is available."""
+    return st.sampled_from(["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+
+
+@st.composite
+def tensors(draw, shape=None, dtype=torch.float64, device="cpu", min_value=-3.0, max_value=3.0,
+            elements=None):
+    """Tensors with finite, bounded values.
+
+    Args:
+        shape: a tuple, a strategy of tuples, or None for :func:`shapes`.
+        dtype: a dtype or a strategy of dtypes (complex: real and imaginary parts are bounded).
+        device: a device or a strategy of devices.
+        min_value, max_value: bounds of each (real / imaginary part of each) element.
+        elements: a strategy of Python numbers overriding the bounds.
+    """
+    shape = draw(shapes()) if shape is None else shape
+    shape = draw(shape) if isinstance(shape, st.SearchStrategy) else tuple(shape)
+    dtype = draw(dtype) if isinstance(dtype, st.SearchStrategy) else dtype
+    device = draw(device) if isinstance(device, st.SearchStrategy) else device
+    n = 1
+    for s in shape:
+        n *= s
+    if dtype.is_floating_point or dtype.is_complex:
+        width = 32 if dtype in (torch.float32, torch.complex64) else 64
+        el = elements or st.floats(min_value, max_value, allow_nan=False, allow_infinity=False, width=width)
+    elif dtype == torch.bool:
+        el = elements or st.booleans()
+    else:
+        el = elements or st.integers(int(min_value), int(max_value))
+    if dtype.is_complex:
+        re = draw(st.lists(el, min_size=n, max_size=n))
+        im = draw(st.lists(el, min_size=n, max_size=n))
+        real_dtype = torch.float32 if dtype == torch.complex64 else torch.float64
+        t = torch.complex(torch.tensor(re, dtype=real_dtype), torch.tensor(im, dtype=real_dtype))
+    else:
+        t = torch.tensor(draw(st.lists(el, min_size=n, max_size=n)), dtype=dtype)
+    return t.reshape(shape).to(device)
+
+
+def pytrees_of_tensors(leaves=None, max_leaves=4):
+    """Nested tuples / lists / dicts (string keys) of tensors drawn from ``leaves``."""
+    leaves = leaves if leaves is not None else tensors(shape=shapes(max_dims=2, max_side=3))
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.tuples(children, children),
+            st.lists(children, min_size=1, max_size=3),
+            st.dictionaries(st.sampled_from(["a", "b", "c"]), children, min_size=1, max_size=3),
+        ),
+        max_leaves=max_leaves,
+    )
