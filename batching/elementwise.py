@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import pad_to, to_front
+from ._tensor import raise_data_dependent
+from ._util import expand_front, pad_to, to_front
 
 aten = torch.ops.aten
 
@@ -75,3 +76,40 @@ def copy__vmap_rule(interp, args, bdims, kwargs):
     dst = to_front(self_, bdims[0])
     dst.copy_(src if sb is None else pad_to(to_front(src, sb), dst.dim() - 1), *args[2:])
     return self_, bdims[0]
+
+
+def _data_dependent(func):
+    """``.item()``, ``bool(x)``, ``torch.equal``: one Python answer per example is impossible."""
+
+    def data_dependent_vmap_rule(interp, args, bdims, kwargs):
+        raise_data_dependent(interp, func)
+
+    register_vmap_rule(func)(data_dependent_vmap_rule)
+
+
+for _op in (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default):
+    _data_dependent(_op)
+
+
+def _fill(func):
+    """fill(self, value) / fill_ / zero_: a batched 0-d ``value`` fills each example's slice."""
+    inplace = func._schema.name.endswith("_")
+
+    def fill_vmap_rule(interp, args, bdims, kwargs):
+        x = args[0]
+        B = interp.batch_size
+        if len(args) > 1 and isinstance(args[1], torch.Tensor) and bdims[1] is not None:
+            xf = to_front(x, bdims[0]) if inplace else expand_front(x, bdims[0], B)
+            v = to_front(args[1], bdims[1]).reshape((B,) + (1,) * (xf.dim() - 1))
+            if inplace:
+                xf.copy_(v.expand(xf.shape))
+                return x, bdims[0]
+            return v.to(x.dtype).expand(xf.shape).clone(), 0
+        out = func(*args, **kwargs)
+        return (x if inplace else out), bdims[0]
+
+    register_vmap_rule(func)(fill_vmap_rule)
+
+
+for _op in (aten.fill.Scalar, aten.fill.Tensor, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
+    _fill(_op)
