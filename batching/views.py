@@ -164,3 +164,36 @@ def repeat_vmap_rule(interp, args, bdims, kwargs):
     if len(reps) > n:
         x = x.reshape((x.shape[0],) + (1,) * (len(reps) - n) + tuple(x.shape[1:]))
     return x.repeat([1, *reps]), 0
+
+
+@register_vmap_rule(aten.movedim.int, aten.movedim.intlist)
+def movedim_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    src, dst = args[1], args[2]
+    if isinstance(src, int):
+        return x.movedim(wrap_dim(src, n) + 1, wrap_dim(dst, n) + 1), 0
+    return x.movedim([wrap_dim(d, n) + 1 for d in src], [wrap_dim(d, n) + 1 for d in dst]), 0
+
+
+def _last_two(func):
+    """tril/triu act on the last two dims: the batch dim in front is one more leading dim."""
+
+    def last_two_vmap_rule(interp, args, bdims, kwargs):
+        x, _ = _front(args, bdims)
+        out = func(x, *args[1:], **kwargs)
+        return (args[0], bdims[0]) if func._schema.name.endswith("_") else (out, 0)
+
+    register_vmap_rule(func)(last_two_vmap_rule)
+
+
+for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):
+    _last_two(_op)
+
+
+@register_vmap_rule(aten.diag_embed.default)
+def diag_embed_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    offset = args[1] if len(args) > 1 else 0
+    d1 = args[2] if len(args) > 2 else -2
+    d2 = args[3] if len(args) > 3 else -1
+    return torch.diag_embed(x, offset, wrap_dim(d1, n + 1) + 1, wrap_dim(d2, n + 1) + 1), 0

@@ -1,0 +1,156 @@
+"""Elementwise, reduction, view and matmul rules against torch.vmap, every in_dims mix."""
+
+import pytest
+import torch
+from _vmap_helpers import F, I, M, build, check, mixes
+
+ELEMENTWISE = {
+    "sin": (torch.sin, [F(3, 4)]),
+    "exp_log": (lambda x: torch.log1p(torch.exp(x)), [F(3, 4)]),
+    "add_bcast": (torch.add, [F(3, 4), F(4)]),
+    "sub_alpha": (lambda x, y: torch.sub(x, y, alpha=2), [F(4), F(3, 4)]),
+    "mul_0d": (torch.mul, [F(), F(2, 3)]),
+    "div": (torch.div, [F(2, 3), F(2, 3)]),
+    "pow": (lambda x, y: x.abs().pow(y), [F(2, 3), F(3)]),
+    "pow_scalar": (lambda x: x**3, [F(2, 3)]),
+    "atan2": (torch.atan2, [F(2, 3), F(2, 1)]),
+    "clamp": (lambda x: x.clamp(-0.5, 0.5), [F(5)]),
+    "clamp_tensor": (lambda x, lo: x.clamp(min=lo), [F(2, 5), F(5)]),
+    "where": (lambda x, y: torch.where(x > 0, x, y), [F(3, 4), F(3, 1)]),
+    "addcmul": (lambda a, b, c: torch.addcmul(a, b, c, value=0.5), [F(4), F(3, 4), F(1)]),
+    "lerp": (lambda a, b: torch.lerp(a, b, 0.3), [F(4), F(4)]),
+    "comparison": (lambda a, b: (a < b) & (a > -1), [F(4), F(4)]),
+    "relu_gelu_tanh": (lambda x: torch.nn.functional.gelu(torch.tanh(torch.relu(x))), [F(6)]),
+    "softplus_silu": (lambda x: torch.nn.functional.softplus(torch.nn.functional.silu(x)), [F(6)]),
+    "sigmoid": (torch.sigmoid, [F(2, 2)]),
+    "int_ops": (lambda i, j: (i * j + 1) // 2, [I(5, 3), I(5, 3)]),
+    "mask_logic": (lambda m, n: m ^ n | ~m, [M(4), M(4)]),
+    "to_dtype": (lambda x: x.float().double() + x.to(torch.int64), [F(3)]),
+}
+
+REDUCTIONS = {
+    "sum": (lambda x: x.sum(), [F(3, 4)]),
+    "sum_dim": (lambda x: x.sum(-1, keepdim=True), [F(3, 4)]),
+    "sum_dims": (lambda x: x.sum((0, 2)), [F(2, 3, 4)]),
+    "mean": (lambda x: x.mean(0), [F(3, 4)]),
+    "prod": (lambda x: x.prod(1), [F(3, 4)]),
+    "amax": (lambda x: x.amax(-1), [F(3, 4)]),
+    "max_dim": (lambda x: x.max(1), [F(3, 4)]),
+    "max_all": (lambda x: x.max(), [F(3, 4)]),
+    "argmax": (lambda x: x.argmax(), [F(3, 4)]),
+    "argmin_dim": (lambda x: x.argmin(0), [F(3, 4)]),
+    "var": (lambda x: x.var(1), [F(3, 4)]),
+    "std_all": (lambda x: x.std(), [F(3, 4)]),
+    "norm": (lambda x: torch.linalg.vector_norm(x, 3, dim=-1), [F(3, 4)]),
+    "norm_all": (lambda x: x.norm(), [F(3, 4)]),
+    "logsumexp": (lambda x: x.logsumexp(0), [F(3, 4)]),
+    "softmax": (lambda x: x.softmax(-1), [F(3, 4)]),
+    "log_softmax0": (lambda x: x.log_softmax(0), [F(3, 4)]),
+    "cumsum": (lambda x: x.cumsum(1), [F(3, 4)]),
+    "cumprod": (lambda x: x.cumprod(0), [F(3, 4)]),
+    "sort": (lambda x: x.sort(-1), [F(3, 4)]),
+    "topk": (lambda x: x.topk(2), [F(3, 4)]),
+    "any_all": (lambda m: (m.any(-1), m.all()), [M(3, 4)]),
+    "sum_0d": (lambda x: x.sum(), [F()]),
+    "softmax_0d": (lambda x: x.softmax(0), [F()]),
+    "flip": (lambda x: x.flip(0, -1), [F(3, 4)]),
+    "median": (lambda x: x.median(1), [F(3, 5)]),
+}
+
+VIEWS = {
+    "view": (lambda x: x.view(3, 2, 2), [F(3, 4)]),
+    "reshape": (lambda x: x.reshape(-1), [F(3, 4)]),
+    "flatten": (lambda x: x.flatten(1), [F(2, 3, 4)]),
+    "permute": (lambda x: x.permute(2, 0, 1), [F(2, 3, 4)]),
+    "transpose": (lambda x: x.transpose(0, -1), [F(2, 3, 4)]),
+    "t_mT": (lambda x: x.t() + x.mT, [F(3, 3)]),
+    "unsqueeze": (lambda x: x.unsqueeze(-1).unsqueeze(0), [F(3)]),
+    "squeeze": (lambda x: x.squeeze(), [F(1, 3, 1)]),
+    "squeeze_dim": (lambda x: x.squeeze(-1), [F(3, 1)]),
+    "select": (lambda x: x[1], [F(3, 4)]),
+    "slice": (lambda x: x[:, 1:3], [F(3, 4)]),
+    "slice_step": (lambda x: x[::2, -2:], [F(5, 4)]),
+    "narrow": (lambda x: x.narrow(1, 1, 2), [F(3, 4)]),
+    "diagonal": (lambda x: x.diagonal(1), [F(3, 4)]),
+    "diag_embed": (lambda x: torch.diag_embed(x), [F(3)]),
+    "expand": (lambda x: x.expand(2, 3, 4), [F(3, 1)]),
+    "expand_as": (lambda x, y: x.expand_as(y), [F(4), F(3, 4)]),
+    "split": (lambda x: x.split([1, 3], 1), [F(3, 4)]),
+    "chunk": (lambda x: x.chunk(2), [F(4, 3)]),
+    "unbind": (lambda x: x.unbind(1), [F(3, 4)]),
+    "cat": (lambda x, y: torch.cat([x, y], -1), [F(3, 2), F(3, 4)]),
+    "cat0": (lambda x, y: torch.cat([x, y]), [F(2), F(3)]),
+    "stack": (lambda x, y: torch.stack([x, y], 1), [F(3, 2), F(3, 2)]),
+    "unfold": (lambda x: x.unfold(0, 2, 1), [F(5)]),
+    "roll": (lambda x: x.roll(1, 0), [F(3, 4)]),
+    "roll_flat": (lambda x: x.roll(2), [F(3, 4)]),
+    "repeat": (lambda x: x.repeat(2, 1, 3), [F(3, 4)]),
+    "movedim": (lambda x: x.movedim(0, -1), [F(2, 3, 4)]),
+    "tril": (lambda x: x.tril(), [F(3, 3)]),
+}
+
+LINALG = {
+    "matmul_mm": (torch.matmul, [F(2, 3), F(3, 4)]),
+    "matmul_mv": (torch.matmul, [F(2, 3), F(3)]),
+    "matmul_vm": (torch.matmul, [F(3), F(3, 4)]),
+    "matmul_vv": (torch.matmul, [F(3), F(3)]),
+    "matmul_batched": (torch.matmul, [F(2, 2, 3), F(3, 4)]),
+    "mm": (torch.mm, [F(2, 3), F(3, 4)]),
+    "bmm": (torch.bmm, [F(2, 2, 3), F(2, 3, 4)]),
+    "dot": (torch.dot, [F(3), F(3)]),
+    "mv": (torch.mv, [F(2, 3), F(3)]),
+    "linear": (torch.nn.functional.linear, [F(2, 3), F(4, 3), F(4)]),
+    "linear_1d": (torch.nn.functional.linear, [F(3), F(4, 3), F(4)]),
+    "einsum": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [F(2, 3), F(3, 4)]),
+    "outer": (torch.outer, [F(2), F(3)]),
+}
+
+
+def _run(table, name):
+    fn, specs = table[name]
+    for in_dims in mixes(specs):
+        check(fn, in_dims, *build(specs, in_dims))
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_elementwise(name):
+    _run(ELEMENTWISE, name)
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_reductions(name):
+    _run(REDUCTIONS, name)
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_views(name):
+    _run(VIEWS, name)
+
+
+@pytest.mark.parametrize("name", sorted(LINALG))
+def test_linalg(name):
+    _run(LINALG, name)
+
+
+def test_nested_vmap_with_out_dims_and_chunks():
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    y = torch.randn(5, 4, dtype=torch.float64)
+
+    def f(a, b):
+        return (a.sin() * b).sum(-1), a @ b.T if b.dim() == 2 else a * b
+
+    from functransforms import vmap
+
+    for od, cs in [(0, None), (1, 2), ((0, -1), 1), (-1, 5)]:
+        inner = vmap(f, in_dims=(0, 1), out_dims=0)
+        out = vmap(inner, in_dims=(0, None), out_dims=od, chunk_size=cs)(x, y)
+        ref = torch.vmap(torch.vmap(f, in_dims=(0, 1)), in_dims=(0, None), out_dims=od)(x, y)
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r)
+
+
+def test_chunk_size_matches_unchunked():
+    x = torch.randn(7, 3, dtype=torch.float64)
+    f = lambda x: (x.cumsum(0), x.norm())
+    check(f, 0, x, chunk_size=3)
+    check(f, 1, x.T.contiguous(), chunk_size=2, out_dims=(1, 0))
