@@ -9,7 +9,7 @@ F64 = torch.float64
 
 
 def randn(*shape, dtype=F64, device="cpu"):
-    return torch.randn(*shape, dtype=dtype, device=device)
+    return torch.randn(tuple(shape), dtype=dtype, device=device)
 
 
 def assert_trees_close(a, b, atol=1e-7, rtol=1e-6):

@@ -12,10 +12,10 @@ UNARY = [
     ("sin", torch.sin), ("cos", torch.cos), ("tan", torch.tan), ("exp", torch.exp),
     ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("neg", torch.neg),
     ("square", torch.square), ("reciprocal", lambda x: torch.reciprocal(x + 4.0)),
-    ("log", lambda x: torch.log(x.abs() + 0.5)), ("sqrt", lambda x: torch.sqrt(x * x + 1.0)),
-    ("rsqrt", lambda x: torch.rsqrt(x * x + 1.0)), ("abs", lambda x: torch.abs(x + 0.05)),
+    ("log", lambda x: torch.log(x * x + 0.5)), ("sqrt", lambda x: torch.sqrt(x * x + 1.0)),
+    ("rsqrt", lambda x: torch.rsqrt(x * x + 1.0)),
     ("relu", lambda x: F.relu(x + 0.05)), ("gelu", F.gelu), ("silu", F.silu), ("softplus", F.softplus),
-    ("log1p", lambda x: torch.log1p(x.abs())), ("expm1", torch.expm1), ("erf", torch.erf),
+    ("log1p", lambda x: torch.log1p(x * x)), ("expm1", torch.expm1), ("erf", torch.erf),
     ("atan", torch.atan), ("pow_scalar", lambda x: x ** 3), ("pow_frac", lambda x: (x * x + 1) ** 1.5),
 ]
 
@@ -42,9 +42,11 @@ def test_complex_conj_product_jvp():
     compare_with_torch_func(lambda z: z * z.conj(), (randn(3, dtype=torch.complex128),), check=False)
 
 
-@pytest.mark.xfail(strict=True, reason="no jvp rule for complex abs (decomposes to prims.abs)")
-def test_complex_abs():
-    compare_with_torch_func(torch.abs, (randn(3, dtype=torch.complex128),))
+@pytest.mark.xfail(strict=True, reason="no jvp rule for abs (aten.abs decomposes to prims.abs, which has "
+                   "none; the error also mislabels prims.abs as aten.abs.default)")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_abs(dtype):
+    compare_with_torch_func(lambda x: torch.abs(x + 0.05), (randn(3, 4, dtype=dtype),))
 
 
 @pytest.mark.xfail(strict=True, reason="jvp-of-vjp (second order) wrong for complex inputs: "
@@ -79,7 +81,7 @@ REDUCTIONS = [
     ("mean", lambda x: x.mean(-1)), ("mean_keep", lambda x: x.mean(0, keepdim=True)),
     ("prod", lambda x: x.prod(1)), ("amax", lambda x: x.amax(1)), ("max_dim", lambda x: x.max(2).values),
     ("min_dim_keep", lambda x: x.min(0, keepdim=True).values), ("var", lambda x: x.var(1)),
-    ("std", lambda x: x.std(-1, keepdim=True)), ("logsumexp", lambda x: torch.logsumexp(x, 1)),
+    ("std", lambda x: x.std(-1)), ("logsumexp", lambda x: torch.logsumexp(x, 1)),
     ("norm", lambda x: torch.linalg.vector_norm(x, dim=-1)), ("cumsum", lambda x: x.cumsum(1)),
 ]
 
@@ -94,7 +96,7 @@ VIEWS = [
     ("transpose", lambda x: x.transpose(0, 2)), ("T", lambda x: x[0].T), ("unsqueeze", lambda x: x.unsqueeze(1)),
     ("squeeze", lambda x: x[:, :1].squeeze(1)), ("expand", lambda x: x[:, :1].expand(2, 5, 4)),
     ("slice", lambda x: x[:, 1:3, ::2]), ("select", lambda x: x[1, :, -1]), ("flatten", lambda x: x.flatten(1)),
-    ("index_tensor", lambda x: x[:, torch.tensor([0, 2, 2])]), ("narrow", lambda x: x.narrow(2, 1, 2)),
+    ("index_tensor", lambda x: x[torch.tensor([1, 0, 1])]), ("narrow", lambda x: x.narrow(2, 1, 2)),
     ("movedim", lambda x: x.movedim(0, -1)), ("flip", lambda x: x.flip(1)), ("repeat", lambda x: x.repeat(1, 2, 1)),
     ("diagonal", lambda x: x.diagonal(0, 1, 2)), ("contiguous", lambda x: x.transpose(0, 1).contiguous()),
 ]
@@ -146,6 +148,35 @@ def test_cat_stack_split():
     compare_with_torch_func(lambda b: b.chunk(3, 1)[1] * b.unbind(1)[0][:, None], (b,))
 
 
+@pytest.mark.xfail(strict=True, reason="std/var with keepdim=True on a non-last-but-one layout: "
+                   "x.std(-1, keepdim=True) on [2, 3, 4] raises a broadcasting RuntimeError in jvp/vjp")
+def test_std_keepdim():
+    compare_with_torch_func(lambda x: x.std(-1, keepdim=True), (randn(2, 3, 4),))
+
+
+@pytest.mark.xfail(strict=True, reason="vjp of aten.index.Tensor with a leading None index (x[:, idx]) "
+                   "raises TypeError: the rule does not handle None entries in indices")
+def test_index_tensor_with_slice_prefix():
+    compare_with_torch_func(lambda x: x[:, torch.tensor([0, 2, 2])], (randn(2, 3, 4),))
+
+
+def test_inplace_on_wrappers_jvp():
+    def f(x, y):
+        z = x.clone()
+        z.mul_(y)
+        z.add_(1.0)
+        z.sin_()
+        return z
+
+    x, y = randn(3, 4), randn(3, 4)
+    out, t = ft.jvp(f, (x, y), (y, x))
+    out_ref, t_ref = torch.func.jvp(f, (x, y), (y, x))
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(t, t_ref)
+
+
+@pytest.mark.xfail(strict=True, reason="grad/vjp: z = x.clone(); z.mul_(y) raises NotImplementedError "
+                   "claiming z shares memory with another tensor (a clone aliases nothing)")
 def test_inplace_on_wrappers():
     def f(x, y):
         z = x.clone()
@@ -158,6 +189,8 @@ def test_inplace_on_wrappers():
     compare_with_torch_func(f, (randn(3, 4), randn(3, 4)))
 
 
+@pytest.mark.xfail(strict=True, reason="differs from torch.func: writing a differentiated value into a "
+                   "buffer created inside grad/jvp (buf = zeros(); buf[1] = f(x)) raises InplaceError")
 def test_inplace_into_fresh_buffer():
     def f(x):
         buf = torch.zeros(3, 4, dtype=x.dtype)
