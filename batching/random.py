@@ -15,6 +15,8 @@ Note [Batching random ops]
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -45,11 +47,20 @@ def _has_tensor(args, kwargs):
     )
 
 
+class _Drawing(threading.local):
+    active = False
+
+
+_drawing = _Drawing()
+
+
 class DifferentRandomnessMode(TorchDispatchMode):
     """Batches tensor-free random factory ops over every enclosing randomness='different' vmap."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _drawing.active:  # the draw of an inner mode, already batched for every level
+            return func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags and not _has_tensor(args, kwargs):
             levels = [
                 i for i in interpreter_stack() if isinstance(i, VmapInterpreter) and i.alive
@@ -58,7 +69,11 @@ class DifferentRandomnessMode(TorchDispatchMode):
                 if interp.randomness == "error":
                     raise_random(interp, func)
             sizes = [i.batch_size for i in levels if i.randomness == "different"]
-            out = _draw_with_batch_dims(func, args, kwargs, sizes)
+            _drawing.active = True
+            try:
+                out = _draw_with_batch_dims(func, args, kwargs, sizes)
+            finally:
+                _drawing.active = False
             for interp in (i for i in levels if i.randomness == "different"):
                 out = wrap_batched(out, 0, interp)
             return out
