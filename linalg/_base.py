@@ -160,6 +160,9 @@ class LinearOperator:
             )
 
     def __repr__(self) -> str:
+        if getattr(self, "_placeholder", False):
+            fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._tree_fields)
+            return f"{type(self).__name__}({fields})"
         props = [k for k, v in self.properties().items() if v]
         extra = self._repr_extra()
         parts = [f"shape={tuple(self._shape)}", f"dtype={self._dtype}"]
@@ -530,7 +533,27 @@ def _unflatten_operator(aux, children):
     cls, static, props = aux
     kwargs = dict(static)
     kwargs.update(zip(_PROPERTY_NAMES, props))
+    if not all(_is_tensor_tree(c) for c in children):
+        # Not tensors: a tree of per-leaf annotations (vmap in_dims, ...), never an operator to
+        # compute with. Rebuild the structure without validating it.
+        op = object.__new__(cls)
+        op._placeholder = True
+        for name, child in zip(cls._tree_fields, children):
+            setattr(op, name, child)
+        for name, value in kwargs.items():
+            setattr(op, name, value)
+        return op
     return cls._from_children(list(children), kwargs)
+
+
+def _is_tensor_tree(x) -> bool:
+    if isinstance(x, LinearOperator):
+        return not getattr(x, "_placeholder", False)
+    if x is None or isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return all(_is_tensor_tree(y) for y in x)
+    return False
 
 
 def _from_children(cls, children, kwargs):

@@ -8,8 +8,8 @@ derivative rules are solves: jvp ``S'(R_dot) = A^{-1} R_dot`` (one extra solve),
 ``S^T(G) = A^{-H} G`` (one extra solve). Differentiating ``A(θ) X*`` by ordinary rules then gives
 exactly ``dX = A^{-1}(dB - dA X)`` and ``B_bar = A^{-H} X_bar``, ``A_bar = -B_bar X^H``: the implicit
 function theorem, to the solver's tolerance, never by unrolling. ``S`` is registered with
-`functransforms.custom_vjp`/`custom_jvp` when the core provides them, else (torch.func oracle)
-with a ``torch.autograd.Function`` carrying a vmap rule.
+`functransforms.custom_vjp` + ``defjvp`` when our transforms are active, else (torch's own
+transforms, the test oracle, or plain autograd) with an autograd Function carrying a vmap rule.
 
 # Note [Data-dependent stopping under vmap]
 Convergence tests read a tensor value. Inside a vmap the value cannot be read; the loop then
@@ -171,7 +171,8 @@ def cg(
     Args:
         A: operator (or callable ``X -> A X``) ``(..., n, n)``. B: ``(..., n)`` or ``(..., n, k)``.
         tol, atol: stop when ``|r| <= max(tol |b|, atol)`` for every column.
-        maxiter: default n. preconditioner: operator ≈ A, callable ``R -> M^{-1} R`` or "jacobi".
+        maxiter: default 10 n (inside a vmap every iteration runs, see Note [Data-dependent
+            stopping under vmap]). preconditioner: operator ≈ A, callable ``R -> M^{-1} R`` or "jacobi".
 
     Returns:
         ``(X, info)``: X like B, info a `SolverInfo`.
@@ -186,7 +187,7 @@ def cg(
     vec = B.dim() == 1 or (isinstance(A, LinearOperator) and B.dim() == A.ndim - 1)
     Bm = B.unsqueeze(-1) if vec else B
     n = Bm.shape[-2]
-    maxiter = n if maxiter is None else int(maxiter)
+    maxiter = 10 * n if maxiter is None else int(maxiter)
     Minv = _preconditioner(A, preconditioner) if isinstance(A, LinearOperator) else preconditioner
     X = torch.zeros_like(Bm) if x0 is None else (x0.unsqueeze(-1) if vec else x0)
     R = Bm - _apply(A, X) if x0 is not None else Bm
@@ -243,7 +244,7 @@ def implicit_solve_vjp(A, G, options):
 
 
 class _ImplicitSolveFunction(torch.autograd.Function):
-    """S as an autograd.Function (torch.func oracle path); leaves are inputs so vmap sees them."""
+    """S as an autograd.Function (the path for torch's own transforms); leaves are inputs so vmap sees them."""
 
     generate_vmap_rule = True
 
@@ -276,25 +277,44 @@ class _ImplicitSolveFunction(torch.autograd.Function):
 
 
 def _implicit_zero(R, A_const, options):
-    """S(R) (value 0, derivatives solves), through the core's custom rules when available."""
-    core = _core_custom_rules()
-    if core is not None:
-        return core(R, A_const, options)
+    """S(R) (value 0, derivatives solves): the core's custom rules when our transforms are
+    active, else an autograd Function (torch's own transforms, plain autograd)."""
     from functransforms._pytree import tree_flatten
 
     leaves, spec = tree_flatten(A_const)
+    if _under_our_transforms([R, *leaves]):
+        return _core_implicit_zero(R, A_const, options)
     return _ImplicitSolveFunction.apply(R, spec, options, *leaves)
 
 
-def _core_custom_rules():
-    """The core's `custom_vjp`/`custom_jvp` wiring, or None while the core does not offer them."""
+def _under_our_transforms(tensors) -> bool:
     try:
-        import functransforms as ft
-    except ImportError:  # pragma: no cover
-        return None
-    if not (hasattr(ft, "custom_vjp") and hasattr(ft, "custom_jvp")):
-        return None
-    return None  # Wired once the core's API is final; see Note [Implicit differentiation ...].
+        from functransforms._core import TransformTensor
+    except ImportError:  # the core is not importable: only torch's transforms can be active
+        return False
+    return any(isinstance(t, TransformTensor) for t in tensors)
+
+
+def _core_implicit_zero(R, A_const, options):
+    import functransforms as ft
+    from functransforms._pytree import tree_flatten, tree_unflatten
+
+    # The operator travels as a flat tuple of its tensors (transforms see plain tensors).
+    leaves, spec = tree_flatten(A_const)
+
+    def op(leaves):
+        return tree_unflatten(spec, list(leaves))
+
+    def S(R, leaves):
+        return torch.zeros_like(R)
+
+    S = ft.custom_vjp(S)
+    S.defvjp(
+        lambda R, leaves: (torch.zeros_like(R), leaves),
+        lambda leaves, G: (implicit_solve_vjp(op(leaves), G, options), None),
+    )
+    S.defjvp(lambda p, t: (torch.zeros_like(p[0]), implicit_solve_jvp(op(p[1]), t[0], options)))
+    return S(R, tuple(leaves))
 
 
 def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) -> torch.Tensor:

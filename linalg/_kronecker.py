@@ -35,14 +35,23 @@ def kron_apply(factors, X: torch.Tensor, method: str = "_matmul") -> torch.Tenso
     dims = list(ns)
     for i, f in enumerate(factors):
         # T: (batch..., d_0, ..., d_{K-1}, k) -> (batch..., d_i, rest) -> f -> back
-        Ti = T.movedim(nb + i, nb)
+        Ti = _compact(T.movedim(nb + i, nb)) if i else T
         rest = Ti.shape[nb + 1 :]
         out = getattr(f, method)(Ti.reshape(batch + (dims[i], -1)))
         dims[i] = out.shape[-2]
         batch = out.shape[:-2]
         nb = len(batch)
-        T = out.reshape(batch + (dims[i],) + rest).movedim(nb, nb + i)
+        T = out.reshape(batch + (dims[i],) + rest)
+        if i:
+            T = _compact(T.movedim(nb, nb + i))
     return T.reshape(batch + (prod(dims), k))
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    # Note [Copy before reshaping a permuted tensor]: `reshape` would copy here anyway; an
+    # explicit contiguous clone keeps wrapper tensors (whose strides are nominal) from turning
+    # the reshape into a `view` of a permuted inner tensor.
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def kron_vectors(vs) -> torch.Tensor:

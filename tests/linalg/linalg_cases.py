@@ -23,8 +23,14 @@ def _gen(seed):
 
 
 def _pd(n, g, batch=()):
-    A = torch.randn(*batch, n, n, generator=g, dtype=DT)
-    return A @ A.mT / n + torch.eye(n, dtype=DT)
+    """A raw factor X; the case builds the SPD matrix `_sym(X)` from it, so that derivatives
+    with respect to the parameter are unambiguous (a symmetric matrix parameter is not)."""
+    return torch.randn(*batch, n, n, generator=g, dtype=DT)
+
+
+def _sym(X):
+    n = X.shape[-1]
+    return X @ X.mT / n + torch.eye(n, dtype=DT)
 
 
 def _wc(n, g, batch=()):
@@ -76,8 +82,8 @@ CASES = [
     Case(
         "dense_pd",
         lambda g: (_pd(5, g),),
-        lambda A: L.DenseOperator(A, positive_definite=True),
-        lambda A: A,
+        lambda A: L.DenseOperator(_sym(A), positive_definite=True),
+        _sym,
         pd=True,
         sym=True,
     ),
@@ -161,16 +167,16 @@ CASES = [
     Case(
         "kronecker2_pd",
         lambda g: (_pd(2, g), _pd(3, g)),
-        lambda A, B: L.KroneckerOperator(A, B, positive_definite=True),
-        _kron_dense,
+        lambda A, B: L.KroneckerOperator(_sym(A), _sym(B), positive_definite=True),
+        lambda A, B: _kron_dense(_sym(A), _sym(B)),
         pd=True,
         sym=True,
     ),
     Case(
         "kronecker3_pd",
         lambda g: (_pd(2, g), _pd(3, g), _pd(2, g)),
-        lambda A, B, C: L.KroneckerOperator(A, B, C, positive_definite=True),
-        _kron_dense,
+        lambda A, B, C: L.KroneckerOperator(_sym(A), _sym(B), _sym(C), positive_definite=True),
+        lambda A, B, C: _kron_dense(_sym(A), _sym(B), _sym(C)),
         pd=True,
         sym=True,
     ),
@@ -183,9 +189,9 @@ CASES = [
     Case(
         "kronecker_plus_noise",
         lambda g: (_pd(2, g), _pd(3, g), torch.tensor(0.3, dtype=DT)),
-        lambda A, B, s: L.KroneckerOperator(A, B, positive_definite=True)
+        lambda A, B, s: L.KroneckerOperator(_sym(A), _sym(B), positive_definite=True)
         + L.ScaledIdentityOperator(s, 6),
-        lambda A, B, s: _kron_dense(A, B) + s * torch.eye(6, dtype=DT),
+        lambda A, B, s: _kron_dense(_sym(A), _sym(B)) + s * torch.eye(6, dtype=DT),
         pd=True,
         sym=True,
     ),
@@ -193,17 +199,17 @@ CASES = [
         "block_diagonal_pd",
         lambda g: (_pd(2, g), torch.rand(3, generator=g, dtype=DT) + 0.5),
         lambda A, d: L.BlockDiagonalOperator(
-            [L.DenseOperator(A, positive_definite=True), L.DiagonalOperator(d, positive_definite=True)]
+            [L.DenseOperator(_sym(A), positive_definite=True), L.DiagonalOperator(d, positive_definite=True)]
         ),
-        lambda A, d: torch.block_diag(A, torch.diag(d)),
+        lambda A, d: torch.block_diag(_sym(A), torch.diag(d)),
         pd=True,
         sym=True,
     ),
     Case(
         "sum",
         lambda g: (_pd(5, g), torch.randn(5, 1, generator=g, dtype=DT)),
-        lambda A, U: L.SumOperator([L.DenseOperator(A, symmetric=True), L.LowRankOperator(U)]),
-        lambda A, U: A + U @ U.mT,
+        lambda A, U: L.SumOperator([L.DenseOperator(_sym(A), symmetric=True), L.LowRankOperator(U)]),
+        lambda A, U: _sym(A) + U @ U.mT,
         sym=True,
     ),
     Case(
@@ -261,8 +267,8 @@ CASES = [
     Case(
         "batched_dense_pd",
         lambda g: (_pd(4, g, (3,)),),
-        lambda A: L.DenseOperator(A, positive_definite=True),
-        lambda A: A,
+        lambda A: L.DenseOperator(_sym(A), positive_definite=True),
+        _sym,
         pd=True,
         sym=True,
         batched=True,
@@ -270,8 +276,8 @@ CASES = [
     Case(
         "batched_kronecker",
         lambda g: (_pd(2, g, (3,)), _pd(3, g)),
-        lambda A, B: L.KroneckerOperator(A, B, positive_definite=True),
-        _kron_dense,
+        lambda A, B: L.KroneckerOperator(_sym(A), _sym(B), positive_definite=True),
+        lambda A, B: _kron_dense(_sym(A), _sym(B)),
         pd=True,
         sym=True,
         batched=True,
