@@ -67,16 +67,21 @@ def case_per_sample(repeats):
 
     def hand():  # explicit batched backprop
         p = params
-        z0 = F.linear(xs, p["w0"], p["b0"]); h0 = F.relu(z0)  # noqa: E702
-        z1 = F.linear(h0, p["w1"], p["b1"]); h1 = F.relu(z1)  # noqa: E702
+        z0 = F.linear(xs, p["w0"], p["b0"])
+        h0 = F.relu(z0)  # noqa: E702
+        z1 = F.linear(h0, p["w1"], p["b1"])
+        h1 = F.relu(z1)  # noqa: E702
         out = F.linear(h1, p["w2"], p["b2"])
         d2 = torch.softmax(out, -1) - F.one_hot(ys, 10).to(out.dtype)  # [N, 10]
         d1 = (d2 @ p["w2"]) * (z1 > 0)
         d0 = (d1 @ p["w1"]) * (z0 > 0)
         return {
-            "w2": d2[:, :, None] * h1[:, None, :], "b2": d2,
-            "w1": d1[:, :, None] * h0[:, None, :], "b1": d1,
-            "w0": d0[:, :, None] * xs[:, None, :], "b0": d0,
+            "w2": d2[:, :, None] * h1[:, None, :],
+            "b2": d2,
+            "w1": d1[:, :, None] * h0[:, None, :],
+            "b1": d1,
+            "w0": d0[:, :, None] * xs[:, None, :],
+            "b0": d0,
         }
 
     a, b, h = ours(), theirs(), hand()
@@ -99,7 +104,9 @@ def case_jac(repeats, mode):
 
     def loop():
         y = f(xl)
-        return torch.stack([torch.autograd.grad(y[i], xl, retain_graph=True)[0] for i in range(256)])
+        return torch.stack(
+            [torch.autograd.grad(y[i], xl, retain_graph=True)[0] for i in range(256)]
+        )
 
     hand = lambda: (1 - torch.tanh(W @ x) ** 2)[:, None] * W  # noqa: E731
     err = max((ours() - theirs()).abs().max().item(), (hand() - theirs()).abs().max().item())
@@ -124,7 +131,9 @@ def case_hessian(repeats):
 
     def loop():
         (gx,) = torch.autograd.grad(f(xl), xl, create_graph=True)
-        return torch.stack([torch.autograd.grad(gx[i], xl, retain_graph=True)[0] for i in range(128)])
+        return torch.stack(
+            [torch.autograd.grad(gx[i], xl, retain_graph=True)[0] for i in range(128)]
+        )
 
     def hand():  # H = diag(-sin(x) * Ax) + diag(cos x) A + A^T diag(cos x) + diag(6x)
         c = torch.cos(x)
@@ -134,7 +143,7 @@ def case_hessian(repeats):
     return "(c) hessian, scalar f of 128 inputs", ours, theirs, loop, hand, err, repeats
 
 
-# (d) Hessian-vector product jvp(grad(f)) ------------------------------------------------------------
+# (d) Hessian-vector product jvp(grad(f)) ---------------------------------------------------
 def case_hvp(repeats):
     A, x, v, f = _hess_problem()
     ours = lambda: ft.jvp(ft.grad(f), (x,), (v,))[1]  # noqa: E731
@@ -205,7 +214,9 @@ def cold_start(runs=5):
         )
         ts = []
         for _ in range(runs):
-            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            r = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
             ts.append(float(r.stdout.strip().splitlines()[-1]))
         out[name] = statistics.median(ts)
     return out
@@ -228,9 +239,15 @@ def dispatch_overhead(repeats):
     plain = median_time(lambda: sins(x), repeats)
     rows = {}
     for name, lib in (("ours", ft), ("torch.func", tf)):
-        rows[("vmap", name)] = (median_time(lambda: lib.vmap(sins)(xb), repeats) - plain) / 100
-        rows[("grad", name)] = (median_time(lambda: lib.grad(ssum)(x), repeats) - plain) / 100
-        rows[("jvp", name)] = (median_time(lambda: lib.jvp(sins, (x,), (v,)), repeats) - plain) / 100
+        rows[("vmap", name)] = (
+            median_time(lambda lib=lib: lib.vmap(sins)(xb), repeats) - plain
+        ) / 100
+        rows[("grad", name)] = (
+            median_time(lambda lib=lib: lib.grad(ssum)(x), repeats) - plain
+        ) / 100
+        rows[("jvp", name)] = (
+            median_time(lambda lib=lib: lib.jvp(sins, (x,), (v,)), repeats) - plain
+        ) / 100
     return plain / 100, rows
 
 
@@ -255,7 +272,8 @@ def main(argv=None):
         case_pointwise(r),
     ]
     lines = [
-        "| workload | ours (ms) | torch.func (ms) | Python loop (ms) | hand-written (ms) | ours / torch.func | target <= 2.0 | max abs err |",
+        "| workload | ours (ms) | torch.func (ms) | Python loop (ms) | hand-written (ms) "
+        "| ours / torch.func | target <= 2.0 | max abs err |",
         "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for name, ours, theirs, loop, hand, err, reps in cases:
@@ -272,7 +290,10 @@ def main(argv=None):
 
     cold = cold_start(5)
     lines.append("")
-    lines.append("Cold start (fresh subprocess, after `import torch`: import + first `grad` call; median of 5 runs):")
+    lines.append(
+        "Cold start (fresh subprocess, after `import torch`: import + first `grad` call; "
+        "median of 5 runs):"
+    )
     lines.append("")
     lines.append("| | ours (ms) | torch.func (ms) | ours / torch.func | target < 300 ms |")
     lines.append("|---|---:|---:|---:|---|")
@@ -298,20 +319,28 @@ def main(argv=None):
     print("\n" + table)
 
     if ns.out:
-        cmd = "python benchmarks/bench_core.py" + (" --quick" if ns.quick else "") + f" --out {ns.out}"
+        cmd = (
+            "python benchmarks/bench_core.py"
+            + (" --quick" if ns.quick else "")
+            + f" --out {ns.out}"
+        )
         header = (
             "# Performance\n\n"
             "Generated by\n\n"
             f"    {cmd}\n\n"
             f"- date: {datetime.date.today().isoformat()}\n"
-            f"- machine: {platform.machine()}, nproc = {os.cpu_count()}, {platform.python_implementation()} "
+            f"- machine: {platform.machine()}, nproc = {os.cpu_count()}, "
+            f"{platform.python_implementation()} "
             f"{platform.python_version()}, torch {torch.__version__}, torch.set_num_threads(1), "
             f"load average at the end of the run: {os.getloadavg()[0]:.1f}\n"
             f"- every time is the median over {r} repeats (the Python loop over {max(3, r // 3)}); "
-            "float32; the max abs error column compares ours and the hand-written code with torch.func.\n"
-            "- Python loop: one eager `torch.autograd` call per example / row; hand-written: explicit "
+            "float32; the max abs error column compares ours and the hand-written code "
+            "with torch.func.\n"
+            "- Python loop: one eager `torch.autograd` call per example / row; "
+            "hand-written: explicit "
             "batched formulas (no transform machinery).\n"
-            "- targets (from the issue): ours / torch.func <= 2.0 on (a)-(e); cold start < 300 ms.\n\n"
+            "- targets (from the issue): ours / torch.func <= 2.0 on (a)-(e); "
+            "cold start < 300 ms.\n\n"
         )
         os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
         with open(ns.out, "w") as fh:

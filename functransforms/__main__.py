@@ -40,8 +40,10 @@ def per_sample_grads():
     """vmap(grad(loss), in_dims=(None, 0, 0)): one gradient per example of a small MLP."""
     g = torch.Generator().manual_seed(0)
     params = {
-        "w0": torch.randn(32, 16, generator=g) / 4, "b0": torch.zeros(32),
-        "w1": torch.randn(4, 32, generator=g) / 6, "b1": torch.zeros(4),
+        "w0": torch.randn(32, 16, generator=g) / 4,
+        "b0": torch.zeros(32),
+        "w1": torch.randn(4, 32, generator=g) / 6,
+        "b1": torch.zeros(4),
     }
     xs = torch.randn(32, 16, generator=g)  # [N, 16]
     ys = torch.randint(0, 4, (32,), generator=g)  # [N]
@@ -53,7 +55,10 @@ def per_sample_grads():
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
 
     def loop():
-        return [torch.autograd.grad(loss(leaves, xs[i], ys[i]), list(leaves.values())) for i in range(32)]
+        return [
+            torch.autograd.grad(loss(leaves, xs[i], ys[i]), list(leaves.values()))
+            for i in range(32)
+        ]
 
     return (
         "per-sample grads (MLP 16-32-4, N=32)",
@@ -75,7 +80,12 @@ def jacobian():
         y = f(xl)
         return torch.stack([torch.autograd.grad(y[i], xl, retain_graph=True)[0] for i in range(64)])
 
-    return "jacrev of tanh(W x), 64->64", lambda: ft.jacrev(f)(x), lambda: torch.func.jacrev(f)(x), loop
+    return (
+        "jacrev of tanh(W x), 64->64",
+        lambda: ft.jacrev(f)(x),
+        lambda: torch.func.jacrev(f)(x),
+        loop,
+    )
 
 
 def hvp():
@@ -99,13 +109,15 @@ def hvp():
 
 
 def complex_grad():
-    """grad of a real loss of a complex input: PyTorch's convention dL/dx + i dL/dy (docs/complex.md)."""
+    """grad of a real loss of a complex input: dL/dx + i dL/dy (PyTorch's; docs/complex.md)."""
     g = torch.Generator().manual_seed(3)
     z = torch.randn(64, dtype=torch.complex64, generator=g)
     c = torch.randn(64, dtype=torch.complex64, generator=g)
+
     def L(z):  # complex [64] -> real []: sum |z^2 - c|^2
         r = z * z - c
         return (r * r.conj()).real.sum()
+
     zl = z.clone().requires_grad_()
     return (
         "complex grad, real L(z), z in C^64",
@@ -116,14 +128,19 @@ def complex_grad():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m functransforms", description="A tour of functransforms.")
+    ap = argparse.ArgumentParser(
+        prog="python -m functransforms", description="A tour of functransforms."
+    )
     ap.add_argument("--quick", action="store_true", help="fewer timing repeats")
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     repeats = 5 if ns.quick else 25
 
     print(f"functransforms tour (torch {torch.__version__}, 1 thread, median of {repeats} runs)\n")
-    head = f"{'workload':<38} {'max|ours-torch.func|':>20} {'check':>5} {'ours ms':>9} {'torch.func ms':>13} {'loop ms':>9}"
+    head = (
+        f"{'workload':<38} {'max|ours-torch.func|':>20} {'check':>5} "
+        f"{'ours ms':>9} {'torch.func ms':>13} {'loop ms':>9}"
+    )
     print(head)
     print("-" * len(head))
     failed = False
@@ -133,7 +150,9 @@ def main(argv=None) -> int:
         ok = err <= 1e-5
         failed |= not ok
         to, tt, tl = (_median(fn, repeats) * 1e3 for fn in (ours, theirs, loop))
-        print(f"{name:<38} {err:>20.2e} {'OK' if ok else 'FAIL':>5} {to:>9.3f} {tt:>13.3f} {tl:>9.3f}")
+        print(
+            f"{name:<38} {err:>20.2e} {'OK' if ok else 'FAIL':>5} {to:>9.3f} {tt:>13.3f} {tl:>9.3f}"
+        )
     print("\nFull suite: python benchmarks/bench_core.py (results in docs/performance.md)")
     if failed:
         print("FAIL: some results disagree with torch.func", file=sys.stderr)
