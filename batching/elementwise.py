@@ -113,3 +113,34 @@ def _fill(func):
 
 for _op in (aten.fill.Scalar, aten.fill.Tensor, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
     _fill(_op)
+
+
+for _op in (
+    aten.to.dtype,
+    aten.to.device,
+    aten.to.dtype_layout,
+):
+    register_vmap_rule(_op)(_same_bdim_rule(_op))
+
+# dunder spellings of pointwise ops that reach the dispatcher without the pointwise tag
+for _op in (
+    aten.__and__.Tensor,
+    aten.__or__.Tensor,
+    aten.__xor__.Tensor,
+    aten.__and__.Scalar,
+    aten.__or__.Scalar,
+    aten.__xor__.Scalar,
+):
+    register_vmap_rule(_op)(make_pointwise_rule(_op))
+
+
+@register_vmap_rule(aten.broadcast_tensors.default)
+def broadcast_tensors_vmap_rule(interp, args, bdims, kwargs):
+    tensors, bds = args[0], bdims[0]
+    shapes = [t.shape[:b] + t.shape[b + 1 :] if b is not None else t.shape for t, b in zip(tensors, bds)]
+    shape = tuple(torch.broadcast_shapes(*shapes))
+    outs = [
+        t.expand(shape) if b is None else pad_to(to_front(t, b), len(shape)).expand((t.shape[b], *shape))
+        for t, b in zip(tensors, bds)
+    ]
+    return tuple(outs), tuple(None if b is None else 0 for b in bds)

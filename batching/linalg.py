@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import pad_to, to_front
+from ._util import expand_front, pad_to, to_front
 
 aten = torch.ops.aten
 
@@ -114,3 +114,73 @@ def matmul_vmap_rule(interp, args, bdims, kwargs):
     if b1:
         out = out.squeeze(-1)
     return out, 0
+
+
+def def_batched_linalg(op, tensor_pos=(0,)):
+    """Ops that already take leading batch dims (``[..., n, n]``): every tensor argument gets
+    the batch dim in front (unbatched ones expanded); outputs keep it in front. Placeholder
+    outputs (e.g. the empty eigenvectors of ``eigvalsh``) carry no batch dim."""
+
+    def batched_linalg_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        a = list(args)
+        for k in tensor_pos:
+            if k < len(a) and isinstance(a[k], torch.Tensor):
+                a[k] = expand_front(a[k], bdims[k], B)
+        out = op(*a, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return out, 0
+        return out, tuple(0 if o.dim() > 0 and o.shape[0] == B else None for o in out)
+
+    register_vmap_rule(op)(batched_linalg_vmap_rule)
+
+
+for _op, _pos in (
+    (aten._linalg_slogdet.default, (0,)),
+    (aten._linalg_det.default, (0,)),
+    (aten.linalg_inv_ex.default, (0,)),
+    (aten.linalg_cholesky_ex.default, (0,)),
+    (aten._linalg_eigh.default, (0,)),
+    (aten.linalg_qr.default, (0,)),
+    (aten._linalg_svd.default, (0,)),
+    (aten.linalg_lu_factor_ex.default, (0,)),
+    (aten.linalg_solve_triangular.default, (0, 1)),
+    (aten.cholesky_solve.default, (0, 1)),
+    (aten.triangular_solve.default, (0, 1)),
+    (aten.linalg_householder_product.default, (0, 1)),
+):
+    def_batched_linalg(_op, _pos)
+
+
+@register_vmap_rule(aten._linalg_solve_ex.default)
+def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
+    """solve(A, b): a logically 1-d ``b`` is a vector; unsqueeze it so batching cannot make it
+    look like a matrix."""
+    A, b = args[0], args[1]
+    B = interp.batch_size
+    A = expand_front(A, bdims[0], B)
+    left = args[2] if len(args) > 2 else kwargs.get("left", True)
+    vec = b.dim() - (bdims[1] is not None) == 1
+    b = expand_front(b, bdims[1], B)
+    if vec:
+        b = b.unsqueeze(-1) if left else b.unsqueeze(-2)
+    out = aten._linalg_solve_ex.default(A, b, *args[2:], **kwargs)
+    res = out[0].squeeze(-1 if left else -2) if vec else out[0]
+    return (res, *out[1:]), (0, 0, 0, 0)
+
+
+@register_vmap_rule(aten._cdist_forward.default)
+def cdist_vmap_rule(interp, args, bdims, kwargs):
+    x1, x2 = args[0], args[1]
+    nd = max(x1.dim() - (bdims[0] is not None), x2.dim() - (bdims[1] is not None))
+    x1 = pad_to(expand_front(x1, bdims[0], interp.batch_size), nd)
+    x2 = pad_to(expand_front(x2, bdims[1], interp.batch_size), nd)
+    return aten._cdist_forward.default(x1, x2, *args[2:], **kwargs), 0
+
+
+@register_vmap_rule(aten._linalg_check_errors.default)
+def linalg_check_errors_vmap_rule(interp, args, bdims, kwargs):
+    """Checks every example's ``info`` at once (as one batch of matrices)."""
+    info, api_name = args[0], args[1]
+    aten._linalg_check_errors.default(to_front(info, bdims[0]), api_name, is_matrix=False)
+    return None, None

@@ -197,3 +197,12 @@ def diag_embed_vmap_rule(interp, args, bdims, kwargs):
     d1 = args[2] if len(args) > 2 else -2
     d2 = args[3] if len(args) > 3 else -1
     return torch.diag_embed(x, offset, wrap_dim(d1, n + 1) + 1, wrap_dim(d2, n + 1) + 1), 0
+
+
+@register_vmap_rule(aten.diag.default)
+def diag_vmap_rule(interp, args, bdims, kwargs):
+    x, n = _front(args, bdims)
+    offset = args[1] if len(args) > 1 else 0
+    if n == 1:
+        return torch.diag_embed(x, offset), 0
+    return x.diagonal(offset, 1, 2), 0

@@ -103,7 +103,31 @@ LINALG = {
     "linear_1d": (torch.nn.functional.linear, [F(3), F(4, 3), F(4)]),
     "einsum": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [F(2, 3), F(3, 4)]),
     "outer": (torch.outer, [F(2), F(3)]),
+    "slogdet": (lambda a: torch.linalg.slogdet(_spd(a)), [F(3, 3)]),
+    "det_inv": (lambda a: (torch.linalg.det(a), torch.linalg.inv(_spd(a))), [F(3, 3)]),
+    "cholesky": (lambda a: torch.linalg.cholesky(_spd(a)), [F(3, 3)]),
+    "eigvalsh": (lambda a: torch.linalg.eigvalsh(_spd(a)), [F(3, 3)]),
+    "qr_r": (lambda a: torch.linalg.qr(a)[1].abs(), [F(4, 3)]),
+    "svdvals": (lambda a: torch.linalg.svdvals(a), [F(4, 3)]),
+    "solve_vec": (lambda a, b: torch.linalg.solve(_spd(a), b), [F(3, 3), F(3)]),
+    "solve_mat": (lambda a, b: torch.linalg.solve(_spd(a), b), [F(3, 3), F(3, 2)]),
+    "solve_triangular": (
+        lambda a, b: torch.linalg.solve_triangular(_spd(a).tril(), b, upper=False),
+        [F(3, 3), F(3, 2)],
+    ),
+    "cdist": (torch.cdist, [F(4, 3), F(5, 3)]),
+    "diag": (lambda v, m: (torch.diag(v, 1), torch.diag(m)), [F(3), F(3, 3)]),
+    "trace": (torch.trace, [F(3, 3)]),
+    "cross": (lambda a, b: torch.linalg.cross(a, b), [F(2, 3), F(2, 3)]),
+    "broadcast_and": (
+        lambda a, b: torch.broadcast_tensors(a, b)[0] + ((a > 0) & (b > 0)),
+        [F(3, 1), F(4)],
+    ),
 }
+
+
+def _spd(a):
+    return a @ a.mT + 3 * torch.eye(a.shape[-1], dtype=a.dtype)
 
 
 def _run(table, name):
