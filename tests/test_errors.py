@@ -1,0 +1,81 @@
+"""Error conditions: the right exception class, and a message that names the call, what was
+expected and what to do."""
+
+import pytest
+import torch
+
+import functransforms as ft
+from functransforms.errors import DataDependentError, InplaceError, RandomnessError, TransformError
+
+x3 = torch.randn(3, dtype=torch.float64)
+
+
+def test_grad_of_non_scalar_output():
+    with pytest.raises(ValueError, match=r"scalar.*got \(3,\)"):
+        ft.grad(lambda x: x * 2)(x3)
+
+
+@pytest.mark.parametrize("cast,dtype", [(lambda o: o.long(), "int64"), (lambda o: o * 1j, "complex128")])
+def test_grad_of_integer_or_complex_output(cast, dtype):
+    with pytest.raises(TypeError, match=f"real floating-point output; got torch.{dtype}"):
+        ft.grad(lambda x: cast((x * 2).sum()))(x3)
+
+
+@pytest.mark.parametrize("argnums", [2, -3, (0, 5)])
+def test_argnums_out_of_range(argnums):
+    with pytest.raises(ValueError, match=r"argnums=.*out of range.*2 positional arguments") as info:
+        ft.grad(lambda x, y: (x * y).sum(), argnums=argnums)(x3, x3)
+    assert f"argnums={argnums!r}" in str(info.value)
+
+
+def test_vmap_mismatched_batch_sizes():
+    with pytest.raises(ValueError, match=r"same size along their in_dim.*\(3, 2\).*\(4, 2\)"):
+        ft.vmap(torch.add)(torch.randn(3, 2), torch.randn(4, 2))
+
+
+def test_in_dims_not_matching_inputs():
+    with pytest.raises(ValueError, match=r"in_dims has 3 entries but 2 positional inputs"):
+        ft.vmap(torch.add, in_dims=(0, 0, 0))(x3, x3)
+    with pytest.raises(ValueError, match=r"in_dims\[0\] is a tuple of length 3.*tree prefix"):
+        ft.vmap(lambda p: p[0] + p[1], in_dims=((0, 0, 0),))((x3, x3))
+
+
+@pytest.mark.parametrize("in_dim", [2, -3])
+def test_out_of_range_in_dim(in_dim):
+    with pytest.raises(ValueError, match=rf"in_dim={in_dim}.*2 dims.*expected in_dim in \[-2, 1\]"):
+        ft.vmap(torch.sin, in_dims=in_dim)(torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("f", [lambda x: x + torch.randn(2), lambda x: torch.rand_like(x)], ids=["randn", "rand_like"])
+def test_randomness_error(f):
+    with pytest.raises(RandomnessError, match="randomness='error'.*randomness='different'"):
+        ft.vmap(f)(torch.randn(3, 2))
+    assert issubclass(RandomnessError, TransformError)
+
+
+@pytest.mark.parametrize("f", [lambda x: x.sum().item(), lambda x: x * 2 if x.sum() > 0 else x], ids=["item", "bool"])
+def test_data_dependent_under_vmap(f):
+    with pytest.raises(DataDependentError, match=r"reads a batched tensor as a Python value.*\.item\(\)"):
+        ft.vmap(f)(torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("write", [lambda buf, x: buf.add_(x), lambda buf, x: buf.copy_(x)], ids=["add_", "copy_"])
+def test_inplace_batched_into_captured(write):
+    buf = torch.zeros(2)
+    with pytest.raises(InplaceError, match="writes a batched value in place into a tensor that is not batched"):
+        ft.vmap(lambda x: write(buf, x))(torch.randn(3, 2))
+    assert torch.equal(buf, torch.zeros(2))
+
+
+def test_missing_rule_names_op_and_decorator():
+    with pytest.raises(NotImplementedError, match=r"aten\.bessel_i0e\.default.*register_vjp_rule"):
+        ft.grad(lambda x: torch.special.i0e(x).sum())(x3)
+    with pytest.raises(NotImplementedError, match=r"aten\.bessel_i0e\.default.*register_jvp_rule"):
+        ft.jvp(torch.special.i0e, (x3,), (x3,))
+
+
+def test_escaped_wrapper():
+    leaked = []
+    ft.grad(lambda x: leaked.append(x * 2) or (x**2).sum())(x3)
+    with pytest.raises(TransformError, match="after its .* call returned"):
+        leaked[0] + 1
