@@ -111,7 +111,13 @@ def _fill(func):
     register_vmap_rule(func)(fill_vmap_rule)
 
 
-for _op in (aten.fill.Scalar, aten.fill.Tensor, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
+for _op in (
+    aten.fill.Scalar,
+    aten.fill.Tensor,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+):
     _fill(_op)
 
 
@@ -137,10 +143,14 @@ for _op in (
 @register_vmap_rule(aten.broadcast_tensors.default)
 def broadcast_tensors_vmap_rule(interp, args, bdims, kwargs):
     tensors, bds = args[0], bdims[0]
-    shapes = [t.shape[:b] + t.shape[b + 1 :] if b is not None else t.shape for t, b in zip(tensors, bds)]
+    shapes = [
+        t.shape[:b] + t.shape[b + 1 :] if b is not None else t.shape for t, b in zip(tensors, bds)
+    ]
     shape = tuple(torch.broadcast_shapes(*shapes))
     outs = [
-        t.expand(shape) if b is None else pad_to(to_front(t, b), len(shape)).expand((t.shape[b], *shape))
+        t.expand(shape)
+        if b is None
+        else pad_to(to_front(t, b), len(shape)).expand((t.shape[b], *shape))
         for t, b in zip(tensors, bds)
     ]
     return tuple(outs), tuple(None if b is None else 0 for b in bds)

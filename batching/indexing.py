@@ -110,9 +110,7 @@ def _index_put(func):
         if inplace:
             x_phys = to_front(x, bdims[0])  # batched self (the interpreter checked it)
         # logical shape of x[indices]: the index block (rank R) plus the dims not indexed
-        consumed = sum(
-            i.dim() - (b is not None) for i, b in zip(indices, ibdims) if i is not None
-        )
+        consumed = sum(i.dim() - (b is not None) for i, b in zip(indices, ibdims) if i is not None)
         res_rank = R + n - consumed
         v = expand_front(values, bdims[2], interp.batch_size)
         v = pad_to(v, res_rank)

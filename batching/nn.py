@@ -37,7 +37,9 @@ def _broadcast_front(interp, tensors, bdims):
     """Batched tensors get their batch dim in front and all tensors get expanded to the
     common physical shape ``[B, *broadcast(logical shapes)]``."""
     B = interp.batch_size
-    shapes = [t.shape[:b] + t.shape[b + 1 :] if b is not None else t.shape for t, b in zip(tensors, bdims)]
+    shapes = [
+        t.shape[:b] + t.shape[b + 1 :] if b is not None else t.shape for t, b in zip(tensors, bdims)
+    ]
     logical = torch.broadcast_shapes(*shapes)
     out = []
     for t, b in zip(tensors, bdims):
@@ -52,7 +54,9 @@ def def_loss(op, reduction_pos, tensor_pos=(0, 1)):
     def loss_vmap_rule(interp, args, bdims, kwargs):
         a = list(args)
         reduction = a[reduction_pos] if len(a) > reduction_pos else kwargs.get("reduction", _MEAN)
-        fronted = _broadcast_front(interp, [a[k] for k in tensor_pos], [bdims[k] for k in tensor_pos])
+        fronted = _broadcast_front(
+            interp, [a[k] for k in tensor_pos], [bdims[k] for k in tensor_pos]
+        )
         for k, t in zip(tensor_pos, fronted):
             a[k] = t
         nd = fronted[0].dim() - 1
@@ -150,7 +154,17 @@ def convolution_vmap_rule(interp, args, bdims, kwargs):
     if wb is None:
         if xb is not None:
             x = to_front(x, xb)
-            out = conv(x.flatten(0, 1), w, bias if bb is None else None, stride, padding, dilation, transposed, output_padding, groups)
+            out = conv(
+                x.flatten(0, 1),
+                w,
+                bias if bb is None else None,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                groups,
+            )
             out = out.unflatten(0, (B, -1))
         else:
             out = conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
@@ -168,7 +182,9 @@ def convolution_vmap_rule(interp, args, bdims, kwargs):
         x = x.movedim(0, 1).flatten(1, 2)
     if bias is not None:
         bias = bias.repeat(B) if bb is None else to_front(bias, bb).flatten()
-    out = conv(x, w.flatten(0, 1), bias, stride, padding, dilation, transposed, output_padding, groups * B)
+    out = conv(
+        x, w.flatten(0, 1), bias, stride, padding, dilation, transposed, output_padding, groups * B
+    )
     return out.unflatten(1, (B, -1)), 1
 
 

@@ -62,9 +62,7 @@ class DifferentRandomnessMode(TorchDispatchMode):
         if _drawing.active:  # the draw of an inner mode, already batched for every level
             return func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags and not _has_tensor(args, kwargs):
-            levels = [
-                i for i in interpreter_stack() if isinstance(i, VmapInterpreter) and i.alive
-            ]
+            levels = [i for i in interpreter_stack() if isinstance(i, VmapInterpreter) and i.alive]
             for interp in levels:
                 if interp.randomness == "error":
                     raise_random(interp, func)
@@ -95,7 +93,9 @@ def _draw_with_batch_dims(func, args, kwargs, sizes):
         kw["size"] = [*sizes, *kwargs["size"]]
         return func(*args, **kw)
     # e.g. randperm(n): no size list; draw one per example and stack
-    out = torch.stack([_draw_with_batch_dims(func, args, kwargs, sizes[1:]) for _ in range(sizes[0])])
+    out = torch.stack(
+        [_draw_with_batch_dims(func, args, kwargs, sizes[1:]) for _ in range(sizes[0])]
+    )
     return out
 
 

@@ -91,7 +91,9 @@ def def_dim(op, pos, *, default=None):
 
 
 def _keepdim(op, args, kwargs):
-    return bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
+    return bool(
+        kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+    )
 
 
 # dim lists: (op, position of dim)
@@ -113,7 +115,15 @@ for _op, _pos in (
 ):
     def_dims(_op, _pos)
 
-_LAST_BY_DEFAULT = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable, aten.topk.default, aten.kthvalue.default, aten.mode.default}
+_LAST_BY_DEFAULT = {
+    aten.sort.default,
+    aten.sort.stable,
+    aten.argsort.default,
+    aten.argsort.stable,
+    aten.topk.default,
+    aten.kthvalue.default,
+    aten.mode.default,
+}
 
 # one dim: (op, position of dim)
 for _op, _pos in (

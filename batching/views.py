@@ -127,7 +127,9 @@ def cat_vmap_rule(interp, args, bdims, kwargs):
     dim = args[1] if len(args) > 1 else 0
     # legacy: cat skips 1-d empty tensors of any other rank
     keep = [
-        (t, b) for t, b in zip(tensors, bds) if not (t.dim() - (b is not None) == 1 and t.shape[-1] == 0 and n > 1)
+        (t, b)
+        for t, b in zip(tensors, bds)
+        if not (t.dim() - (b is not None) == 1 and t.shape[-1] == 0 and n > 1)
     ]
     return torch.cat(_list_front(interp, *zip(*keep)), wrap_dim(dim, n) + 1), 0
 

@@ -1,13 +1,13 @@
-"""Shared helpers of the batching tests: build inputs for an in_dims mix, compare with torch.vmap."""
+"""Helpers of the batching tests: build inputs for an in_dims mix, compare with torch.vmap."""
 
 import itertools
 import warnings
 
 import optree
 import torch
+from functransforms.batching import _tensor
 
 import functransforms as ft
-from functransforms.batching import _tensor
 from functransforms.errors import FallbackWarning
 
 B = 3

@@ -2,9 +2,9 @@ import warnings
 
 import pytest
 import torch
+from functransforms.batching import _tensor
 from hypothesis import settings
 
-from functransforms.batching import _tensor
 from functransforms.errors import FallbackWarning
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60)

@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
+from functransforms.batching import _tensor
 
 import functransforms as ft
-from functransforms.batching import _tensor
 from functransforms.errors import (
     DataDependentError,
     FallbackWarning,
@@ -57,9 +57,9 @@ def test_randomness_different_gives_different_rows(f):
 
 
 def test_randomness_different_nested_shapes():
-    out = ft.vmap(ft.vmap(lambda x: torch.randn(2) + x, randomness="different"), randomness="different")(
-        torch.zeros(4, 3)
-    )
+    out = ft.vmap(
+        ft.vmap(lambda x: torch.randn(2) + x, randomness="different"), randomness="different"
+    )(torch.zeros(4, 3))
     assert out.shape == (4, 3, 2)
     assert len({tuple(r.tolist()) for r in out.reshape(12, 2)}) == 12
 
@@ -103,7 +103,9 @@ def test_squeeze_inplace_via_vector_matmul():
 
 # -- error messages ---------------------------------------------------------------------------
 def test_mismatched_batch_sizes():
-    with pytest.raises(ValueError, match=r"same size along their in_dim.*shape \(3, 2\).*shape \(4, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"same size along their in_dim.*shape \(3, 2\).*shape \(4, 2\)"
+    ):
         ft.vmap(torch.add)(torch.randn(3, 2), torch.randn(4, 2))
 
 
@@ -118,7 +120,9 @@ def test_in_dims_wrong_type():
 
 
 def test_in_dim_out_of_range():
-    with pytest.raises(ValueError, match=r"in_dim=2, but it has 2 dims.*expected in_dim in \[-2, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"in_dim=2, but it has 2 dims.*expected in_dim in \[-2, 1\]"
+    ):
         ft.vmap(torch.sin, in_dims=2)(torch.randn(3, 4))
 
 
@@ -165,7 +169,9 @@ def test_op_without_rule_falls_back_with_warning(monkeypatch):
     op = torch.ops.aten._pdist_forward.default
     assert op not in ft.batching.VMAP_RULES
     f = lambda r, theta: torch.pdist(r * theta).sin()
-    with pytest.warns(FallbackWarning, match=r"no batching rule for aten\._pdist_forward\.default.*per-example"):
+    with pytest.warns(
+        FallbackWarning, match=r"no batching rule for aten\._pdist_forward\.default.*per-example"
+    ):
         out = ft.vmap(f, in_dims=(0, None))(r, theta)
     torch.testing.assert_close(out, torch.stack([f(x, theta) for x in r]))
     with warnings.catch_warnings():  # warned once per op
