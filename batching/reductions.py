@@ -178,3 +178,25 @@ def flip_vmap_rule(interp, args, bdims, kwargs):
     x = to_front(args[0], bdims[0])
     n = x.dim() - 1
     return aten.flip.default(x, [_shift(d, n) for d in args[1]]), 0
+
+
+@register_vmap_rule(aten.searchsorted.Tensor)
+def searchsorted_vmap_rule(interp, args, bdims, kwargs):
+    """A 1-d sorted sequence is shared by every element of ``self``; an N-d one pairs its
+    leading dims with ``self``'s, so the batch dim in front of both is one more leading dim."""
+    B = interp.batch_size
+    seq = args[0] if bdims[0] is None else to_front(args[0], bdims[0])
+    x = args[1] if bdims[1] is None else to_front(args[1], bdims[1])
+    kw = {k: v for k, v in kwargs.items() if k != "sorter" or v is None}
+    if "sorter" in kwargs and kwargs["sorter"] is not None:
+        raise NotImplementedError("vmap: searchsorted(..., sorter=...) has no batching rule")
+    if seq.dim() - (bdims[0] is not None) == 1:
+        if bdims[0] is None:
+            return aten.searchsorted.Tensor(seq, x, *args[2:], **kw), 0
+        xs = x.expand((B, *x.shape)) if bdims[1] is None else x
+        shape = xs.shape
+        out = aten.searchsorted.Tensor(seq, xs.reshape(B, -1), *args[2:], **kw)
+        return out.reshape(shape), 0
+    seq = seq.expand((B, *seq.shape)) if bdims[0] is None else seq
+    x = x.expand((B, *x.shape)) if bdims[1] is None else x
+    return aten.searchsorted.Tensor(seq.contiguous(), x.contiguous(), *args[2:], **kw), 0

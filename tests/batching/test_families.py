@@ -54,6 +54,11 @@ REDUCTIONS = {
     "sum_0d": (lambda x: x.sum(), [F()]),
     "softmax_0d": (lambda x: x.softmax(0), [F()]),
     "flip": (lambda x: x.flip(0, -1), [F(3, 4)]),
+    "searchsorted_1d": (lambda s, x: torch.searchsorted(s.sort()[0], x), [F(5), F(3, 2)]),
+    "searchsorted_nd": (
+        lambda s, x: torch.searchsorted(s.sort()[0], x, right=True),
+        [F(3, 5), F(3, 2)],
+    ),
     "median": (lambda x: x.median(1), [F(3, 5)]),
 }
 
