@@ -13,7 +13,10 @@ settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None
 settings.register_profile("dev", max_examples=20, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
 
 
 @pytest.fixture(params=_DEVICES)

@@ -27,28 +27,34 @@ def _apply(name, f, lib):
     if name == "grad":
         return grad(lambda x: f(x).sum())
     if name == "vjp":
+
         def g(x):
             out, fn = vjp(f, x)
             return fn(torch.ones_like(out))[0]
+
         return g
     if name == "jvp":
         return lambda x: jvp(f, (x,), (torch.cos(x),))[1]
     if name == "vmap":
+
         def g(x):
             ys = vmap(f)(torch.stack([x, 2 * x]))
             return ys[0] + 0.5 * ys[1]
+
         return g
     raise AssertionError(name)
 
 
 def base(x):
-    return torch.sin(x) * x.sum() + x ** 3
+    return torch.sin(x) * x.sum() + x**3
 
 
 NAMES = ("vmap", "grad", "vjp", "jvp")
-CHAINS = list(itertools.permutations(NAMES, 2)) + list(itertools.permutations(NAMES, 3)) + [
-    (a, a) for a in NAMES
-]
+CHAINS = (
+    list(itertools.permutations(NAMES, 2))
+    + list(itertools.permutations(NAMES, 3))
+    + [(a, a) for a in NAMES]
+)
 
 
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda c: "-".join(c))

@@ -15,7 +15,9 @@ def test_grad_of_non_scalar_output():
         ft.grad(lambda x: x * 2)(x3)
 
 
-@pytest.mark.parametrize("cast,dtype", [(lambda o: o.long(), "int64"), (lambda o: o * 1j, "complex128")])
+@pytest.mark.parametrize(
+    "cast,dtype", [(lambda o: o.long(), "int64"), (lambda o: o * 1j, "complex128")]
+)
 def test_grad_of_integer_or_complex_output(cast, dtype):
     with pytest.raises(TypeError, match=f"real floating-point output; got torch.{dtype}"):
         ft.grad(lambda x: cast((x * 2).sum()))(x3)
@@ -46,23 +48,33 @@ def test_out_of_range_in_dim(in_dim):
         ft.vmap(torch.sin, in_dims=in_dim)(torch.randn(3, 2))
 
 
-@pytest.mark.parametrize("f", [lambda x: x + torch.randn(2), lambda x: torch.rand_like(x)], ids=["randn", "rand_like"])
+@pytest.mark.parametrize(
+    "f", [lambda x: x + torch.randn(2), lambda x: torch.rand_like(x)], ids=["randn", "rand_like"]
+)
 def test_randomness_error(f):
     with pytest.raises(RandomnessError, match="randomness='error'.*randomness='different'"):
         ft.vmap(f)(torch.randn(3, 2))
     assert issubclass(RandomnessError, TransformError)
 
 
-@pytest.mark.parametrize("f", [lambda x: x.sum().item(), lambda x: x * 2 if x.sum() > 0 else x], ids=["item", "bool"])
+@pytest.mark.parametrize(
+    "f", [lambda x: x.sum().item(), lambda x: x * 2 if x.sum() > 0 else x], ids=["item", "bool"]
+)
 def test_data_dependent_under_vmap(f):
-    with pytest.raises(DataDependentError, match=r"reads a batched tensor as a Python value.*\.item\(\)"):
+    with pytest.raises(
+        DataDependentError, match=r"reads a batched tensor as a Python value.*\.item\(\)"
+    ):
         ft.vmap(f)(torch.randn(3, 2))
 
 
-@pytest.mark.parametrize("write", [lambda buf, x: buf.add_(x), lambda buf, x: buf.copy_(x)], ids=["add_", "copy_"])
+@pytest.mark.parametrize(
+    "write", [lambda buf, x: buf.add_(x), lambda buf, x: buf.copy_(x)], ids=["add_", "copy_"]
+)
 def test_inplace_batched_into_captured(write):
     buf = torch.zeros(2)
-    with pytest.raises(InplaceError, match="writes a batched value in place into a tensor that is not batched"):
+    with pytest.raises(
+        InplaceError, match="writes a batched value in place into a tensor that is not batched"
+    ):
         ft.vmap(lambda x: write(buf, x))(torch.randn(3, 2))
     assert torch.equal(buf, torch.zeros(2))
 

@@ -12,7 +12,9 @@ from functransforms.testing import check_grads, check_vmap
 
 
 def test_import_does_not_need_hypothesis():
-    code = "import sys, functransforms, functransforms.testing; assert 'hypothesis' not in sys.modules"
+    code = (
+        "import sys, functransforms, functransforms.testing; assert 'hypothesis' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -31,8 +33,11 @@ def test_complex_vjp_convention_matches_torch_func():
     check_grads(lambda x: x.sin() * (1 + 2j) + x * x, (torch.randn(3, dtype=torch.float64),))
 
 
-@pytest.mark.xfail(strict=True, reason="torch.complex(re, im) under jvp raises InplaceError "
-                   "(aten.copy_ into a fresh output tensor)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.complex(re, im) under jvp raises InplaceError "
+    "(aten.copy_ into a fresh output tensor)",
+)
 def test_torch_complex_under_jvp():
     check_grads(lambda x: torch.complex(x.sin(), x * x), (torch.randn(3, dtype=torch.float64),))
 
@@ -44,8 +49,11 @@ def test_check_grads_higher_order_and_mixed_args():
     check_grads(lambda a, b, i: (a.sin() * b)[i].exp(), (a, b, idx), order=1)
 
 
-@pytest.mark.xfail(strict=True, reason="no jvp rule for aten.index_put.default, so second-order "
-                   "derivatives through advanced indexing (jvp of the index vjp) fail")
+@pytest.mark.xfail(
+    strict=True,
+    reason="no jvp rule for aten.index_put.default, so second-order "
+    "derivatives through advanced indexing (jvp of the index vjp) fail",
+)
 def test_second_order_through_advanced_indexing():
     a, idx = torch.randn(3, dtype=torch.float64), torch.tensor([2, 0])
     check_grads(lambda a: a.sin()[idx].exp(), (a,), order=2)
@@ -80,7 +88,11 @@ def test_check_vmap_none_negative_and_pytrees():
     x, w = torch.randn(4, 3), torch.randn(3)
     check_vmap(lambda x, w: {"a": x @ w, "b": (x * w, x.sum())}, (x, w), in_dims=(0, None))
     check_vmap(lambda x, w: x * w, (x.T, w), in_dims=(-1, None), out_dims=-1)
-    check_vmap(lambda p: p["x"].sum() * p["w"], ({"x": x, "w": w[:, None].expand(3, 4)},), in_dims=({"x": 0, "w": 1},))
+    check_vmap(
+        lambda p: p["x"].sum() * p["w"],
+        ({"x": x, "w": w[:, None].expand(3, 4)},),
+        in_dims=({"x": 0, "w": 1},),
+    )
 
 
 def test_check_vmap_detects_a_difference():

@@ -36,15 +36,13 @@ def _rand_like(x, gen):
 
 
 def _inner(us, vs) -> torch.Tensor:
-    """Real inner product of two lists of tensors: sum Re(conj(u) * v) (Note [Complex dot-product test])."""
+    """Real inner product of lists of tensors: sum Re(conj(u) * v) (Note [Complex dot-product test])."""
     total = torch.zeros((), dtype=torch.float64)
     for u, v in zip(us, vs):
         if u is None or v is None or not _is_diff(u) or not _is_diff(v):
             continue
-        p = torch.conj(u.to(torch.complex128)) * v.to(torch.complex128) if (
-            u.dtype.is_complex or v.dtype.is_complex
-        ) else u.double() * v.double()
-        total = total + p.real.sum().cpu() if p.is_complex() else total + p.sum().cpu()
+        p = torch.conj(u.to(torch.complex128)) * v.to(torch.complex128)
+        total = total + p.real.sum().cpu()
     return total
 
 
@@ -54,7 +52,9 @@ def _numerical_jvp(f, args, tangents, eps):
         return pt.tree_leaves(f(*moved))
 
     plus, minus = shifted(1.0), shifted(-1.0)
-    return [(p - m) / (2 * eps) if _is_diff(p) else torch.zeros_like(p) for p, m in zip(plus, minus)]
+    return [
+        (p - m) / (2 * eps) if _is_diff(p) else torch.zeros_like(p) for p, m in zip(plus, minus)
+    ]
 
 
 def _assert_close(ours, ref, atol, rtol, what):
@@ -116,10 +116,11 @@ def _check_vjp(f, args, gen, eps, atol, rtol, use_fwd):
     lhs = _inner(cts, jt)
     rhs = _inner(list(ct_in), tangents)
     scale = max(lhs.abs().item(), rhs.abs().item(), 1.0)
+    source = "our jvp" if use_fwd else "finite differences"
     if not abs(lhs.item() - rhs.item()) <= atol + rtol * scale:
         raise AssertionError(
             f"check_grads({_name(f)}): vjp fails the dot-product test <c, J t> = <J^T c, t>: "
-            f"<c, J t> = {lhs.item():.10g} (J t from {'our jvp' if use_fwd else 'finite differences'}) "
+            f"<c, J t> = {lhs.item():.10g} (J t from {source}) "
             f"but <vjp(c), t> = {rhs.item():.10g} (difference {abs(lhs.item() - rhs.item()):.3g}, "
             f"atol={atol}, rtol={rtol})."
         )
@@ -155,7 +156,9 @@ def check_grads(f, args, order=1, modes=("fwd", "rev"), eps=1e-6, atol=1e-5, rto
         modes = (modes,)
     bad = [m for m in modes if m not in _MODES]
     if bad or not modes:
-        raise ValueError(f"check_grads(f, args, modes={modes!r}): expected a non-empty subset of {_MODES}.")
+        raise ValueError(
+            f"check_grads(f, args, modes={modes!r}): expected a non-empty subset of {_MODES}."
+        )
     if not isinstance(order, int) or order < 1:
         raise ValueError(f"check_grads(f, args, order={order!r}): expected a positive int.")
     if not isinstance(args, (tuple, list)):
@@ -185,7 +188,9 @@ def _check(f, args, order, modes, eps, atol, rtol, gen):
                 return jvp(g, tuple(prim[i] for i in diff), tuple(tans))[1]
 
             f_jvp.__name__ = f"jvp({_name(f)})"
-            _check(f_jvp, args + [tangents[i] for i in diff], order - 1, modes, eps, atol, rtol, gen)
+            _check(
+                f_jvp, args + [tangents[i] for i in diff], order - 1, modes, eps, atol, rtol, gen
+            )
     if "rev" in modes:
         cts = _check_vjp(f, args, gen, eps, atol, rtol, "fwd" in modes)
         if order > 1:
@@ -193,7 +198,11 @@ def _check(f, args, order, modes, eps, atol, rtol, gen):
 
             def f_vjp(*xs):
                 _, fn = vjp(f, *xs[:n])
-                return tuple(c for c, a in zip(fn(pt.tree_unflatten(spec, list(xs[n:]))), xs[:n]) if _is_diff(a))
+                return tuple(
+                    c
+                    for c, a in zip(fn(pt.tree_unflatten(spec, list(xs[n:]))), xs[:n])
+                    if _is_diff(a)
+                )
 
             f_vjp.__name__ = f"vjp({_name(f)})"
             _check(f_vjp, args + cts, order - 1, modes, eps, atol, rtol, gen)
@@ -229,7 +238,9 @@ def check_vmap(f, args, in_dims=0, out_dims=0, *, atol=1e-6, rtol=1e-5, randomne
     )
     sizes = {x.shape[d] for x, d in zip(flat_args, flat_dims) if d is not None}
     if len(sizes) != 1:
-        raise ValueError(f"{call}: expected the mapped inputs to share one batch size; got {sorted(sizes)}.")
+        raise ValueError(
+            f"{call}: expected the mapped inputs to share one batch size; got {sorted(sizes)}."
+        )
     (batch,) = sizes
     ours = vmap(f, in_dims, out_dims, randomness=randomness)(*args)
     per_example = []

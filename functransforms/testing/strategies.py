@@ -23,9 +23,9 @@ _COMPLEX = (torch.complex64, torch.complex128)
 
 def shapes(min_dims=0, max_dims=3, min_side=1, max_side=4):
     """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``min_side..max_side``."""
-    return st.lists(
-        st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims
-    ).map(tuple)
+    return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(
+        tuple
+    )
 
 
 def dtypes(include_complex=True, include_float32=True):
@@ -46,8 +46,15 @@ def devices():
 
 
 @st.composite
-def tensors(draw, shape=None, dtype=torch.float64, device="cpu", min_value=-3.0, max_value=3.0,
-            elements=None):
+def tensors(
+    draw,
+    shape=None,
+    dtype=torch.float64,
+    device="cpu",
+    min_value=-3.0,
+    max_value=3.0,
+    elements=None,
+):
     """Tensors with finite, bounded values.
 
     Args:
@@ -66,7 +73,9 @@ def tensors(draw, shape=None, dtype=torch.float64, device="cpu", min_value=-3.0,
         n *= s
     if dtype.is_floating_point or dtype.is_complex:
         width = 32 if dtype in (torch.float32, torch.complex64) else 64
-        el = elements or st.floats(min_value, max_value, allow_nan=False, allow_infinity=False, width=width)
+        el = elements or st.floats(
+            min_value, max_value, allow_nan=False, allow_infinity=False, width=width
+        )
     elif dtype == torch.bool:
         el = elements or st.booleans()
     else:

@@ -44,6 +44,7 @@ def compare_with_torch_func(f, args, *, grads=True, order=1, check=True):
     assert_trees_close(vjp_fn(cts), vjp_ref(cts))
 
     if grads:
+
         def s(*d):
             o = g(*d)
             o = o.real if o.is_complex() else o

@@ -14,7 +14,7 @@ FUNCS = {
     "sin_sq_sum": lambda x: (x.sin() ** 2).sum(),
     "tanh_mean": lambda x: torch.tanh(x * 1.5).mean(),
     "softmax_dot": lambda x: (torch.softmax(x.flatten(), 0) * x.flatten()).sum(),
-    "exp_norm": lambda x: torch.exp(-(x * x).sum()) + (x ** 3).sum(),
+    "exp_norm": lambda x: torch.exp(-(x * x).sum()) + (x**3).sum(),
     "logsumexp": lambda x: torch.logsumexp(x.flatten(), 0),
 }
 VECTOR_FUNCS = {
@@ -22,7 +22,9 @@ VECTOR_FUNCS = {
     "cumsum_tanh": lambda x: torch.tanh(x).cumsum(-1),
     "outer_sum": lambda x: (x.unsqueeze(-1) * x.unsqueeze(-2)).sum(-1),
 }
-real_tensors = fts.tensors(shape=fts.shapes(min_dims=1, max_dims=2, max_side=3), min_value=-2, max_value=2)
+real_tensors = fts.tensors(
+    shape=fts.shapes(min_dims=1, max_dims=2, max_side=3), min_value=-2, max_value=2
+)
 
 
 @given(x=real_tensors, name=st.sampled_from(sorted(VECTOR_FUNCS)))
@@ -40,14 +42,22 @@ def test_complex_holomorphic_first_order(x):
     check_grads(lambda z: z.sin() * z + z.exp(), (x,), order=1)
 
 
-@given(x=fts.tensors(shape=fts.shapes(min_dims=1, max_dims=2, max_side=3), min_value=-1.5, max_value=1.5),
-       name=st.sampled_from(sorted(FUNCS)))
+@given(
+    x=fts.tensors(
+        shape=fts.shapes(min_dims=1, max_dims=2, max_side=3), min_value=-1.5, max_value=1.5
+    ),
+    name=st.sampled_from(sorted(FUNCS)),
+)
 def test_second_order(x, name):
     check_grads(FUNCS[name], (x,), order=2)
 
 
-@given(xs=fts.tensors(shape=st.tuples(st.integers(1, 4), st.integers(1, 3)), min_value=-2, max_value=2),
-       name=st.sampled_from(sorted(FUNCS)))
+@given(
+    xs=fts.tensors(
+        shape=st.tuples(st.integers(1, 4), st.integers(1, 3)), min_value=-2, max_value=2
+    ),
+    name=st.sampled_from(sorted(FUNCS)),
+)
 def test_vmap_of_grad_is_per_example_grad(xs, name):
     f = FUNCS[name]
     batched = ft.vmap(ft.grad(f))(xs)
@@ -63,17 +73,30 @@ def test_jvp_of_grad_is_hvp(x, name, data):
     hvp = ft.jvp(ft.grad(f), (x,), (v,))[1]
     ref = torch.func.jvp(torch.func.grad(f), (x,), (v,))[1]
     torch.testing.assert_close(hvp, ref)
-    torch.testing.assert_close(hvp, ft.hessian(f)(x).reshape(x.numel(), x.numel()).mv(v.flatten()).reshape(x.shape))
+    torch.testing.assert_close(
+        hvp, ft.hessian(f)(x).reshape(x.numel(), x.numel()).mv(v.flatten()).reshape(x.shape)
+    )
 
 
-@given(x=fts.tensors(shape=(3, 2)), y=fts.tensors(shape=(2,)),
-       in_dims=st.sampled_from([(0, None), (-2, None), (1, None), (-1, 0), (None, 0)]))
+@given(
+    x=fts.tensors(shape=(3, 2)),
+    y=fts.tensors(shape=(2,)),
+    in_dims=st.sampled_from([(0, None), (-2, None), (1, None), (-1, 0), (None, 0)]),
+)
 def test_vmap_matches_loop_for_in_dims_mix(x, y, in_dims):
-    y = y if in_dims[1] is None else x[:, 0][: x.shape[in_dims[0] or 0]] if in_dims[0] is not None else y
+    y = (
+        y
+        if in_dims[1] is None
+        else x[:, 0][: x.shape[in_dims[0] or 0]]
+        if in_dims[0] is not None
+        else y
+    )
     if in_dims == (-1, 0):
         y = x[0]  # [2], mapped with x's last dim (size 2)
     check_vmap(lambda a, b: a * b.sum() + b.mean(), (x, y), in_dims=in_dims, out_dims=0)
-    check_vmap(lambda a, b: (a.sin(), {"s": a.sum() * b.sum()}), (x, y), in_dims=in_dims, out_dims=(-1, 0))
+    check_vmap(
+        lambda a, b: (a.sin(), {"s": a.sum() * b.sum()}), (x, y), in_dims=in_dims, out_dims=(-1, 0)
+    )
 
 
 def test_check_grads_catches_wrong_rule():

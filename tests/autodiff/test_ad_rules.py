@@ -9,14 +9,28 @@ import functransforms as ft
 
 # (name, function, argument factory). Each runs jvp / vjp / grad vs torch.func and check_grads.
 UNARY = [
-    ("sin", torch.sin), ("cos", torch.cos), ("tan", torch.tan), ("exp", torch.exp),
-    ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("neg", torch.neg),
-    ("square", torch.square), ("reciprocal", lambda x: torch.reciprocal(x + 4.0)),
-    ("log", lambda x: torch.log(x * x + 0.5)), ("sqrt", lambda x: torch.sqrt(x * x + 1.0)),
+    ("sin", torch.sin),
+    ("cos", torch.cos),
+    ("tan", torch.tan),
+    ("exp", torch.exp),
+    ("tanh", torch.tanh),
+    ("sigmoid", torch.sigmoid),
+    ("neg", torch.neg),
+    ("square", torch.square),
+    ("reciprocal", lambda x: torch.reciprocal(x + 4.0)),
+    ("log", lambda x: torch.log(x * x + 0.5)),
+    ("sqrt", lambda x: torch.sqrt(x * x + 1.0)),
     ("rsqrt", lambda x: torch.rsqrt(x * x + 1.0)),
-    ("relu", lambda x: F.relu(x + 0.05)), ("gelu", F.gelu), ("silu", F.silu), ("softplus", F.softplus),
-    ("log1p", lambda x: torch.log1p(x * x)), ("expm1", torch.expm1), ("erf", torch.erf),
-    ("atan", torch.atan), ("pow_scalar", lambda x: x ** 3), ("pow_frac", lambda x: (x * x + 1) ** 1.5),
+    ("relu", lambda x: F.relu(x + 0.05)),
+    ("gelu", F.gelu),
+    ("silu", F.silu),
+    ("softplus", F.softplus),
+    ("log1p", lambda x: torch.log1p(x * x)),
+    ("expm1", torch.expm1),
+    ("erf", torch.erf),
+    ("atan", torch.atan),
+    ("pow_scalar", lambda x: x**3),
+    ("pow_frac", lambda x: (x * x + 1) ** 1.5),
 ]
 
 
@@ -26,9 +40,13 @@ def test_unary(name, f, device):
 
 
 COMPLEX_UNARY = [
-    ("sin", torch.sin), ("exp", torch.exp), ("mul_self", lambda z: z * z),
-    ("mul_const", lambda z: z * (2 - 1j)), ("div", lambda z: z / (z * z + 3)),
-    ("sum", lambda z: (z * z).sum()), ("matmul", lambda z: z @ z.T),
+    ("sin", torch.sin),
+    ("exp", torch.exp),
+    ("mul_self", lambda z: z * z),
+    ("mul_const", lambda z: z * (2 - 1j)),
+    ("div", lambda z: z / (z * z + 3)),
+    ("sum", lambda z: (z * z).sum()),
+    ("matmul", lambda z: z @ z.T),
 ]
 
 
@@ -39,29 +57,48 @@ def test_complex_unary(name, f):
 
 @pytest.mark.xfail(strict=True, reason="jvp of z * z.conj() on complex input gives a wrong tangent")
 def test_complex_conj_product_jvp():
-    compare_with_torch_func(lambda z: z * z.conj(), (randn(3, dtype=torch.complex128),), check=False)
+    compare_with_torch_func(
+        lambda z: z * z.conj(), (randn(3, dtype=torch.complex128),), check=False
+    )
 
 
-@pytest.mark.xfail(strict=True, reason="no jvp rule for abs (aten.abs decomposes to prims.abs, which has "
-                   "none; the error also mislabels prims.abs as aten.abs.default)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="no jvp rule for abs (aten.abs decomposes to prims.abs, which has "
+    "none; the error also mislabels prims.abs as aten.abs.default)",
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_abs(dtype):
     compare_with_torch_func(lambda x: torch.abs(x + 0.05), (randn(3, 4, dtype=dtype),))
 
 
-@pytest.mark.xfail(strict=True, reason="jvp-of-vjp (second order) wrong for complex inputs: "
-                   "jvp(lambda z, c: vjp(z*z)(c)) disagrees with torch.func")
+@pytest.mark.xfail(
+    strict=True,
+    reason="jvp-of-vjp (second order) wrong for complex inputs: "
+    "jvp(lambda z, c: vjp(z*z)(c)) disagrees with torch.func",
+)
 def test_complex_second_order():
     from functransforms.testing import check_grads
 
     check_grads(lambda z: z * z, (randn(3, dtype=torch.complex128),), order=2)
 
 
-BINARY_SHAPES = [((3, 4), (3, 4)), ((3, 4), (4,)), ((3, 1), (1, 4)), ((2, 3, 4), (3, 1)), ((), (3,))]
+BINARY_SHAPES = [
+    ((3, 4), (3, 4)),
+    ((3, 4), (4,)),
+    ((3, 1), (1, 4)),
+    ((2, 3, 4), (3, 1)),
+    ((), (3,)),
+]
 BINARY = [
-    ("add", torch.add), ("sub", torch.sub), ("mul", torch.mul),
-    ("div", lambda a, b: a / (b * b + 1)), ("pow", lambda a, b: (a * a + 1) ** b),
-    ("maximum", torch.maximum), ("minimum", torch.minimum), ("atan2", torch.atan2),
+    ("add", torch.add),
+    ("sub", torch.sub),
+    ("mul", torch.mul),
+    ("div", lambda a, b: a / (b * b + 1)),
+    ("pow", lambda a, b: (a * a + 1) ** b),
+    ("maximum", torch.maximum),
+    ("minimum", torch.minimum),
+    ("atan2", torch.atan2),
     ("add_alpha", lambda a, b: torch.add(a, b, alpha=2.5)),
 ]
 
@@ -73,16 +110,24 @@ def test_binary_broadcasting(name, f, shapes):
 
 
 def test_binary_with_python_scalar():
-    compare_with_torch_func(lambda x: 2.0 * x - 1.5 / (x * x + 1) + x ** 2, (randn(4),))
+    compare_with_torch_func(lambda x: 2.0 * x - 1.5 / (x * x + 1) + x**2, (randn(4),))
 
 
 REDUCTIONS = [
-    ("sum", lambda x: x.sum()), ("sum_dim", lambda x: x.sum(1)), ("sum_keep", lambda x: x.sum((0, 2), keepdim=True)),
-    ("mean", lambda x: x.mean(-1)), ("mean_keep", lambda x: x.mean(0, keepdim=True)),
-    ("prod", lambda x: x.prod(1)), ("amax", lambda x: x.amax(1)), ("max_dim", lambda x: x.max(2).values),
-    ("min_dim_keep", lambda x: x.min(0, keepdim=True).values), ("var", lambda x: x.var(1)),
-    ("std", lambda x: x.std(-1)), ("logsumexp", lambda x: torch.logsumexp(x, 1)),
-    ("norm", lambda x: torch.linalg.vector_norm(x, dim=-1)), ("cumsum", lambda x: x.cumsum(1)),
+    ("sum", lambda x: x.sum()),
+    ("sum_dim", lambda x: x.sum(1)),
+    ("sum_keep", lambda x: x.sum((0, 2), keepdim=True)),
+    ("mean", lambda x: x.mean(-1)),
+    ("mean_keep", lambda x: x.mean(0, keepdim=True)),
+    ("prod", lambda x: x.prod(1)),
+    ("amax", lambda x: x.amax(1)),
+    ("max_dim", lambda x: x.max(2).values),
+    ("min_dim_keep", lambda x: x.min(0, keepdim=True).values),
+    ("var", lambda x: x.var(1)),
+    ("std", lambda x: x.std(-1)),
+    ("logsumexp", lambda x: torch.logsumexp(x, 1)),
+    ("norm", lambda x: torch.linalg.vector_norm(x, dim=-1)),
+    ("cumsum", lambda x: x.cumsum(1)),
 ]
 
 
@@ -92,13 +137,24 @@ def test_reductions(name, f):
 
 
 VIEWS = [
-    ("reshape", lambda x: x.reshape(4, 6)), ("view", lambda x: x.view(-1)), ("permute", lambda x: x.permute(2, 0, 1)),
-    ("transpose", lambda x: x.transpose(0, 2)), ("T", lambda x: x[0].T), ("unsqueeze", lambda x: x.unsqueeze(1)),
-    ("squeeze", lambda x: x[:, :1].squeeze(1)), ("expand", lambda x: x[:, :1].expand(2, 5, 4)),
-    ("slice", lambda x: x[:, 1:3, ::2]), ("select", lambda x: x[1, :, -1]), ("flatten", lambda x: x.flatten(1)),
-    ("index_tensor", lambda x: x[torch.tensor([1, 0, 1])]), ("narrow", lambda x: x.narrow(2, 1, 2)),
-    ("movedim", lambda x: x.movedim(0, -1)), ("flip", lambda x: x.flip(1)), ("repeat", lambda x: x.repeat(1, 2, 1)),
-    ("diagonal", lambda x: x.diagonal(0, 1, 2)), ("contiguous", lambda x: x.transpose(0, 1).contiguous()),
+    ("reshape", lambda x: x.reshape(4, 6)),
+    ("view", lambda x: x.view(-1)),
+    ("permute", lambda x: x.permute(2, 0, 1)),
+    ("transpose", lambda x: x.transpose(0, 2)),
+    ("T", lambda x: x[0].T),
+    ("unsqueeze", lambda x: x.unsqueeze(1)),
+    ("squeeze", lambda x: x[:, :1].squeeze(1)),
+    ("expand", lambda x: x[:, :1].expand(2, 5, 4)),
+    ("slice", lambda x: x[:, 1:3, ::2]),
+    ("select", lambda x: x[1, :, -1]),
+    ("flatten", lambda x: x.flatten(1)),
+    ("index_tensor", lambda x: x[torch.tensor([1, 0, 1])]),
+    ("narrow", lambda x: x.narrow(2, 1, 2)),
+    ("movedim", lambda x: x.movedim(0, -1)),
+    ("flip", lambda x: x.flip(1)),
+    ("repeat", lambda x: x.repeat(1, 2, 1)),
+    ("diagonal", lambda x: x.diagonal(0, 1, 2)),
+    ("contiguous", lambda x: x.transpose(0, 1).contiguous()),
 ]
 
 
@@ -108,10 +164,14 @@ def test_views(name, f):
 
 
 MATMUL = [
-    ("matmul_mv", lambda a, b: a @ b[:, 0], (3, 4), (4, 2)), ("mm", torch.mm, (3, 4), (4, 2)),
-    ("bmm", torch.bmm, (2, 3, 4), (2, 4, 5)), ("matmul_bcast", torch.matmul, (2, 3, 4), (4, 5)),
-    ("dot", torch.dot, (4,), (4,)), ("einsum", lambda a, b: torch.einsum("ij,jk->ik", a, b), (3, 4), (4, 2)),
-    ("outer", torch.outer, (3,), (4,)), ("linear", lambda a, b: F.linear(a, b), (3, 4), (5, 4)),
+    ("matmul_mv", lambda a, b: a @ b[:, 0], (3, 4), (4, 2)),
+    ("mm", torch.mm, (3, 4), (4, 2)),
+    ("bmm", torch.bmm, (2, 3, 4), (2, 4, 5)),
+    ("matmul_bcast", torch.matmul, (2, 3, 4), (4, 5)),
+    ("dot", torch.dot, (4,), (4,)),
+    ("einsum", lambda a, b: torch.einsum("ij,jk->ik", a, b), (3, 4), (4, 2)),
+    ("outer", torch.outer, (3,), (4,)),
+    ("linear", lambda a, b: F.linear(a, b), (3, 4), (5, 4)),
 ]
 
 
@@ -144,18 +204,26 @@ def test_cat_stack_split():
     a, b = randn(2, 3), randn(4, 3)
     compare_with_torch_func(lambda a, b: torch.cat([a, b * 2]), (a, b))
     compare_with_torch_func(lambda a, b: torch.stack([a, b[:2]], 1), (a, b))
-    compare_with_torch_func(lambda b: sum(p.sum(0) * (i + 1) for i, p in enumerate(b.split(2))), (b,))
+    compare_with_torch_func(
+        lambda b: sum(p.sum(0) * (i + 1) for i, p in enumerate(b.split(2))), (b,)
+    )
     compare_with_torch_func(lambda b: b.chunk(3, 1)[1] * b.unbind(1)[0][:, None], (b,))
 
 
-@pytest.mark.xfail(strict=True, reason="std/var with keepdim=True on a non-last-but-one layout: "
-                   "x.std(-1, keepdim=True) on [2, 3, 4] raises a broadcasting RuntimeError in jvp/vjp")
+@pytest.mark.xfail(
+    strict=True,
+    reason="std/var with keepdim=True on a non-last-but-one layout: "
+    "x.std(-1, keepdim=True) on [2, 3, 4] raises a broadcasting RuntimeError in jvp/vjp",
+)
 def test_std_keepdim():
     compare_with_torch_func(lambda x: x.std(-1, keepdim=True), (randn(2, 3, 4),))
 
 
-@pytest.mark.xfail(strict=True, reason="vjp of aten.index.Tensor with a leading None index (x[:, idx]) "
-                   "raises TypeError: the rule does not handle None entries in indices")
+@pytest.mark.xfail(
+    strict=True,
+    reason="vjp of aten.index.Tensor with a leading None index (x[:, idx]) "
+    "raises TypeError: the rule does not handle None entries in indices",
+)
 def test_index_tensor_with_slice_prefix():
     compare_with_torch_func(lambda x: x[:, torch.tensor([0, 2, 2])], (randn(2, 3, 4),))
 
@@ -175,8 +243,11 @@ def test_inplace_on_wrappers_jvp():
     torch.testing.assert_close(t, t_ref)
 
 
-@pytest.mark.xfail(strict=True, reason="grad/vjp: z = x.clone(); z.mul_(y) raises NotImplementedError "
-                   "claiming z shares memory with another tensor (a clone aliases nothing)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="grad/vjp: z = x.clone(); z.mul_(y) raises NotImplementedError "
+    "claiming z shares memory with another tensor (a clone aliases nothing)",
+)
 def test_inplace_on_wrappers():
     def f(x, y):
         z = x.clone()
@@ -189,8 +260,11 @@ def test_inplace_on_wrappers():
     compare_with_torch_func(f, (randn(3, 4), randn(3, 4)))
 
 
-@pytest.mark.xfail(strict=True, reason="differs from torch.func: writing a differentiated value into a "
-                   "buffer created inside grad/jvp (buf = zeros(); buf[1] = f(x)) raises InplaceError")
+@pytest.mark.xfail(
+    strict=True,
+    reason="differs from torch.func: writing a differentiated value into a "
+    "buffer created inside grad/jvp (buf = zeros(); buf[1] = f(x)) raises InplaceError",
+)
 def test_inplace_into_fresh_buffer():
     def f(x):
         buf = torch.zeros(3, 4, dtype=x.dtype)
