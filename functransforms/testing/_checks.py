@@ -36,7 +36,7 @@ def _rand_like(x, gen):
 
 
 def _inner(us, vs) -> torch.Tensor:
-    """Real inner product of lists of tensors: sum Re(conj(u) * v) (Note [Complex dot-product test])."""
+    """Real inner product sum Re(conj(u) * v) over lists (Note [Complex dot-product test])."""
     total = torch.zeros((), dtype=torch.float64)
     for u, v in zip(us, vs):
         if u is None or v is None or not _is_diff(u) or not _is_diff(v):
