@@ -77,7 +77,7 @@ class LinearOperator:
         unitary: bool = False,
         check: bool = False,
     ):
-        self._shape = torch.Size(shape)
+        self._shape = shape if type(shape) is torch.Size else torch.Size(shape)
         self._dtype = dtype
         self._device = device
         self.symmetric = bool(symmetric or positive_definite)
@@ -423,13 +423,23 @@ class LinearOperator:
 
     def _slogdet(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.positive_definite:
-            L = self._cholesky()
-            logabs = 2 * L._slogdet()[1]
+            logabs = self._dense_logdet_pd()
             return torch.ones_like(logabs), logabs
         if self.lower or self.upper:
             d = self._diagonal()
             return _sign_prod(d), d.abs().log().sum(-1)
         return torch.linalg.slogdet(self._to_dense())
+
+    def _logdet_pd(self, scale=1) -> torch.Tensor:
+        """``scale * log det`` of a positive definite operator (no sign bookkeeping)."""
+        if type(self)._slogdet is not LinearOperator._slogdet:
+            out = self._slogdet()[1]
+            return out if scale == 1 else scale * out
+        return self._dense_logdet_pd(scale)
+
+    def _dense_logdet_pd(self, scale=1) -> torch.Tensor:
+        L = dense_cholesky(self._to_dense(), self)
+        return (2 * scale) * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
 
     def _cholesky(self) -> LinearOperator:
         from ._dense import TriangularOperator
@@ -461,31 +471,40 @@ class LinearOperator:
     # ----------------------------------------------------------------- torch integration
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from ._dispatch import torch_function
+        return _route(func, args, kwargs or {})
 
-        return torch_function(func, args, kwargs or {})
+
+def _route(func, args, kwargs):
+    # Bound on first use (the dispatch table imports every operator module).
+    global _route
+    from ._dispatch import torch_function
+
+    _route = torch_function
+    return torch_function(func, args, kwargs)
 
 
 def dense_cholesky(A: torch.Tensor, op: Any = None, max_tries: int = 6) -> torch.Tensor:
     """Cholesky of a dense PD matrix, retrying with increasing jitter (and warning) on failure.
 
-    Under `vmap` the failure flag cannot be read (data-dependent control flow); then the
-    factorization is returned as is.
+    Inside a transform that cannot read the failure flag (vmap), the factorization is returned
+    without the check (data-dependent control flow).
     """
-    L, info = torch.linalg.cholesky_ex(A)
-    failed = _try_bool(info.ne(0).any())
-    if not failed:
-        return L
+    try:
+        return torch.linalg.cholesky(A)
+    except torch.linalg.LinAlgError:
+        pass
+    except RuntimeError:  # the check itself cannot run here (a transform's data-dependent error)
+        return torch.linalg.cholesky_ex(A)[0]
     import warnings
 
-    diag_mean = A.diagonal(dim1=-2, dim2=-1).abs().mean(-1, keepdim=True).detach()
+    name = type(op).__name__ if op is not None else "tensor"
+    diag_mean = A.detach().diagonal(dim1=-2, dim2=-1).abs().mean(-1)
     scale = float(diag_mean.max()) if diag_mean.numel() else 1.0
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    jitter = 1e-8 * scale if A.dtype == torch.float64 else 1e-5 * scale
+    jitter = (1e-8 if A.dtype == torch.float64 else 1e-5) * (scale or 1.0)
     for _ in range(max_tries):
         L, info = torch.linalg.cholesky_ex(A + jitter * eye)
         if not _try_bool(info.ne(0).any()):
-            name = type(op).__name__ if op is not None else "tensor"
             warnings.warn(
                 f"cholesky({name}): the matrix is not numerically positive definite; "
                 f"added jitter {jitter:.3g} * I to the diagonal.",
@@ -494,9 +513,9 @@ def dense_cholesky(A: torch.Tensor, op: Any = None, max_tries: int = 6) -> torch
             return L
         jitter *= 10
     raise ValueError(
-        f"cholesky({type(op).__name__ if op is not None else 'tensor'}): the matrix is not "
-        f"positive definite even with jitter {jitter / 10:.3g} * I. Declare it without "
-        "positive_definite=True to use LU-based algorithms, or check its construction."
+        f"cholesky({name}): the matrix is not positive definite even with jitter "
+        f"{jitter / 10:.3g} * I. Declare it without positive_definite=True to use LU-based "
+        "algorithms, or check its construction."
     )
 
 
@@ -564,11 +583,27 @@ LinearOperator._from_children = classmethod(_from_children)
 
 
 def broadcast_batch(*shapes) -> torch.Size:
-    """Broadcast batch shapes, with a readable error."""
-    try:
-        return torch.broadcast_shapes(*shapes)
-    except RuntimeError as e:
-        raise ValueError(f"incompatible batch shapes {[tuple(s) for s in shapes]}: {e}") from None
+    """Broadcast batch shapes (pure Python: `torch.broadcast_shapes` imports sympy on first use,
+    half a second of cold start)."""
+    if not any(shapes):
+        return _EMPTY
+    if len(shapes) == 1 or all([s == shapes[0] for s in shapes[1:]]):
+        return torch.Size(shapes[0])
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for s in shapes:
+        for i, d in enumerate(s, ndim - len(s)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise ValueError(
+                        f"incompatible batch shapes {[tuple(x) for x in shapes]}: they do not "
+                        "broadcast (sizes must match or be 1, aligned from the right)."
+                    )
+                out[i] = d
+    return torch.Size(out)
+
+
+_EMPTY = torch.Size()
 
 
 def prod(xs) -> int:

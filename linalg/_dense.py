@@ -63,6 +63,12 @@ class DenseOperator(LinearOperator):
     def _diagonal(self):
         return self.A.diagonal(dim1=-2, dim2=-1)
 
+    def _half_logdet_pd(self):
+        """``½ log det A = sum log diag(chol A)`` (positive definite only)."""
+        if not self.positive_definite:
+            return self._slogdet()[1] / 2
+        return dense_cholesky(self.A, self).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
     def _scale(self, c):
         return DenseOperator(self.A * c, **_scaled_props(self, c))
 

@@ -54,7 +54,8 @@ def matmul(a, b):
     if a_op:
         if not isinstance(b, torch.Tensor):
             raise TypeError(
-                f"matmul({a!r}, b): expected b to be a Tensor or LinearOperator, received {_name(b)}."
+                f"matmul({a!r}, b): expected b to be a Tensor or LinearOperator, "
+                f"received {_name(b)}."
             )
         if b.dim() == 1:
             _check_inner(a, b, a.shape[-1], b.shape[0])
@@ -64,7 +65,8 @@ def matmul(a, b):
     if b_op:
         if not isinstance(a, torch.Tensor):
             raise TypeError(
-                f"matmul(a, {b!r}): expected a to be a Tensor or LinearOperator, received {_name(a)}."
+                f"matmul(a, {b!r}): expected a to be a Tensor or LinearOperator, "
+                f"received {_name(a)}."
             )
         if a.dim() == 1:
             _check_inner(a, b, a.shape[0], b.shape[-2])
@@ -242,8 +244,16 @@ def logdet(A, *, method: str | None = None, **options) -> torch.Tensor:
         >>> round(logdet(K).item(), 4)  # 4 log 2
         2.7726
     """
+    A = _require_operator(A, "logdet(A)")
+    if A.positive_definite:
+        _require_square(A, "logdet(A)")
+        from ._iterative import resolve_method
+
+        m, opts = resolve_method("logdet", method, options)
+        if m is None:
+            return A._logdet_pd()
     sign, logabs = slogdet(A, method=method, **options)
-    if isinstance(A, LinearOperator) and A.positive_definite:
+    if A.positive_definite:
         return logabs
     if sign.is_complex():
         return logabs + torch.log(sign)

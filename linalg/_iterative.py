@@ -6,8 +6,8 @@ through the iterations). The result is returned as ``X* + S(B - A X*)`` where th
 ``R = B - A X*`` is ~0 and ``S`` is a linear primitive whose forward value is zero and whose
 derivative rules are solves: jvp ``S'(R_dot) = A^{-1} R_dot`` (one extra solve), vjp
 ``S^T(G) = A^{-H} G`` (one extra solve). Differentiating ``A(θ) X*`` by ordinary rules then gives
-exactly ``dX = A^{-1}(dB - dA X)`` and ``B_bar = A^{-H} X_bar``, ``A_bar = -B_bar X^H``: the implicit
-function theorem, to the solver's tolerance, never by unrolling. ``S`` is registered with
+exactly ``dX = A^{-1}(dB - dA X)`` and ``B_bar = A^{-H} X_bar``, ``A_bar = -B_bar X^H``: the
+implicit function theorem, to the solver's tolerance, never by unrolling. ``S`` is registered with
 `functransforms.custom_vjp` + ``defjvp`` when our transforms are active, else (torch's own
 transforms, the test oracle, or plain autograd) with an autograd Function carrying a vmap rule.
 
@@ -146,7 +146,8 @@ def _preconditioner(A, M):
     if callable(M):
         return M
     raise TypeError(
-        f"cg(..., preconditioner=...): expected an operator, a callable or 'jacobi', received {type(M).__name__}."
+        f"cg(..., preconditioner=...): expected an operator, a callable or 'jacobi', "
+        f"received {type(M).__name__}."
     )
 
 
@@ -172,7 +173,8 @@ def cg(
         A: operator (or callable ``X -> A X``) ``(..., n, n)``. B: ``(..., n)`` or ``(..., n, k)``.
         tol, atol: stop when ``|r| <= max(tol |b|, atol)`` for every column.
         maxiter: default 10 n (inside a vmap every iteration runs, see Note [Data-dependent
-            stopping under vmap]). preconditioner: operator ≈ A, callable ``R -> M^{-1} R`` or "jacobi".
+            stopping under vmap]).
+        preconditioner: operator ≈ A, callable ``R -> M^{-1} R`` or "jacobi".
 
     Returns:
         ``(X, info)``: X like B, info a `SolverInfo`.
@@ -244,7 +246,8 @@ def implicit_solve_vjp(A, G, options):
 
 
 class _ImplicitSolveFunction(torch.autograd.Function):
-    """S as an autograd.Function (the path for torch's own transforms); leaves are inputs so vmap sees them."""
+    """S as an autograd.Function (the path for torch's own transforms); the operator's
+    tensors are inputs, so that vmap sees them."""
 
     generate_vmap_rule = True
 
@@ -323,7 +326,8 @@ def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) 
     bad = set(options) - allowed - {"num_probes", "lanczos_steps", "generator"}
     if bad:
         raise TypeError(
-            f"solve(A, B, method={method!r}): unexpected options {sorted(bad)}; allowed {sorted(allowed)}."
+            f"solve(A, B, method={method!r}): unexpected options {sorted(bad)}; "
+            f"allowed {sorted(allowed)}."
         )
     opts = {k: v for k, v in options.items() if k in allowed}
     A_const = _constant(A)
@@ -350,7 +354,8 @@ def lanczos(A, V0: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor
         >>> from functransforms.linalg import DiagonalOperator, lanczos
         >>> A = DiagonalOperator(torch.arange(1.0, 5.0, dtype=torch.float64))
         >>> Q, a, b = lanczos(A, torch.ones(4, 1, dtype=torch.float64), 4)  # Q: [1, 4, 4]
-        >>> torch.allclose(torch.linalg.eigvalsh(torch.diag(a[0]) + torch.diag(b[0], 1) + torch.diag(b[0], -1)), torch.arange(1.0, 5.0, dtype=torch.float64))
+        >>> T = torch.diag(a[0]) + torch.diag(b[0], 1) + torch.diag(b[0], -1)  # [4, 4]
+        >>> torch.allclose(torch.linalg.eigvalsh(T), torch.arange(1.0, 5.0, dtype=torch.float64))
         True
     """
     q = V0 / torch.linalg.vector_norm(V0, dim=-2, keepdim=True)
@@ -403,7 +408,8 @@ def slq_logdet(
     Example:
         >>> import torch
         >>> from functransforms.linalg import DiagonalOperator, slq_logdet
-        >>> A = DiagonalOperator(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), positive_definite=True)
+        >>> d = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        >>> A = DiagonalOperator(d, positive_definite=True)
         >>> est, info = slq_logdet(A, num_probes=4, lanczos_steps=3)  # exact for n <= steps
         >>> round(est.item(), 6) == round(torch.log(torch.tensor(6.0)).item(), 6)
         True
@@ -439,7 +445,7 @@ def hutchinson_trace(
     Example:
         >>> import torch
         >>> from functransforms.linalg import DiagonalOperator, hutchinson_trace
-        >>> hutchinson_trace(DiagonalOperator(torch.ones(5)), num_probes=3).item()  # exact for diagonal
+        >>> hutchinson_trace(DiagonalOperator(torch.ones(5)), num_probes=3).item()  # exact here
         5.0
     """
     Z = _probes(A.shape[-1], num_probes, A, generator)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ._base import _PROPERTY_NAMES as _PROPS
 from ._base import LinearOperator, broadcast_batch, prod
-from ._composite import ProductOperator, as_operator
+from ._composite import ProductOperator
 from ._dense import (
     DenseOperator,
     DiagonalOperator,
@@ -33,7 +34,16 @@ def kron_apply(factors, X: torch.Tensor, method: str = "_matmul") -> torch.Tenso
     T = X.reshape(batch + tuple(ns) + (k,))
     nb = len(batch)
     dims = list(ns)
+    last = len(factors) - 1
     for i, f in enumerate(factors):
+        if i == last and i and k == 1:
+            # The last factor acts on the trailing axis: f (T as rows)^T, no permutation needed
+            # on the way in (the solvers take the transposed view as is).
+            Z = T.reshape(batch + (-1, dims[i]))
+            out = getattr(f, method)(Z.mT)  # (batch..., m_i, rest)
+            dims[i] = out.shape[-2]
+            batch = out.shape[:-2]
+            return _compact(out.mT).reshape(batch + (prod(dims), 1))
         # T: (batch..., d_0, ..., d_{K-1}, k) -> (batch..., d_i, rest) -> f -> back
         Ti = _compact(T.movedim(nb + i, nb)) if i else T
         rest = Ti.shape[nb + 1 :]
@@ -87,23 +97,31 @@ class KroneckerOperator(LinearOperator):
             factors = tuple(factors[0])
         if not factors:
             raise ValueError("KroneckerOperator(*factors): expected at least one factor.")
-        decl = {k: props[k] for k in ("symmetric", "positive_definite") if props.get(k)}
-        factors = tuple(
-            DenseOperator(f, **decl)
-            if isinstance(f, torch.Tensor)
-            else as_operator(f, "KroneckerOperator(*factors)")
-            for f in factors
-        )
-        self.factors = factors
-        for name in ("symmetric", "positive_definite", "lower", "upper", "unitary"):
-            props[name] = props.get(name) or all(getattr(f, name) for f in factors)
-        batch = broadcast_batch(*(f.batch_shape for f in factors))
-        m = prod(f.shape[-2] for f in factors)
-        n = prod(f.shape[-1] for f in factors)
-        dtype = factors[0].dtype
-        for f in factors[1:]:
-            dtype = torch.promote_types(dtype, f.dtype)
-        super().__init__(batch + (m, n), dtype, factors[0].device, **props)
+        sym = props.get("symmetric", False)
+        pd = props.get("positive_definite", False)
+        fs = []
+        for f in factors:
+            if isinstance(f, torch.Tensor):
+                f = DenseOperator(f, symmetric=sym, positive_definite=pd)
+            elif not isinstance(f, LinearOperator):
+                raise TypeError(
+                    "KroneckerOperator(*factors): expected operators or tensors, received "
+                    f"{type(f).__name__}."
+                )
+            fs.append(f)
+        self.factors = factors = tuple(fs)
+        for name in _PROPS:
+            if not props.get(name):
+                props[name] = all([getattr(f, name) for f in factors])
+        batch = broadcast_batch(*[f._shape[:-2] for f in factors])
+        m = n = 1
+        dtype = factors[0]._dtype
+        for f in factors:
+            m *= f._shape[-2]
+            n *= f._shape[-1]
+            if f._dtype != dtype:
+                dtype = torch.promote_types(dtype, f._dtype)
+        super().__init__(batch + (m, n), dtype, factors[0]._device, **props)
 
     @classmethod
     def _from_children(cls, children, kwargs):
@@ -191,6 +209,22 @@ class KroneckerOperator(LinearOperator):
             sign, logabs = (s, l) if sign is None else (sign * s, logabs + l)
         return sign, logabs
 
+    def _logdet_pd(self, scale=1):
+        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i); terms with one coefficient are summed
+        # before the one multiplication (as hand-written code would).
+        N = self.shape[-1]
+        groups: dict = {}
+        for f in self.factors:
+            c = scale * (N // f.shape[-1])
+            half = getattr(f, "_half_logdet_pd", None)
+            term = half() if half is not None else f._logdet_pd()
+            c = 2 * c if half is not None else c
+            groups[c] = term if c not in groups else groups[c] + term
+        out = None
+        for c, term in groups.items():
+            out = c * term if out is None else out + c * term
+        return out
+
     def _cholesky(self):
         return self._map(lambda f: f._cholesky())
 
@@ -248,7 +282,8 @@ class KroneckerPlusScaledIdentityOperator(LinearOperator):
         >>> import torch
         >>> from functransforms.linalg import KroneckerOperator, ScaledIdentityOperator
         >>> A = torch.eye(2, dtype=torch.float64)
-        >>> K = KroneckerOperator(A, A, symmetric=True) + ScaledIdentityOperator(torch.tensor(1.0, dtype=torch.float64), 4)
+        >>> s = ScaledIdentityOperator(torch.tensor(1.0, dtype=torch.float64), 4)
+        >>> K = KroneckerOperator(A, A, symmetric=True) + s  # [4, 4]
         >>> type(K).__name__, torch.logdet(K).item() == 4 * torch.log(torch.tensor(2.0)).item()
         ('KroneckerPlusScaledIdentityOperator', True)
     """
@@ -329,6 +364,10 @@ class KroneckerPlusScaledIdentityOperator(LinearOperator):
         lam, Qs = self._factor_eigh()
         Q = KroneckerOperator(*Qs, unitary=True)
         return ProductOperator([Q, DiagonalOperator(1 / lam), Q._adjoint()], symmetric=True)
+
+    def _logdet_pd(self, scale=1):
+        lam, _ = self._factor_eigh()
+        return scale * lam.log().sum(-1)
 
     def _slogdet(self):
         lam, _ = self._factor_eigh()

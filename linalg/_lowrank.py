@@ -155,7 +155,8 @@ class LowRankPlusDiagonalOperator(LinearOperator):
             _check_factor(V, "V", call)
             if V.shape[-2:] != U.shape[-2:]:
                 raise ValueError(
-                    f"{call}: expected V of shape like U {tuple(U.shape)}, received {tuple(V.shape)}."
+                    f"{call}: expected V of shape like U {tuple(U.shape)}, "
+                    f"received {tuple(V.shape)}."
                 )
         elif not d.is_complex():
             props["symmetric"] = True

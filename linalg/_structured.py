@@ -82,7 +82,9 @@ class ToeplitzOperator(LinearOperator):
     def _transpose(self):
         if self.row is None:
             return self
-        column = torch.cat([self.column[..., :1].expand(self.row.shape[:-1] + (1,)), self.row[..., 1:]], -1)
+        column = torch.cat(
+            [self.column[..., :1].expand(self.row.shape[:-1] + (1,)), self.row[..., 1:]], -1
+        )
         return ToeplitzOperator(column, self.column, **self._props())
 
     def _diagonal(self):
@@ -187,7 +189,8 @@ class CholeskyOperator(RootOperator):
             L = TriangularOperator(L, upper=False)
         if not isinstance(L, LinearOperator) or not L.lower:
             raise TypeError(
-                f"CholeskyOperator(L): expected a lower triangular tensor or operator, received {L!r}."
+                "CholeskyOperator(L): expected a lower triangular tensor or operator, "
+                f"received {L!r}."
             )
         props["positive_definite"] = True
         super().__init__(L, **props)

@@ -6,7 +6,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", derandomize=True, deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow]
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -30,5 +34,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "test_transforms.py" in item.nodeid and "functransforms" in item.nodeid:
             item.add_marker(
-                pytest.mark.xfail(strict=False, reason="linalg ops lack derivative rules; see issue note")
+                pytest.mark.xfail(
+                    strict=False, reason="linalg ops lack derivative rules; see issue note"
+                )
             )

@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import torch
-
 import functransforms.linalg as L
+import torch
 
 DT = torch.float64
 
@@ -134,21 +133,30 @@ CASES = [
     ),
     Case(
         "lowrank",
-        lambda g: (torch.randn(6, 2, generator=g, dtype=DT), torch.randn(6, 2, generator=g, dtype=DT)),
+        lambda g: (
+            torch.randn(6, 2, generator=g, dtype=DT),
+            torch.randn(6, 2, generator=g, dtype=DT),
+        ),
         lambda U, V: L.LowRankOperator(U, V),
         lambda U, V: U @ V.mT,
         invertible=False,
     ),
     Case(
         "lowrank_rect",
-        lambda g: (torch.randn(6, 2, generator=g, dtype=DT), torch.randn(4, 2, generator=g, dtype=DT)),
+        lambda g: (
+            torch.randn(6, 2, generator=g, dtype=DT),
+            torch.randn(4, 2, generator=g, dtype=DT),
+        ),
         lambda U, V: L.LowRankOperator(U, V),
         lambda U, V: U @ V.mT,
         invertible=False,
     ),
     Case(
         "lowrank_plus_diag_pd",
-        lambda g: (torch.randn(6, 2, generator=g, dtype=DT), torch.rand(6, generator=g, dtype=DT) + 0.5),
+        lambda g: (
+            torch.randn(6, 2, generator=g, dtype=DT),
+            torch.rand(6, generator=g, dtype=DT) + 0.5,
+        ),
         lambda U, d: L.LowRankPlusDiagonalOperator(U, d, positive_definite=True),
         lambda U, d: torch.diag_embed(d) + U @ U.mT,
         pd=True,
@@ -189,8 +197,10 @@ CASES = [
     Case(
         "kronecker_plus_noise",
         lambda g: (_pd(2, g), _pd(3, g), torch.tensor(0.3, dtype=DT)),
-        lambda A, B, s: L.KroneckerOperator(_sym(A), _sym(B), positive_definite=True)
-        + L.ScaledIdentityOperator(s, 6),
+        lambda A, B, s: (
+            L.KroneckerOperator(_sym(A), _sym(B), positive_definite=True)
+            + L.ScaledIdentityOperator(s, 6)
+        ),
         lambda A, B, s: _kron_dense(_sym(A), _sym(B)) + s * torch.eye(6, dtype=DT),
         pd=True,
         sym=True,
@@ -199,7 +209,10 @@ CASES = [
         "block_diagonal_pd",
         lambda g: (_pd(2, g), torch.rand(3, generator=g, dtype=DT) + 0.5),
         lambda A, d: L.BlockDiagonalOperator(
-            [L.DenseOperator(_sym(A), positive_definite=True), L.DiagonalOperator(d, positive_definite=True)]
+            [
+                L.DenseOperator(_sym(A), positive_definite=True),
+                L.DiagonalOperator(d, positive_definite=True),
+            ]
         ),
         lambda A, d: torch.block_diag(_sym(A), torch.diag(d)),
         pd=True,
@@ -208,7 +221,9 @@ CASES = [
     Case(
         "sum",
         lambda g: (_pd(5, g), torch.randn(5, 1, generator=g, dtype=DT)),
-        lambda A, U: L.SumOperator([L.DenseOperator(_sym(A), symmetric=True), L.LowRankOperator(U)]),
+        lambda A, U: L.SumOperator(
+            [L.DenseOperator(_sym(A), symmetric=True), L.LowRankOperator(U)]
+        ),
         lambda A, U: _sym(A) + U @ U.mT,
         sym=True,
     ),
@@ -284,7 +299,10 @@ CASES = [
     ),
     Case(
         "batched_lowrank_plus_diag",
-        lambda g: (torch.randn(3, 6, 2, generator=g, dtype=DT), torch.rand(6, generator=g, dtype=DT) + 0.5),
+        lambda g: (
+            torch.randn(3, 6, 2, generator=g, dtype=DT),
+            torch.rand(6, generator=g, dtype=DT) + 0.5,
+        ),
         lambda U, d: L.LowRankPlusDiagonalOperator(U, d, positive_definite=True),
         lambda U, d: torch.diag_embed(d) + U @ U.mT,
         pd=True,

@@ -2,12 +2,11 @@
 
 import warnings
 
+import functransforms.linalg as L
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
-import functransforms.linalg as L
 
 DT = torch.float64
 
@@ -54,7 +53,9 @@ def test_diagonal_and_low_rank_algebra():
     close(Winv.to_dense(), torch.linalg.inv(W.to_dense()))
     I = L.IdentityOperator(4, dtype=DT)
     assert (I @ W) is W and (W @ I) is W
-    assert isinstance(L.ScaledIdentityOperator(torch.tensor(2.0, dtype=DT), 4) @ D1, L.DiagonalOperator)
+    assert isinstance(
+        L.ScaledIdentityOperator(torch.tensor(2.0, dtype=DT), 4) @ D1, L.DiagonalOperator
+    )
 
 
 def test_transpose_of_product_reverses():
@@ -80,7 +81,10 @@ def test_properties_propagate_through_transpose_and_inverse():
 
 def test_check_true_verifies_promises():
     A = torch.randn(4, 4, dtype=DT)
-    with pytest.raises(ValueError, match=r"DenseOperator\(\.\.\., check=True\): declared properties do not hold: symmetric"):
+    with pytest.raises(
+        ValueError,
+        match=r"DenseOperator\(\.\.\., check=True\): declared properties do not hold: symmetric",
+    ):
         L.DenseOperator(A, symmetric=True, check=True)
     with pytest.raises(ValueError, match="positive_definite"):
         L.DenseOperator(-torch.eye(3, dtype=DT), positive_definite=True, check=True)
@@ -93,7 +97,9 @@ def test_cholesky_retries_with_jitter_and_warns():
     v = torch.randn(5, 1, dtype=DT, generator=torch.Generator().manual_seed(0))
     A = v @ v.mT  # PSD, rank 1: Cholesky fails without jitter
     op = L.DenseOperator(A, positive_definite=True)
-    with pytest.warns(UserWarning, match=r"cholesky\(DenseOperator\): .* added jitter [0-9.e-]+ \* I"):
+    with pytest.warns(
+        UserWarning, match=r"cholesky\(DenseOperator\): .* added jitter [0-9.e-]+ \* I"
+    ):
         Lf = torch.linalg.cholesky(op)
     close(Lf.to_dense() @ Lf.to_dense().mT, A, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="not positive definite even with jitter"):
@@ -101,7 +107,9 @@ def test_cholesky_retries_with_jitter_and_warns():
 
 
 def test_errors_name_the_call():
-    with pytest.raises(TypeError, match=r"DenseOperator\(A\): expected `A` to be a torch.Tensor, received list"):
+    with pytest.raises(
+        TypeError, match=r"DenseOperator\(A\): expected `A` to be a torch.Tensor, received list"
+    ):
         L.DenseOperator([[1.0]])
     with pytest.raises(ValueError, match=r"matmul\(a, b\): inner dimensions differ"):
         L.DiagonalOperator(torch.ones(3, dtype=DT)) @ torch.ones(4, dtype=DT)
@@ -109,7 +117,9 @@ def test_errors_name_the_call():
         L.solve(L.LowRankOperator(torch.ones(3, 1), torch.ones(2, 1)), torch.ones(3))
     with pytest.raises(TypeError, match="elementwise products of operators"):
         L.DiagonalOperator(torch.ones(3)) * L.DiagonalOperator(torch.ones(3))
-    with pytest.raises(ValueError, match=r"LowRankPlusDiagonalOperator\(U, d, V\): expected d of shape"):
+    with pytest.raises(
+        ValueError, match=r"LowRankPlusDiagonalOperator\(U, d, V\): expected d of shape"
+    ):
         L.LowRankPlusDiagonalOperator(torch.ones(3, 1), torch.ones(4))
 
 

@@ -5,10 +5,9 @@ import pathlib
 import re
 import warnings
 
+import functransforms.linalg as L
 import pytest
 import torch
-
-import functransforms.linalg as L
 from functransforms.linalg import _iterative
 
 DT = torch.float64
@@ -96,7 +95,9 @@ def test_exact_by_default_iterative_only_when_asked():
 
 def test_bad_method_names_fail_loudly():
     op = L.DiagonalOperator(torch.ones(3, dtype=DT))
-    with pytest.raises(ValueError, match=r"solve\(\.\.\., method=\.\.\.\): expected one of \('cg',\)"):
+    with pytest.raises(
+        ValueError, match=r"solve\(\.\.\., method=\.\.\.\): expected one of \('cg',\)"
+    ):
         L.solve(op, torch.ones(3, dtype=DT), method="gmres")
     with pytest.raises(ValueError, match=r"iterative\(trace=\.\.\.\)"):
         L.iterative(trace="exact")
@@ -121,7 +122,9 @@ def _kron_params():
 
 def _build(p):
     A, B = p
-    return L.KroneckerOperator(A @ A.mT / 4 + torch.eye(4), B @ B.mT / 5 + torch.eye(5), positive_definite=True)
+    return L.KroneckerOperator(
+        A @ A.mT / 4 + torch.eye(4), B @ B.mT / 5 + torch.eye(5), positive_definite=True
+    )
 
 
 def _solve_cg(p, b):
@@ -185,7 +188,9 @@ def test_implicit_grad_under_vmap(impl):
     p = _kron_params()
     bs = torch.randn(3, 20, dtype=DT)
     g = vmap(grad(lambda p, b: _solve_cg(p, b).sum()), in_dims=(None, 0))(p, bs)
-    e = torch.func.vmap(torch.func.grad(lambda p, b: _solve_exact(p, b).sum()), in_dims=(None, 0))(p, bs)
+    e = torch.func.vmap(torch.func.grad(lambda p, b: _solve_exact(p, b).sum()), in_dims=(None, 0))(
+        p, bs
+    )
     close(g, e)
 
 
@@ -242,7 +247,9 @@ def test_trace_estimators():
 
 def test_library_never_calls_torch_transforms():
     """Product rule: our library never uses torch's transforms to implement its own."""
-    forbidden = re.compile(r"torch\.func|torch\.vmap|autograd\.grad|\.backward\(|forward_ad|functorch")
+    forbidden = re.compile(
+        r"torch\.func|torch\.vmap|autograd\.grad|\.backward\(|forward_ad|functorch"
+    )
     root = pathlib.Path(L.__file__).parent
     hits = [
         f"{p.name}:{i}: {line.strip()}"

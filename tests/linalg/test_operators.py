@@ -2,11 +2,10 @@
 
 import warnings
 
+import functransforms.linalg as L
 import pytest
 import torch
 from linalg_cases import CASES, DT
-
-import functransforms.linalg as L
 
 TOL = dict(rtol=1e-8, atol=1e-9)
 
@@ -57,7 +56,11 @@ def test_matmul(case):
     close(Y @ op, Y @ D)
     close(torch.matmul(Y, op), Y @ D)
     # batched right-hand sides broadcast like tensors
-    Xb = torch.randn(2, 1, op.shape[-1], 3, dtype=DT) if op.batch_shape else torch.randn(2, op.shape[-1], 3)
+    Xb = (
+        torch.randn(2, 1, op.shape[-1], 3, dtype=DT)
+        if op.batch_shape
+        else torch.randn(2, op.shape[-1], 3)
+    )
     close(op @ Xb, D @ Xb)
 
 
@@ -74,7 +77,7 @@ def test_transpose_adjoint(case):
         close(op.T.to_dense(), D.T)
     else:
         with pytest.raises(ValueError, match=r"\.T: expected a 2-D operator"):
-            op.T
+            _ = op.T
 
 
 @pytest.mark.parametrize("case", cases())
@@ -168,7 +171,10 @@ def test_cholesky(case):
     close(torch.linalg.cholesky(op, upper=True).to_dense(), torch.linalg.cholesky(D, upper=True))
     B = _rhs(op, 2)
     close(torch.cholesky_solve(B, Lop), torch.linalg.solve(D, B))
-    close(torch.linalg.solve_triangular(Lop, B, upper=False), torch.linalg.solve(torch.linalg.cholesky(D), B))
+    close(
+        torch.linalg.solve_triangular(Lop, B, upper=False),
+        torch.linalg.solve(torch.linalg.cholesky(D), B),
+    )
 
 
 @pytest.mark.parametrize("case", cases(lambda c: c.sym))
@@ -201,7 +207,10 @@ def test_solve_triangular(case):
     D = case.dense(*p)
     upper = case.tri == "upper"
     B = _rhs(op, 3)
-    close(torch.linalg.solve_triangular(op, B, upper=upper), torch.linalg.solve_triangular(D, B, upper=upper))
+    close(
+        torch.linalg.solve_triangular(op, B, upper=upper),
+        torch.linalg.solve_triangular(D, B, upper=upper),
+    )
     Bl = torch.randn(2, op.shape[-1], dtype=DT)
     close(
         torch.linalg.solve_triangular(op, Bl, upper=upper, left=False),

@@ -12,8 +12,6 @@ import pytest
 import torch
 from linalg_cases import CASES, DT
 
-import functransforms.linalg as L
-
 
 def _transforms(name):
     if name == "torch.func":
@@ -55,7 +53,11 @@ OPS = {
     "inv_matmul": (lambda c: c.invertible, True, lambda A, b, d: torch.linalg.inv(A) @ b),
     "logdet": (lambda c: c.pd, False, _logdet),
     "slogdet": (lambda c: c.invertible and not c.pd, False, _slogabs),
-    "trace": (lambda c: c.name != "lowrank_rect", False, lambda A, b, d: A.diagonal(dim1=-2, dim2=-1).sum(-1)),
+    "trace": (
+        lambda c: c.name != "lowrank_rect",
+        False,
+        lambda A, b, d: A.diagonal(dim1=-2, dim2=-1).sum(-1),
+    ),
     "diagonal": (lambda c: True, False, lambda A, b, d: A.diagonal(dim1=-2, dim2=-1)),
     "cholesky": (lambda c: c.pd, True, _chol_matmul),
     "eigvalsh": (lambda c: c.sym, False, lambda A, b, d: torch.linalg.eigvalsh(A)),
@@ -100,7 +102,9 @@ def _inputs(case, seed=0):
 
 def _like(tree, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.utils._pytree.tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype), tree)
+    return torch.utils._pytree.tree_map(
+        lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype), tree
+    )
 
 
 def close(a, b):
