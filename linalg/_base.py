@@ -401,9 +401,7 @@ class LinearOperator:
         """``self^{-1} B`` for ``B`` of shape ``(..., n, k)``. Dense default."""
         A = self._to_dense()
         if self.positive_definite:
-            L = dense_cholesky(A, self)
-            Y = torch.linalg.solve_triangular(L, B, upper=False)
-            return torch.linalg.solve_triangular(L.mH, Y, upper=True)
+            return torch.cholesky_solve(B, dense_cholesky(A, self))
         if self.lower or self.upper:
             return torch.linalg.solve_triangular(A, B, upper=self.upper)
         if self.unitary:

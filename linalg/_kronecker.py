@@ -29,6 +29,16 @@ from ._dense import (
 
 def kron_apply(factors, X: torch.Tensor, method: str = "_matmul") -> torch.Tensor:
     """Apply ``⊗ f`` (each factor through ``f.<method>``) to ``X`` of shape ``(..., N, k)``."""
+    if len(factors) == 2 and X.dim() == 2 and X.shape[-1] == 1:
+        # (A ⊗ B) vec(M) = vec(A M B^T) for row-major vec: two matrix operations, one copy.
+        f0, f1 = factors
+        M = X.reshape(f0._shape[-1], f1._shape[-1])
+        Y = getattr(f0, method)(M)  # A M
+        Z = getattr(f1, method)(Y.mT)  # B (A M)^T
+        if Z.dim() == 2:
+            Zt = Z.mT if type(Z) is torch.Tensor else _compact(Z.mT)
+            return Zt.reshape(-1, 1)
+        return _compact(Z.mT).reshape(Z.shape[:-2] + (-1, 1))
     ns = [f.shape[-1] for f in factors]
     batch, k = X.shape[:-2], X.shape[-1]
     T = X.reshape(batch + tuple(ns) + (k,))
