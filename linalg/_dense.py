@@ -32,8 +32,8 @@ class DenseOperator(LinearOperator):
         >>> import torch
         >>> from functransforms.linalg import DenseOperator
         >>> A = DenseOperator(torch.eye(3) * 2, positive_definite=True)  # [3, 3]
-        >>> torch.logdet(A).item() == 3 * torch.log(torch.tensor(2.0)).item()
-        True
+        >>> round(torch.logdet(A).item(), 5)  # 3 log 2
+        2.07944
     """
 
     _tree_fields = ("A",)

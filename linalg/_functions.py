@@ -98,7 +98,14 @@ def _check_inner(a, b, k1, k2):
 
 def add(a, b):
     """``a + b``: Diagonal + Diagonal is Diagonal, LowRank + Diagonal is LowRankPlusDiagonal,
-    Kronecker + s I is KroneckerPlusScaledIdentity, otherwise a lazy SumOperator."""
+    Kronecker + s I is KroneckerPlusScaledIdentity, otherwise a lazy SumOperator.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, LowRankOperator, add
+        >>> type(add(LowRankOperator(torch.ones(3, 1)), DiagonalOperator(torch.ones(3)))).__name__
+        'LowRankPlusDiagonalOperator'
+    """
     if isinstance(a, torch.Tensor) and a.dim() >= 2:
         from ._dense import DenseOperator
 
@@ -171,7 +178,15 @@ def solve(A, B, *, left: bool = True, method: str | None = None, **options):
 
 def solve_triangular(A, B, *, upper: bool, left: bool = True, unitriangular: bool = False):
     """``torch.linalg.solve_triangular`` with an operator: uses its structure when it is declared
-    triangular of the same kind, else reads its triangle (as torch does)."""
+    triangular of the same kind, else reads its triangle (as torch does).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import TriangularOperator, solve_triangular
+        >>> T = TriangularOperator(torch.tensor([[2.0, 0.0], [1.0, 1.0]]))  # [2, 2]
+        >>> solve_triangular(T, torch.tensor([[2.0], [2.0]]), upper=False).tolist()  # [2, 1]
+        [[1.0], [1.0]]
+    """
     from ._dense import TriangularOperator
 
     A = _require_operator(A, "solve_triangular(A, B)")
@@ -189,7 +204,15 @@ def solve_triangular(A, B, *, upper: bool, left: bool = True, unitriangular: boo
 
 
 def cholesky_solve(B, L, upper: bool = False):
-    """``torch.cholesky_solve(B, L)``: ``(L L^H)^{-1} B`` with a triangular operator ``L``."""
+    """``torch.cholesky_solve(B, L)``: ``(L L^H)^{-1} B`` with a triangular operator ``L``.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, cholesky, cholesky_solve
+        >>> Lf = cholesky(DiagonalOperator(torch.tensor([4.0, 16.0])))
+        >>> cholesky_solve(torch.ones(2, 1), Lf).tolist()  # [2, 1]
+        [[0.25], [0.0625]]
+    """
     L = _require_operator(L, "cholesky_solve(B, L)")
     if upper:
         L = L._adjoint()
@@ -201,7 +224,15 @@ def cholesky_solve(B, L, upper: bool = False):
 
 
 def inv(A) -> LinearOperator:
-    """The inverse, as an operator with A's structure (Kronecker of inverses, Woodbury, ...)."""
+    """The inverse, as an operator with A's structure (Kronecker of inverses, Woodbury, ...).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, inv
+        >>> K = KroneckerOperator(torch.eye(2) * 2, torch.eye(3) * 4)  # [6, 6]
+        >>> type(inv(K)).__name__, inv(K).diagonal()[0].item()
+        ('KroneckerOperator', 0.125)
+    """
     A = _require_operator(A, "inv(A)")
     _require_square(A, "inv(A)")
     return A._inverse()
@@ -263,6 +294,14 @@ def logdet(A, *, method: str | None = None, **options) -> torch.Tensor:
 
 
 def det(A) -> torch.Tensor:
+    """``det A = sign * exp(log|det A|)`` through A's structure.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, det
+        >>> det(DiagonalOperator(torch.tensor([2.0, -3.0], dtype=torch.float64))).item()
+        -6.0
+    """
     sign, logabs = slogdet(A)
     return sign * torch.exp(logabs)
 
@@ -288,6 +327,13 @@ def eigh(A, UPLO: str = "L"):
 
     An operator not declared symmetric is handled as ``torch.linalg.eigh`` does (dense, one
     triangle read).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, eigh
+        >>> evals, Q = eigh(DiagonalOperator(torch.tensor([3.0, 1.0, 2.0])))  # [3], operator
+        >>> evals.tolist(), type(Q).__name__
+        ([1.0, 2.0, 3.0], 'PermutationOperator')
     """
     A = _require_operator(A, "eigh(A)")
     _require_square(A, "eigh(A)")
@@ -300,6 +346,16 @@ def eigh(A, UPLO: str = "L"):
 
 
 def eigvalsh(A, UPLO: str = "L") -> torch.Tensor:
+    """Eigenvalues (ascending) of a symmetric operator, through its structure.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, eigvalsh
+        >>> A = torch.diag(torch.tensor([1.0, 2.0]))
+        >>> K = KroneckerOperator(A, torch.eye(2) * 3, symmetric=True)  # [4, 4]
+        >>> eigvalsh(K).tolist()  # [4]
+        [3.0, 3.0, 6.0, 6.0]
+    """
     A = _require_operator(A, "eigvalsh(A)")
     if not A.symmetric:
         return torch.linalg.eigvalsh(A._to_dense(), UPLO=UPLO)
@@ -307,7 +363,15 @@ def eigvalsh(A, UPLO: str = "L") -> torch.Tensor:
 
 
 def svd(A, full_matrices: bool = True):
-    """``(U, S, Vh)`` with U, Vh operators (structured for Diagonal/Kronecker)."""
+    """``(U, S, Vh)`` with U, Vh operators (structured for Diagonal/Kronecker).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, svd
+        >>> U, S, Vh = svd(DiagonalOperator(torch.tensor([1.0, -3.0])))  # operators, [2], operators
+        >>> S.tolist()
+        [3.0, 1.0]
+    """
     A = _require_operator(A, "svd(A)")
     if full_matrices and not A.is_square:
         from ._dense import DenseOperator
@@ -318,12 +382,27 @@ def svd(A, full_matrices: bool = True):
 
 
 def svdvals(A) -> torch.Tensor:
+    """Singular values (descending), through the structure.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import ScaledIdentityOperator, svdvals
+        >>> svdvals(ScaledIdentityOperator(torch.tensor(-2.0), 2)).tolist()
+        [2.0, 2.0]
+    """
     return svd(A, full_matrices=False)[1]
 
 
 # ------------------------------------------------------------------ reductions
 def trace(A, *, method: str | None = None, **options) -> torch.Tensor:
-    """Trace (exact through structure; ``method="hutchinson"``/``"hutchpp"`` estimates it)."""
+    """Trace (exact through structure; ``method="hutchinson"``/``"hutchpp"`` estimates it).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, trace
+        >>> trace(KroneckerOperator(torch.eye(2) * 2, torch.eye(3))).item()  # tr A tr B = 4 * 3
+        12.0
+    """
     A = _require_operator(A, "trace(A)")
     _require_square(A, "trace(A)")
     from ._iterative import resolve_method
@@ -338,6 +417,14 @@ def trace(A, *, method: str | None = None, **options) -> torch.Tensor:
 
 
 def diagonal(A, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor:
+    """The main diagonal through the structure (other offsets: dense).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import LowRankOperator, diagonal
+        >>> diagonal(LowRankOperator(torch.tensor([[1.0], [2.0]]))).tolist()  # [2]
+        [1.0, 4.0]
+    """
     A = _require_operator(A, "diagonal(A)")
     nd = A.ndim
     if offset == 0 and {dim1 % nd, dim2 % nd} == {nd - 2, nd - 1}:
@@ -346,5 +433,13 @@ def diagonal(A, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor
 
 
 def frobenius_norm(A) -> torch.Tensor:
+    """``||A||_F`` through the structure (``torch.linalg.matrix_norm(A)`` routes here).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, frobenius_norm
+        >>> frobenius_norm(KroneckerOperator(torch.eye(2), torch.eye(2) * 2)).item()  # 1.41 * 2.83
+        4.0
+    """
     A = _require_operator(A, "matrix_norm(A)")
     return torch.sqrt(A._frobenius_sq())

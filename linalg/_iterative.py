@@ -34,7 +34,15 @@ _CONFIG: contextvars.ContextVar = contextvars.ContextVar(
 @dataclasses.dataclass
 class SolverInfo:
     """What an iterative method did: ``method``, ``iterations``, relative ``residual`` (max over
-    right-hand sides; None when unreadable inside a transform), ``converged``, ``tol``."""
+    right-hand sides; None when unreadable inside a transform), ``converged``, ``tol``.
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, cg
+        >>> _, info = cg(DiagonalOperator(torch.tensor([1.0, 4.0])), torch.ones(2), tol=1e-8)
+        >>> info.method, info.converged
+        ('cg', True)
+    """
 
     method: str
     iterations: int
