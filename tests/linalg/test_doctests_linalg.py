@@ -4,9 +4,8 @@ import doctest
 import importlib
 import pkgutil
 
-import pytest
-
 import functransforms.linalg
+import pytest
 
 MODULES = sorted(
     m.name
