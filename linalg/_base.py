@@ -487,12 +487,13 @@ def dense_cholesky(A: torch.Tensor, op: Any = None, max_tries: int = 6) -> torch
     Inside a transform that cannot read the failure flag (vmap), the factorization is returned
     without the check (data-dependent control flow).
     """
-    try:
-        return torch.linalg.cholesky(A)
-    except torch.linalg.LinAlgError:
-        pass
-    except RuntimeError:  # the check itself cannot run here (a transform's data-dependent error)
-        return torch.linalg.cholesky_ex(A)[0]
+    L, info = torch.linalg.cholesky_ex(A)
+    try:  # reading one int (unbatched) is cheaper than torch.linalg.cholesky's own check
+        failed = bool(info) if info.dim() == 0 else bool(info.any())
+    except RuntimeError:  # unreadable inside a transform (data-dependent): keep the factor
+        return L
+    if not failed:
+        return L
     import warnings
 
     name = type(op).__name__ if op is not None else "tensor"

@@ -45,6 +45,17 @@ class DenseOperator(LinearOperator):
         self.A = A
         super().__init__(A.shape, A.dtype, A.device, **props)
 
+    @classmethod
+    def _wrap(cls, A: torch.Tensor, symmetric: bool, positive_definite: bool) -> DenseOperator:
+        """Fast construction from a matrix already known to be a square tensor (internal)."""
+        op = cls.__new__(cls)
+        op.A = A
+        op._shape, op._dtype, op._device = A.shape, A.dtype, A.device
+        op.symmetric = symmetric or positive_definite
+        op.positive_definite = positive_definite
+        op.lower = op.upper = op.unitary = False
+        return op
+
     def _matmul(self, X):
         return self.A @ X
 

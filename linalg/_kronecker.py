@@ -112,7 +112,12 @@ class KroneckerOperator(LinearOperator):
         fs = []
         for f in factors:
             if isinstance(f, torch.Tensor):
-                f = DenseOperator(f, symmetric=sym, positive_definite=pd)
+                if f.dim() < 2:
+                    raise ValueError(
+                        "KroneckerOperator(*factors): expected matrices of shape (..., m, n), "
+                        f"received a tensor of shape {tuple(f.shape)}."
+                    )
+                f = DenseOperator._wrap(f, bool(sym), bool(pd))
             elif not isinstance(f, LinearOperator):
                 raise TypeError(
                     "KroneckerOperator(*factors): expected operators or tensors, received "
