@@ -116,7 +116,15 @@ def _slogdet(A, *, out=None):
 
 
 def _logdet(A):
+    if A.positive_definite and _iterative_config() is None:  # the common case, fast
+        return A._logdet_pd()
     return F.logdet(A)
+
+
+def _iterative_config():
+    from ._iterative import _CONFIG
+
+    return _CONFIG.get()
 
 
 def _eigh(A, UPLO="L", *, out=None):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._base import _PROPERTY_NAMES as _PROPS
-from ._base import LinearOperator, broadcast_batch, prod
+from ._base import LinearOperator, broadcast_batch, dense_cholesky, prod
 from ._composite import ProductOperator
 from ._dense import (
     DenseOperator,
@@ -225,19 +225,26 @@ class KroneckerOperator(LinearOperator):
         return sign, logabs
 
     def _logdet_pd(self, scale=1):
-        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i); terms with one coefficient are summed
-        # before the one multiplication (as hand-written code would).
-        N = self.shape[-1]
-        groups: dict = {}
-        for f in self.factors:
-            c = scale * (N // f.shape[-1])
-            half = getattr(f, "_half_logdet_pd", None)
-            term = half() if half is not None else f._logdet_pd()
-            c = 2 * c if half is not None else c
-            groups[c] = term if c not in groups else groups[c] + term
+        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i). Dense factors with one coefficient share
+        # one log and one sum over their concatenated Cholesky diagonals (fewer tiny ops).
+        N = self._shape[-1]
+        diags: dict = {}
         out = None
-        for c, term in groups.items():
-            out = c * term if out is None else out + c * term
+        for f in self.factors:
+            c = scale * (N // f._shape[-1])
+            if type(f) is DenseOperator and f.positive_definite:
+                diags.setdefault(2 * c, []).append(
+                    dense_cholesky(f.A, f).diagonal(dim1=-2, dim2=-1)
+                )
+            else:
+                term = f._logdet_pd(c)
+                out = term if out is None else out + term
+        for c, ds in diags.items():
+            if len(ds) > 1 and all(d.shape[:-1] == ds[0].shape[:-1] for d in ds):
+                term = c * torch.cat(ds, -1).log().sum(-1)
+            else:
+                term = c * sum(d.log().sum(-1) for d in ds)
+            out = term if out is None else out + term
         return out
 
     def _cholesky(self):
