@@ -436,8 +436,8 @@ class LinearOperator:
         return self._dense_logdet_pd(scale)
 
     def _dense_logdet_pd(self, scale=1) -> torch.Tensor:
-        L = dense_cholesky(self._to_dense(), self)
-        return (2 * scale) * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        d = dense_cholesky(self._to_dense(), self).diagonal(dim1=-2, dim2=-1)
+        return (2 * scale) * (d.real if d.is_complex() else d).log().sum(-1)
 
     def _cholesky(self) -> LinearOperator:
         from ._dense import TriangularOperator

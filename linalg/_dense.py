@@ -78,7 +78,8 @@ class DenseOperator(LinearOperator):
         """``½ log det A = sum log diag(chol A)`` (positive definite only)."""
         if not self.positive_definite:
             return self._slogdet()[1] / 2
-        return dense_cholesky(self.A, self).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        d = dense_cholesky(self.A, self).diagonal(dim1=-2, dim2=-1)
+        return (d.real if d.is_complex() else d).log().sum(-1)
 
     def _scale(self, c):
         return DenseOperator(self.A * c, **_scaled_props(self, c))

@@ -116,7 +116,7 @@ def _slogdet(A, *, out=None):
 
 
 def _logdet(A):
-    if A.positive_definite and _iterative_config() is None:  # the common case, fast
+    if A.positive_definite and _iterative_config() is None and not A.is_complex:  # fast
         return A._logdet_pd()
     return F.logdet(A)
 

@@ -259,7 +259,10 @@ def slogdet(A, *, method: str | None = None, **options):
 
         logabs = iterative_logdet(A, method, **options)
         return torch.ones_like(logabs), logabs
-    return A._slogdet()
+    sign, logabs = A._slogdet()
+    if A.is_complex and not sign.is_complex():  # torch: the sign has the matrix's dtype
+        sign = sign.to(A.dtype)
+    return sign, logabs
 
 
 def logdet(A, *, method: str | None = None, **options) -> torch.Tensor:
@@ -282,10 +285,11 @@ def logdet(A, *, method: str | None = None, **options) -> torch.Tensor:
 
         m, opts = resolve_method("logdet", method, options)
         if m is None:
-            return A._logdet_pd()
+            out = A._logdet_pd()
+            return out.to(A.dtype) if A.is_complex else out  # as torch.logdet: complex dtype
     sign, logabs = slogdet(A, method=method, **options)
     if A.positive_definite:
-        return logabs
+        return logabs.to(A.dtype) if A.is_complex else logabs
     if sign.is_complex():
         return logabs + torch.log(sign)
     return torch.where(

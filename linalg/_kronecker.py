@@ -233,9 +233,8 @@ class KroneckerOperator(LinearOperator):
         for f in self.factors:
             c = scale * (N // f._shape[-1])
             if type(f) is DenseOperator and f.positive_definite:
-                diags.setdefault(2 * c, []).append(
-                    dense_cholesky(f.A, f).diagonal(dim1=-2, dim2=-1)
-                )
+                d = dense_cholesky(f.A, f).diagonal(dim1=-2, dim2=-1)
+                diags.setdefault(2 * c, []).append(d.real if d.is_complex() else d)
             else:
                 term = f._logdet_pd(c)
                 out = term if out is None else out + term

@@ -8,8 +8,7 @@ import functransforms.linalg
 import pytest
 
 MODULES = sorted(
-    m.name
-    for m in pkgutil.iter_modules(functransforms.linalg.__path__, "functransforms.linalg.")
+    m.name for m in pkgutil.iter_modules(functransforms.linalg.__path__, "functransforms.linalg.")
 )
 
 
