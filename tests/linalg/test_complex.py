@@ -1,9 +1,8 @@
 """Complex operators: Hermitian means self-adjoint, adjoints conjugate, results match dense."""
 
+import functransforms.linalg as L
 import pytest
 import torch
-
-import functransforms.linalg as L
 
 CT = torch.complex128
 
