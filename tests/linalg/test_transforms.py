@@ -247,3 +247,15 @@ def test_operators_pass_through_our_transforms_as_arguments():
     )
     _, t = jvp(lambda K: K @ b, (K0,), (T,))
     close(t, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd"])
+def test_jacobians_through_structured_solve(impl, transform):
+    jac = _get(impl, transform)
+    case = next(c for c in CASES if c.name == "lowrank_plus_diag_pd")
+    params, b = _inputs(case)
+    structured, dense = _fns(case, "solve")
+    J = jac(structured, argnums=(0, 1))(params, b)
+    E = torch.func.jacrev(dense, argnums=(0, 1))(params, b)
+    close(J, E)
