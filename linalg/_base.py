@@ -226,19 +226,13 @@ class LinearOperator:
         return self._to_dense()
 
     def matmul(self, other):
-        from ._functions import matmul
-
-        return matmul(self, other)
+        return _functions().matmul(self, other)
 
     def __matmul__(self, other):
-        from ._functions import matmul
-
-        return matmul(self, other)
+        return _functions().matmul(self, other)
 
     def __rmatmul__(self, other):
-        from ._functions import matmul
-
-        return matmul(other, self)
+        return _functions().matmul(other, self)
 
     def __mul__(self, c):
         if isinstance(c, LinearOperator):
@@ -264,24 +258,16 @@ class LinearOperator:
         return self._scale(-1.0)
 
     def __add__(self, other):
-        from ._functions import add
-
-        return add(self, other)
+        return _functions().add(self, other)
 
     def __radd__(self, other):
-        from ._functions import add
-
-        return add(other, self)
+        return _functions().add(other, self)
 
     def __sub__(self, other):
-        from ._functions import add
-
-        return add(self, -other)
+        return _functions().add(self, -other)
 
     def __rsub__(self, other):
-        from ._functions import add
-
-        return add(other, -self)
+        return _functions().add(other, -self)
 
     @property
     def mT(self) -> LinearOperator:
@@ -319,9 +305,7 @@ class LinearOperator:
         return self._conj() if self.is_complex else self
 
     def diagonal(self, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor:
-        from ._functions import diagonal
-
-        return diagonal(self, offset=offset, dim1=dim1, dim2=dim2)
+        return _functions().diagonal(self, offset=offset, dim1=dim1, dim2=dim2)
 
     def evaluate(self) -> torch.Tensor:
         return self._to_dense()
@@ -470,6 +454,15 @@ class LinearOperator:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _route(func, args, kwargs or {})
+
+
+def _functions():
+    # The public functions module, bound on first use (it imports this module).
+    global _functions
+    from . import _functions as module
+
+    _functions = lambda: module  # noqa: E731
+    return module
 
 
 def _route(func, args, kwargs):

@@ -78,7 +78,7 @@ class DenseOperator(LinearOperator):
         """``½ log det A = sum log diag(chol A)`` (positive definite only)."""
         if not self.positive_definite:
             return self._slogdet()[1] / 2
-        d = dense_cholesky(self.A, self).diagonal(dim1=-2, dim2=-1)
+        d = dense_cholesky(self.A, self).diagonal(0, -2, -1)
         return (d.real if d.is_complex() else d).log().sum(-1)
 
     def _scale(self, c):

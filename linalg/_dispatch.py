@@ -14,6 +14,7 @@ import torch
 
 from . import _functions as F
 from ._base import LinearOperator
+from ._iterative import _CONFIG
 
 
 def _is_op(x) -> bool:
@@ -121,10 +122,7 @@ def _logdet(A):
     return F.logdet(A)
 
 
-def _iterative_config():
-    from ._iterative import _CONFIG
-
-    return _CONFIG.get()
+_iterative_config = _CONFIG.get
 
 
 def _eigh(A, UPLO="L", *, out=None):

@@ -13,6 +13,7 @@ import torch
 
 from ._base import LinearOperator
 from ._composite import ProductOperator, SumOperator
+from ._iterative import resolve_method
 
 
 def _name(x) -> str:
@@ -164,8 +165,6 @@ def solve(A, B, *, left: bool = True, method: str | None = None, **options):
         raise ValueError(
             f"solve({A!r}, B): expected B with {A.shape[-1]} rows, received shape {tuple(B.shape)}."
         )
-    from ._iterative import resolve_method
-
     method, options = resolve_method("solve", method, options)
     if method is None:
         X = A._solve(Bm)
@@ -251,8 +250,6 @@ def slogdet(A, *, method: str | None = None, **options):
     """
     A = _require_operator(A, "slogdet(A)")
     _require_square(A, "slogdet(A)")
-    from ._iterative import resolve_method
-
     method, options = resolve_method("logdet", method, options)
     if method is not None:
         from ._iterative import iterative_logdet
@@ -281,8 +278,6 @@ def logdet(A, *, method: str | None = None, **options) -> torch.Tensor:
     A = _require_operator(A, "logdet(A)")
     if A.positive_definite:
         _require_square(A, "logdet(A)")
-        from ._iterative import resolve_method
-
         m, opts = resolve_method("logdet", method, options)
         if m is None:
             out = A._logdet_pd()
@@ -409,8 +404,6 @@ def trace(A, *, method: str | None = None, **options) -> torch.Tensor:
     """
     A = _require_operator(A, "trace(A)")
     _require_square(A, "trace(A)")
-    from ._iterative import resolve_method
-
     method, options = resolve_method("trace", method, options)
     if method is not None:
         from ._iterative import hutchinson_trace, hutchpp_trace

@@ -233,7 +233,7 @@ class KroneckerOperator(LinearOperator):
         for f in self.factors:
             c = scale * (N // f._shape[-1])
             if type(f) is DenseOperator and f.positive_definite:
-                d = dense_cholesky(f.A, f).diagonal(dim1=-2, dim2=-1)
+                d = dense_cholesky(f.A, f).diagonal(0, -2, -1)
                 diags.setdefault(2 * c, []).append(d.real if d.is_complex() else d)
             else:
                 term = f._logdet_pd(c)
