@@ -46,46 +46,28 @@ def vdot_vmap_rule(interp, args, bdims, kwargs):
     return dot_vmap_rule(interp, [args[0].conj(), args[1]], bdims, kwargs)
 
 
-@register_vmap_rule(aten.addmm.default)
-def addmm_vmap_rule(interp, args, bdims, kwargs):
-    bias, (prod, _) = args[0], mm_vmap_rule(interp, args[1:], bdims[1:], {})
-    beta = kwargs.get("beta", 1)
-    alpha = kwargs.get("alpha", 1)
-    if alpha != 1:
-        prod = prod * alpha
-    if bdims[0] is not None:
-        bias = pad_to(to_front(bias, bdims[0]), 2)
-    if beta == 0:
-        return prod, 0
-    return prod + (bias if beta == 1 else bias * beta), 0
+def def_add_product(op, product_rule, out_rank):
+    """``op(bias, a, b, beta, alpha) = beta * bias + alpha * product(a, b)``."""
+
+    def add_product_vmap_rule(interp, args, bdims, kwargs):
+        prod, _ = product_rule(interp, args[1:], bdims[1:], {})
+        beta = kwargs.get("beta", 1)
+        alpha = kwargs.get("alpha", 1)
+        if alpha != 1:
+            prod = prod * alpha
+        if beta == 0:
+            return prod, 0
+        bias = args[0]
+        if bdims[0] is not None:
+            bias = pad_to(to_front(bias, bdims[0]), out_rank)
+        return prod + (bias if beta == 1 else bias * beta), 0
+
+    register_vmap_rule(op)(add_product_vmap_rule)
 
 
-@register_vmap_rule(aten.addmv.default)
-def addmv_vmap_rule(interp, args, bdims, kwargs):
-    bias, (prod, _) = args[0], mv_vmap_rule(interp, args[1:], bdims[1:], {})
-    beta = kwargs.get("beta", 1)
-    alpha = kwargs.get("alpha", 1)
-    if alpha != 1:
-        prod = prod * alpha
-    if bdims[0] is not None:
-        bias = pad_to(to_front(bias, bdims[0]), 1)
-    if beta == 0:
-        return prod, 0
-    return prod + (bias if beta == 1 else bias * beta), 0
-
-
-@register_vmap_rule(aten.baddbmm.default)
-def baddbmm_vmap_rule(interp, args, bdims, kwargs):
-    bias, (prod, _) = args[0], mm_vmap_rule(interp, args[1:], bdims[1:], {})
-    beta = kwargs.get("beta", 1)
-    alpha = kwargs.get("alpha", 1)
-    if alpha != 1:
-        prod = prod * alpha
-    if bdims[0] is not None:
-        bias = pad_to(to_front(bias, bdims[0]), 3)
-    if beta == 0:
-        return prod, 0
-    return prod + (bias if beta == 1 else bias * beta), 0
+def_add_product(aten.addmm.default, mm_vmap_rule, 2)
+def_add_product(aten.addmv.default, mv_vmap_rule, 1)
+def_add_product(aten.baddbmm.default, mm_vmap_rule, 3)
 
 
 @register_vmap_rule(aten.matmul.default)
