@@ -1,6 +1,17 @@
 """functransforms: composable function transforms for PyTorch (grad, vjp, jvp, vmap, ...)."""
 
-from . import autodiff, batching  # noqa: F401  (registers the rules)
+import os as _os
+
+# In a source checkout the subpackages live beside this folder (batching/, autodiff/, linalg/)
+# and the installed package-dir mapping finds them. Run from the repository root, though,
+# `python -m functransforms` finds this folder through sys.path[0] first, bypassing the
+# mapping: let the import system look beside it too. (An installed wheel nests them, so
+# this does nothing there.)
+_here = _os.path.dirname(__file__)
+if not _os.path.isdir(_os.path.join(_here, "autodiff")):
+    __path__.append(_os.path.dirname(_here))
+
+from . import autodiff, batching  # noqa: E402, F401  (registers the rules)
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._custom import custom_jvp, custom_vjp, stop_gradient
 from ._module import functional_call, stack_module_state
