@@ -1,6 +1,6 @@
 """vmap's batching rules, by op family. Importing this package registers them all."""
 
-from . import elementwise, indexing, linalg, nn, random, reductions, views  # noqa: F401  (registration)
+from . import elementwise, fft, indexing, linalg, nn, random, reductions, views  # noqa: F401  (registration)
 from ._registry import VMAP_RULES, register_vmap_rule
 from ._tensor import BatchedTensor, VmapInterpreter
 

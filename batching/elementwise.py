@@ -14,7 +14,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._tensor import raise_data_dependent
-from ._util import expand_front, pad_to, to_front
+from ._util import expand_front, pad_to, promote_like_logical, to_front
 
 aten = torch.ops.aten
 
@@ -31,10 +31,10 @@ def make_pointwise_rule(func):
                     nd = d
         if n_tensors == 1:  # fast path: the batch dim stays where it is
             return func(*args, **kwargs), next(b for b in bdims if b is not None)
-        new = list(args)
+        new = promote_like_logical(args, bdims)
         for i, b in enumerate(bdims):
             if b is not None:
-                new[i] = pad_to(to_front(args[i], b), nd)
+                new[i] = pad_to(to_front(new[i], b), nd)
         return func(*new, **kwargs), 0
 
     return pointwise_vmap_rule
@@ -128,8 +128,11 @@ for _op in (
 ):
     register_vmap_rule(_op)(_same_bdim_rule(_op))
 
-# dunder spellings of pointwise ops that reach the dispatcher without the pointwise tag
+# pointwise ops that reach the dispatcher without the pointwise tag: dunder spellings, and
+# polar/complex (their decompositions write into a fresh, unbatched result in place)
 for _op in (
+    aten.polar.default,
+    aten.complex.default,
     aten.__and__.Tensor,
     aten.__or__.Tensor,
     aten.__xor__.Tensor,

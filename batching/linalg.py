@@ -43,7 +43,8 @@ def dot_vmap_rule(interp, args, bdims, kwargs):
 
 @register_vmap_rule(aten.vdot.default)
 def vdot_vmap_rule(interp, args, bdims, kwargs):
-    return dot_vmap_rule(interp, [args[0].conj(), args[1]], bdims, kwargs)
+    # resolve_conj: a lazy conj view is not honoured by kernels run inside __torch_dispatch__
+    return dot_vmap_rule(interp, [args[0].conj().resolve_conj(), args[1]], bdims, kwargs)
 
 
 def def_add_product(op, product_rule, out_rank):
@@ -98,57 +99,130 @@ def matmul_vmap_rule(interp, args, bdims, kwargs):
     return out, 0
 
 
-def def_batched_linalg(op, tensor_pos=(0,)):
-    """Ops that already take leading batch dims (``[..., n, n]``): every tensor argument gets
-    the batch dim in front (unbatched ones expanded); outputs keep it in front. Placeholder
-    outputs (e.g. the empty eigenvectors of ``eigvalsh``) carry no batch dim."""
+def _broadcast_front(operands, nd):
+    """Note [Batching broadcasting linalg ops]
+    Solvers broadcast the batch dims of their operands (A ``[2, 4, 4]`` with b ``[4, 1]``). Each
+    batched operand gets its batch dim in front and size-1 dims after it, so that its logical
+    batch dims number ``nd`` (the largest among the operands): right-aligned broadcasting then
+    lines up logical batch dims with logical batch dims, and the vmap dim with the vmap dim.
+    ``operands`` holds ``(x, bdim, core)``: ``core`` is the number of trailing non-batch dims
+    (2 for a matrix). Unbatched operands stay as they are and broadcast over the vmap dim."""
+    return [x if b is None else pad_to(to_front(x, b), nd + core) for x, b, core in operands]
 
-    def batched_linalg_vmap_rule(interp, args, bdims, kwargs):
-        B = interp.batch_size
-        a = list(args)
-        for k in tensor_pos:
-            if k < len(a) and isinstance(a[k], torch.Tensor):
-                a[k] = expand_front(a[k], bdims[k], B)
-        out = op(*a, **kwargs)
+
+def _batch_rank(x, bdim, core):
+    return x.dim() - (bdim is not None) - core
+
+
+def def_matrix_op(op):
+    """Ops of one (batch of) matrices ``[..., m, n]``: the vmap dim goes in front, where it is
+    one more batch dim; every output carries it in front. Placeholder outputs (the empty
+    eigenvectors of ``eigvalsh``, the empty Q of ``qr(mode='r')``) carry no vmap dim."""
+
+    def matrix_op_vmap_rule(interp, args, bdims, kwargs):
+        out = op(to_front(args[0], bdims[0]), *args[1:], **kwargs)
         if isinstance(out, torch.Tensor):
             return out, 0
+        B = interp.batch_size
         return out, tuple(0 if o.dim() > 0 and o.shape[0] == B else None for o in out)
 
-    register_vmap_rule(op)(batched_linalg_vmap_rule)
+    register_vmap_rule(op)(matrix_op_vmap_rule)
 
 
-for _op, _pos in (
-    (aten._linalg_slogdet.default, (0,)),
-    (aten._linalg_det.default, (0,)),
-    (aten.linalg_inv_ex.default, (0,)),
-    (aten.linalg_cholesky_ex.default, (0,)),
-    (aten._linalg_eigh.default, (0,)),
-    (aten.linalg_qr.default, (0,)),
-    (aten._linalg_svd.default, (0,)),
-    (aten.linalg_lu_factor_ex.default, (0,)),
-    (aten.linalg_solve_triangular.default, (0, 1)),
-    (aten.cholesky_solve.default, (0, 1)),
-    (aten.triangular_solve.default, (0, 1)),
-    (aten.linalg_householder_product.default, (0, 1)),
+for _op in (
+    aten._linalg_slogdet.default,
+    aten._linalg_det.default,
+    aten.linalg_inv_ex.default,
+    aten.linalg_cholesky_ex.default,
+    aten._linalg_eigh.default,
+    aten.linalg_eig.default,
+    aten.linalg_qr.default,
+    aten._linalg_svd.default,
+    aten.linalg_lu_factor_ex.default,
+    aten.linalg_lu.default,
+    aten.linalg_matrix_exp.default,
 ):
-    def_batched_linalg(_op, _pos)
+    def_matrix_op(_op)
+
+
+def def_broadcasting_solve(op, n_out=1):
+    """``op(X, Y, ...)`` of two (batches of) matrices whose batch dims broadcast
+    (Note [Batching broadcasting linalg ops]); all ``n_out`` outputs have the broadcast shape."""
+
+    def broadcasting_solve_vmap_rule(interp, args, bdims, kwargs):
+        x, y = args[0], args[1]
+        bx, by = bdims[0], bdims[1]
+        nd = max(_batch_rank(x, bx, 2), _batch_rank(y, by, 2))
+        x, y = _broadcast_front([(x, bx, 2), (y, by, 2)], nd)
+        out = op(x, y, *args[2:], **kwargs)
+        return out, (0 if n_out == 1 else (0,) * n_out)
+
+    register_vmap_rule(op)(broadcasting_solve_vmap_rule)
+
+
+def_broadcasting_solve(aten.cholesky_solve.default)  # (B, L, upper)
+def_broadcasting_solve(aten.linalg_solve_triangular.default)  # (A, B, *, upper, left, ...)
+def_broadcasting_solve(aten.triangular_solve.default, n_out=2)  # (B, A, ...) -> (X, A copy)
 
 
 @register_vmap_rule(aten._linalg_solve_ex.default)
 def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
-    """solve(A, b): a logically 1-d ``b`` is a vector; unsqueeze it so batching cannot make it
-    look like a matrix."""
+    """solve(A, B) -> (X, LU, pivots, info). ``B`` is a (batch of) vector(s) when it is 1-d or
+    its shape is ``A.shape[:-1]`` (torch's rule, decided on the logical shapes, since batching
+    changes the physical ones); it is made a one-column matrix so that batch dims broadcast
+    (Note [Batching broadcasting linalg ops]). LU, pivots and info have A's batch shape, not the
+    broadcast one: the size-1 dims inserted into A are removed from them."""
     A, b = args[0], args[1]
-    B = interp.batch_size
-    A = expand_front(A, bdims[0], B)
-    left = args[2] if len(args) > 2 else kwargs.get("left", True)
-    vec = b.dim() - (bdims[1] is not None) == 1
-    b = expand_front(b, bdims[1], B)
+    bA, bb = bdims[0], bdims[1]
+    left = kwargs.get("left", True)
+    A_shape = A.shape if bA is None else A.shape[:bA] + A.shape[bA + 1 :]
+    b_shape = b.shape if bb is None else b.shape[:bb] + b.shape[bb + 1 :]
+    vec = len(b_shape) == 1 or (len(b_shape) == len(A_shape) - 1 and b_shape == A_shape[:-1])
+    if bb is not None:
+        b, bb = to_front(b, bb), 0
+    elif bA is not None:  # a size-1 vmap dim: b must never look like a batch of vectors of A
+        b, bb = b.unsqueeze(0), 0
     if vec:
-        b = b.unsqueeze(-1) if left else b.unsqueeze(-2)
-    out = aten._linalg_solve_ex.default(A, b, *args[2:], **kwargs)
-    res = out[0].squeeze(-1 if left else -2) if vec else out[0]
-    return (res, *out[1:]), (0, 0, 0, 0)
+        b = b.unsqueeze(-1 if left else -2)
+    ka = len(A_shape) - 2
+    nd = max(ka, _batch_rank(b, bb, 2))
+    A, b = _broadcast_front([(A, bA, 2), (b, bb, 2)], nd)
+    X, LU, pivots, info = aten._linalg_solve_ex.default(A, b, *args[2:], **kwargs)
+    if vec:
+        X = X.squeeze(-1 if left else -2)
+    if bA is None:
+        return (X, LU, pivots, info), (0, None, None, None)
+    if nd > ka:  # drop the size-1 dims that _broadcast_front inserted after the vmap dim
+        keep = (A.shape[0],)
+        LU = LU.reshape(keep + LU.shape[1 + nd - ka :])
+        pivots = pivots.reshape(keep + pivots.shape[1 + nd - ka :])
+        info = info.reshape(keep + info.shape[1 + nd - ka :])
+    return (X, LU, pivots, info), (0, 0, 0, 0)
+
+
+@register_vmap_rule(aten.linalg_lu_solve.default)
+def linalg_lu_solve_vmap_rule(interp, args, bdims, kwargs):
+    """lu_solve(LU, pivots, B): LU and pivots share one batch shape exactly (an unbatched one
+    is expanded when the other is batched); that shape broadcasts with B's."""
+    LU, piv, b = args[0], args[1], args[2]
+    bLU, bpiv, bb = bdims[0], bdims[1], bdims[2]
+    if bLU is not None or bpiv is not None:
+        LU = expand_front(LU, bLU, interp.batch_size)
+        piv = expand_front(piv, bpiv, interp.batch_size)
+        bLU = bpiv = 0
+    nd = max(_batch_rank(LU, bLU, 2), _batch_rank(b, bb, 2))
+    LU, piv, b = _broadcast_front([(LU, bLU, 2), (piv, bpiv, 1), (b, bb, 2)], nd)
+    return aten.linalg_lu_solve.default(LU, piv, b, *args[3:], **kwargs), 0
+
+
+@register_vmap_rule(aten.linalg_householder_product.default)
+def linalg_householder_product_vmap_rule(interp, args, bdims, kwargs):
+    """householder_product(A, tau): equal batch shapes (no broadcasting), so the unbatched
+    operand is expanded."""
+    B = interp.batch_size
+    A = expand_front(args[0], bdims[0], B)
+    tau = expand_front(args[1], bdims[1], B)
+    return aten.linalg_householder_product.default(A, tau, *args[2:], **kwargs), 0
 
 
 @register_vmap_rule(aten._cdist_forward.default)
