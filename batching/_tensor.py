@@ -11,7 +11,10 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
 
+from ._fastpath import POINTWISE_FUNCS, pointwise_fast
 from ._registry import VMAP_RULES
+
+_no_torch_function = torch._C._disabled_torch_function_impl
 
 
 class BatchedTensor(TransformTensor):
@@ -24,6 +27,14 @@ class BatchedTensor(TransformTensor):
     _value: torch.Tensor
     _bdim: int
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in POINTWISE_FUNCS:  # Note [Pointwise fast path]
+            out = pointwise_fast(func, args, kwargs, cls, wrap_batched)
+            if out is not None:
+                return out
+        return _no_torch_function(func, types, args, kwargs or {})
+
     def _describe(self):
         return f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, value={self._value!r})"
 
@@ -32,6 +43,11 @@ _mk = torch.Tensor._make_wrapper_subclass
 
 
 def wrap_batched(value, bdim, interp):
+    if value.is_conj() or value.is_neg():
+        # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves
+        # conjugate/negative bits lazily, so a rule would compute z * z with the physical
+        # value of z.conj(): materialize them when they enter a wrapper.
+        value = value.resolve_conj().resolve_neg()
     shape = value.shape
     r = _mk(BatchedTensor, shape[:bdim] + shape[bdim + 1 :], dtype=value.dtype, device=value.device)
     r._value = value
@@ -77,9 +93,19 @@ class VmapInterpreter(Interpreter):
     # -- processing ------------------------------------------------------------------------
     def process(self, func, args, kwargs):
         vals, bdims = self._unwrap(args)
-        for v in kwargs.values():
-            if isinstance(v, BatchedTensor) and v._interp is self:
-                return self._fallback(func, args, kwargs)
+        if kwargs:
+            for k in _written_kwargs(func):
+                v = kwargs.get(k)
+                if v is not None and not (isinstance(v, BatchedTensor) and v._interp is self):
+                    raise InplaceError(
+                        f"{self.call}: {op_name(func)} writes its result into `{k}=`, a tensor "
+                        f"that is not batched, but the result is batched. Expected: an `{k}=` "
+                        f"tensor that is batched too, or none. Do: drop `{k}=` and use the return "
+                        "value."
+                    )
+            for v in kwargs.values():
+                if isinstance(v, BatchedTensor) and v._interp is self:
+                    return self._fallback(func, args, kwargs)
         rule = VMAP_RULES.get(func) or _derived_rule(func)
         f = facts(func)
         if f.inplace and bdims[0] is None and any(b is not None for b in bdims):
@@ -135,6 +161,19 @@ class VmapInterpreter(Interpreter):
 
 
 _WARNED: set = set()
+_WRITTEN: dict = {}
+
+
+def _written_kwargs(func):
+    """Names of the keyword arguments an op writes to (``out=`` and friends), cached."""
+    names = _WRITTEN.get(func)
+    if names is None:
+        names = _WRITTEN[func] = tuple(
+            a.name
+            for a in func._schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+        )
+    return names
 _DERIVED: dict = {}
 
 

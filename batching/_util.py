@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def to_front(x, bdim):
     """Move the batch dim to position 0 (a view)."""
@@ -17,7 +19,9 @@ def wrap_dim(d, n):
     if d < 0:
         d += n
     if not 0 <= d < max(n, 1):
-        raise IndexError(f"Dimension out of range (expected to be in range of [{-max(n, 1)}, {max(n, 1) - 1}], but got {d})")
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{-max(n, 1)}, {max(n, 1) - 1}], but got {d})"
+        )
     return d
 
 
@@ -35,3 +39,38 @@ def expand_front(x, bdim, batch_size):
     if bdim is None:
         return x.unsqueeze(0).expand((batch_size,) + tuple(x.shape))
     return to_front(x, bdim)
+
+
+def promote_like_logical(args, bdims):
+    """Note [0-d type promotion]: torch promotes a 0-d tensor with lower priority than a tensor
+    with dims, but a batched value that is 0-d per example has a dim physically (the batch dim),
+    so it would win the promotion it should lose (float16 0-d + float64 0-d is float64 per
+    example, float16 physically). When that can matter (a 0-d logical value among tensors of
+    differing dtypes), cast the non-bool tensors to the dtype the logical values promote to."""
+    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if len({a.dtype for _, a in tensors}) < 2 or not any(
+        bdims[i] is not None and a.dim() == 1 for i, a in tensors
+    ):
+        return args
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    logical = [
+        torch.empty(
+            a.shape[: bdims[i]] + a.shape[bdims[i] + 1 :] if bdims[i] is not None else a.shape,
+            dtype=a.dtype,
+            device="meta",
+        )
+        for i, a in tensors
+        if a.dtype != torch.bool
+    ]
+    scalars = [a for a in args if isinstance(a, (bool, int, float, complex))]
+    if not logical:
+        return args
+    _, dtype = elementwise_dtypes(
+        *logical, *scalars, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+    )
+    new = list(args)
+    for i, a in tensors:
+        if a.dtype not in (dtype, torch.bool):
+            new[i] = a.to(dtype)
+    return new

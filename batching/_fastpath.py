@@ -1,0 +1,167 @@
+"""Note [Pointwise fast path]
+
+Every ATen op on a BatchedTensor costs one trip through ``__torch_dispatch__``: the dispatcher
+boxes the arguments into Python objects, we route, unwrap, apply the rule, and build a new
+wrapper. For a pointwise op on a (64, 8) input that trip costs several times the op itself,
+and pointwise chains are most of what users vmap (activations, losses, physics formulas).
+
+So BatchedTensor also defines ``__torch_function__``, which runs *before* the dispatcher: for
+the public torch functions whose every ATen overload is pointwise (derived from the op tags,
+not a hand list), when every wrapper among the arguments belongs to one live vmap level with
+its batch dim in front and the logical ranks line up, the function is applied to the
+physical values directly and the result wrapped once. Right-aligned broadcasting then lines
+logical dims up with logical dims exactly as the slow path's rule does
+(Note [Batching pointwise ops]). Anything else (other levels, a batch dim elsewhere, rank
+mismatches, ``out=``, in-place) takes the ordinary path through ``__torch_dispatch__``, which
+stays the single source of semantics; the fast path is a shortcut to the same answer, tested
+against it (tests/batching/test_fastpath.py).
+
+The price is that metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) now pass through
+a Python ``__torch_function__`` too; they return at its first line.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from functransforms._core import TransformTensor
+
+_aten = torch.ops.aten
+
+
+def _is_pointwise_packet(name):
+    """True when every functional ATen overload of ``name`` taking a tensor is a deterministic
+    pointwise op returning one fresh tensor."""
+    packet = getattr(_aten, name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    seen = False
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        schema = op._schema
+        if schema.is_mutable or not any(str(a.type).startswith("Tensor") for a in schema.arguments):
+            continue
+        returns = schema.returns
+        if (
+            torch.Tag.pointwise not in op.tags
+            or torch.Tag.nondeterministic_seeded in op.tags
+            or len(returns) != 1
+            or str(returns[0].type) != "Tensor"
+            or returns[0].alias_info is not None
+        ):
+            return False
+        seen = True
+    return seen
+
+
+_DUNDERS = {
+    "add": ("__add__", "__radd__"),
+    "sub": ("__sub__", "__rsub__"),
+    "mul": ("__mul__", "__rmul__"),
+    "div": ("__truediv__", "__rtruediv__", "__div__", "__rdiv__"),
+    "floor_divide": ("__floordiv__", "__rfloordiv__"),
+    "remainder": ("__mod__", "__rmod__"),
+    "pow": ("__pow__", "__rpow__"),
+    "neg": ("__neg__",),
+    "abs": ("__abs__",),
+    "eq": ("__eq__",),
+    "ne": ("__ne__",),
+    "lt": ("__lt__",),
+    "le": ("__le__",),
+    "gt": ("__gt__",),
+    "ge": ("__ge__",),
+    "bitwise_and": ("__and__", "__rand__"),
+    "bitwise_or": ("__or__", "__ror__"),
+    "bitwise_xor": ("__xor__", "__rxor__"),
+    "bitwise_not": ("__invert__",),
+}
+
+
+def _build_table():
+    """func -> index of its ``inplace`` parameter (None when it has none)."""
+    table = {}
+    names = {n for src in (torch, torch.Tensor, F) for n in dir(src) if not n.startswith("_")}
+    for name in names:
+        if name.endswith("_") or not _is_pointwise_packet(name):
+            continue
+        for src in (torch, torch.Tensor):
+            fn = getattr(src, name, None)
+            if callable(fn):
+                table[fn] = None
+        for dunder in _DUNDERS.get(name, ()):
+            fn = getattr(torch.Tensor, dunder, None)
+            if callable(fn):
+                table[fn] = None
+        fn = getattr(F, name, None)
+        if callable(fn) and fn not in table:
+            try:
+                params = list(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):  # C builtins without a signature: no inplace flag
+                params = []
+            table[fn] = params.index("inplace") if "inplace" in params else None
+    return table
+
+
+POINTWISE_FUNCS = _build_table()
+
+
+def pointwise_fast(func, args, kwargs, batched_cls, wrap):
+    """Apply ``func`` to the physical values, or return None to take the ordinary path."""
+    inplace_at = POINTWISE_FUNCS[func]
+    if kwargs:
+        if "out" in kwargs or kwargs.get("inplace"):
+            return None
+        values = kwargs.values()
+    else:
+        values = ()
+    if inplace_at is not None and len(args) > inplace_at and args[inplace_at]:
+        return None
+    interp = None
+    bdim = 0
+    front = True
+    nd = -1
+    n_tensors = 0
+    plain_nd = -1
+    for a in (*args, *values):
+        if isinstance(a, TransformTensor):
+            if type(a) is not batched_cls:
+                return None
+            if interp is None:
+                interp = a._interp
+            elif a._interp is not interp:
+                return None
+            d = a._value.dim() - 1
+            if nd == -1:
+                nd = d
+            elif d != nd:
+                return None
+            bdim = a._bdim
+            front = front and bdim == 0
+            n_tensors += 1
+        elif isinstance(a, torch.Tensor):
+            n_tensors += 1
+            d = a.dim()
+            if d > plain_nd:
+                plain_nd = d
+        elif type(a) is list or type(a) is tuple:
+            return None
+    if interp is None or not interp.alive:
+        return None
+    if n_tensors > 1:
+        # Several tensors broadcast against each other: batch dims must all be in front, and a
+        # plain tensor must not reach the batch dim (nor, for 0-d logical values, change the
+        # type-promotion category a 0-d tensor has).
+        if not front or plain_nd > nd or (nd == 0 and plain_nd >= 0):
+            return None
+    unwrapped = [a._value if type(a) is batched_cls else a for a in args]
+    if kwargs:
+        kwargs = {k: (v._value if type(v) is batched_cls else v) for k, v in kwargs.items()}
+        out = func(*unwrapped, **kwargs)
+    else:
+        out = func(*unwrapped)
+    if not isinstance(out, torch.Tensor):  # e.g. x == None
+        return out
+    return wrap(out, bdim, interp)

@@ -1,0 +1,182 @@
+"""The pointwise fast path (Note [Pointwise fast path] in batching/_fastpath.py) gives exactly
+what the ordinary dispatch path gives, is taken where it should be, and steps aside wherever
+its preconditions fail."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functransforms.batching import _tensor
+from functransforms.batching._fastpath import POINTWISE_FUNCS
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functransforms as ft
+from functransforms.testing import check_vmap
+
+
+def _slow(monkeypatch):
+    monkeypatch.setattr(_tensor, "POINTWISE_FUNCS", {})
+
+
+@pytest.fixture
+def dispatch_count(monkeypatch):
+    """How many ops reached the vmap interpreter's ordinary (dispatch) path."""
+    calls = []
+    process = _tensor.VmapInterpreter.process
+
+    def counting(self, func, args, kwargs):
+        calls.append(func)
+        return process(self, func, args, kwargs)
+
+    monkeypatch.setattr(_tensor.VmapInterpreter, "process", counting)
+    return calls
+
+
+def test_table_is_derived_from_tags():
+    for fn in (torch.sin, torch.Tensor.sin, torch.add, torch.Tensor.__rsub__, torch.where):
+        assert (fn in POINTWISE_FUNCS) == (fn is not torch.where)  # where(c) is nonzero
+    for fn in (torch.sum, torch.Tensor.add_, torch.rand_like, torch.Tensor.view, F.dropout):
+        assert fn not in POINTWISE_FUNCS
+    assert POINTWISE_FUNCS[F.relu] is not None  # position of its `inplace` flag
+
+
+def test_fast_path_is_taken(dispatch_count):
+    x = torch.randn(5, 3)
+    out = ft.vmap(lambda v: torch.sin(v) * 2.0 + v.exp() - 1 / (1 + v.abs()))(x)
+    torch.testing.assert_close(out, torch.sin(x) * 2.0 + x.exp() - 1 / (1 + x.abs()))
+    assert dispatch_count == []
+
+
+def test_fast_path_steps_aside_for_misaligned_batch_dims(dispatch_count):
+    x, y = torch.randn(5, 3), torch.randn(3, 5)
+    out = ft.vmap(torch.mul, in_dims=(0, 1))(x, y)
+    torch.testing.assert_close(out, x * y.T)
+    assert len(dispatch_count) == 1
+
+
+def test_unary_keeps_the_batch_dim_where_it_is(dispatch_count):
+    x = torch.randn(3, 5, 2)
+    check_vmap(lambda v: torch.tanh(v).sigmoid(), (x,), in_dims=1)
+    assert torch.ops.aten.tanh.default not in dispatch_count
+
+
+CASES = [
+    # (function, args, in_dims): each covers one precondition of the fast path
+    (torch.add, (torch.randn(4, 3), torch.randn(4, 3)), 0),
+    (torch.add, (torch.randn(4, 2, 3), torch.randn(4, 3)), 0),  # logical ranks differ
+    (torch.add, (torch.randn(4, 2, 3), torch.randn(3)), (0, None)),  # plain lower rank
+    (torch.add, (torch.randn(4, 3), torch.randn(2, 3)), (0, None)),  # plain higher rank
+    (torch.mul, (torch.randn(4, 3), torch.randn(3, 4)), (0, 1)),
+    (lambda a, b: a - b, (torch.randn(4, 3), 2.5), (0, None)),
+    (lambda a, b: b / a, (torch.randn(4, 3), torch.randn(3)), (0, None)),
+    (lambda a, b: b**a, (torch.rand(4, 3), torch.rand(3) + 0.5), (0, None)),
+    # 0-d logical values against a 0-d plain tensor of another dtype: type promotion treats
+    # the logical value as 0-d, the physical one as 1-d
+    (
+        lambda a, b: a + b,
+        (torch.randn(4, dtype=torch.float16), torch.tensor(1.5, dtype=torch.float64)),
+        (0, None),
+    ),
+    (lambda a, b: a * b, (torch.arange(4), torch.tensor(0.5)), (0, None)),
+    (
+        lambda a, b: a * b,
+        (torch.randn(4, 3, dtype=torch.float16), torch.tensor(3.0, dtype=torch.float64)),
+        (0, None),
+    ),
+    (
+        lambda a, b, c: torch.addcmul(a, b, c, value=0.5),
+        (torch.randn(4, 3), torch.randn(4, 3), torch.randn(3)),
+        (0, 0, None),
+    ),
+    (lambda a, lo: torch.clamp(a, min=lo), (torch.randn(4, 3), torch.zeros(4, 3)), 0),
+    (lambda a, b: torch.where(a > b, a, b), (torch.randn(4, 3), torch.randn(3, 4)), (0, 1)),
+    (lambda a: a + (a == None), (torch.randn(4, 3),), 0),  # noqa: E711  (a Python bool)
+    (lambda a: F.gelu(a, approximate="tanh") + F.leaky_relu(a, 0.2), (torch.randn(4, 3),), 0),
+    (lambda z: (z * z.conj()).real + z.abs(), (torch.randn(4, 3, dtype=torch.complex64),), 0),
+]
+
+
+@pytest.mark.parametrize("f,args,in_dims", CASES)
+def test_same_answer_as_the_dispatch_path(f, args, in_dims, monkeypatch):
+    fast = ft.vmap(f, in_dims=in_dims)(*args)
+    expected = torch.func.vmap(f, in_dims=in_dims)(*args)
+    _slow(monkeypatch)
+    slow = ft.vmap(f, in_dims=in_dims)(*args)
+    if isinstance(expected, bool):
+        assert fast == slow == expected
+        return
+    for got in (fast, slow):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected)
+
+
+def test_inplace_flag_and_out_take_the_ordinary_path():
+    x = torch.randn(4, 3)
+
+    def relu_inplace(v):
+        v = v.clone()
+        F.relu(v, inplace=True)
+        return v
+
+    torch.testing.assert_close(ft.vmap(relu_inplace)(x), x.relu())
+    torch.testing.assert_close(ft.vmap(lambda v: F.relu(v.clone(), True))(x), x.relu())
+    with pytest.raises(ft.errors.InplaceError, match="out="):
+        ft.vmap(lambda v: torch.sin(v, out=torch.empty(3)))(x)
+
+
+def test_composes_with_other_levels():
+    x = torch.randn(4, 3)
+    f = lambda v: (torch.sin(v) * v + 1.0).sum()  # noqa: E731
+    torch.testing.assert_close(ft.vmap(ft.grad(f))(x), torch.func.vmap(torch.func.grad(f))(x))
+    torch.testing.assert_close(ft.grad(lambda v: ft.vmap(f)(v).sum())(x), x.cos() * x + x.sin())
+    torch.testing.assert_close(ft.vmap(ft.vmap(torch.sin))(x), x.sin())
+    torch.testing.assert_close(
+        ft.vmap(ft.vmap(torch.mul, in_dims=(0, None)), in_dims=(None, 0))(x[0], x[:, 0]),
+        x[:, 0, None] * x[0],
+    )
+
+
+def test_escaped_wrapper_is_still_detected():
+    leaked = []
+    ft.vmap(lambda v: leaked.append(v) or v)(torch.randn(2, 3))
+    with pytest.raises(ft.errors.EscapedTracerError):
+        torch.sin(leaked[0])
+
+
+UNARY = [torch.sin, torch.exp, torch.tanh, torch.sigmoid, F.silu, torch.abs, torch.neg]
+BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, torch.atan2, lambda a, b: a / (1 + b * b)]
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(UNARY), st.sampled_from(BINARY)), min_size=1, max_size=4
+    ),
+    in_dims=st.tuples(st.sampled_from([0, 1, None]), st.sampled_from([0, 1, None])).filter(
+        lambda d: d != (None, None)
+    ),
+    rank=st.sampled_from([1, 2]),
+)
+def test_chains_match_torch_func(ops, in_dims, rank):
+    shape = (3, 3) if rank == 2 else (3,)
+
+    def f(a, b):
+        for u, bi in ops:
+            a = bi(u(a), b)
+        return a
+
+    g = torch.Generator().manual_seed(0)
+    args = [
+        torch.randn(shape if d is None else (3,) + shape, generator=g).movedim(0, d or 0)
+        if d is not None
+        else torch.randn(shape, generator=g)
+        for d in in_dims
+    ]
+    torch.testing.assert_close(
+        ft.vmap(f, in_dims=in_dims)(*args), torch.func.vmap(f, in_dims=in_dims)(*args)
+    )
+
+
+def test_out_into_a_batched_tensor_writes_each_example():
+    x, o = torch.randn(4, 3), torch.zeros(4, 3)
+    ft.vmap(lambda v, out: torch.sin(v, out=out))(x, o)
+    torch.testing.assert_close(o, x.sin())
