@@ -81,7 +81,7 @@ _DUNDERS = {
 
 
 def _build_table():
-    """func -> index of its ``inplace`` parameter (None when it has none)."""
+    """func -> index of its ``inplace`` parameter (-1 when it has none)."""
     table = {}
     names = {n for src in (torch, torch.Tensor, F) for n in dir(src) if not n.startswith("_")}
     for name in names:
@@ -90,35 +90,59 @@ def _build_table():
         for src in (torch, torch.Tensor):
             fn = getattr(src, name, None)
             if callable(fn):
-                table[fn] = None
+                table[fn] = -1
         for dunder in _DUNDERS.get(name, ()):
             fn = getattr(torch.Tensor, dunder, None)
             if callable(fn):
-                table[fn] = None
+                table[fn] = -1
         fn = getattr(F, name, None)
         if callable(fn) and fn not in table:
             try:
                 params = list(inspect.signature(fn).parameters)
             except (TypeError, ValueError):  # C builtins without a signature: no inplace flag
                 params = []
-            table[fn] = params.index("inplace") if "inplace" in params else None
+            table[fn] = params.index("inplace") if "inplace" in params else -1
     return table
 
 
 POINTWISE_FUNCS = _build_table()
 
 
-def pointwise_fast(func, args, kwargs, batched_cls, wrap):
-    """Apply ``func`` to the physical values, or return None to take the ordinary path."""
-    inplace_at = POINTWISE_FUNCS[func]
+_NUMBERS = frozenset((int, float, bool, complex))
+
+
+def pointwise_fast(func, inplace_at, args, kwargs, batched_cls, wrap):
+    """Apply ``func`` to the physical values, or return None to take the ordinary path.
+
+    ``inplace_at`` is the position of the function's ``inplace`` flag, -1 when it has none. The
+    two shapes that dominate real code (one wrapper, optionally with a Python number) are
+    checked first without building anything."""
+    if inplace_at >= 0 and (
+        (len(args) > inplace_at and args[inplace_at]) or (kwargs and kwargs.get("inplace"))
+    ):
+        return None
+    if not kwargs:
+        n = len(args)
+        if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
+            a = args[0]
+            if type(a) is batched_cls and a._interp.alive:
+                return wrap(func(a._value, *args[1:]), a._bdim, a._interp)
+            return None
+        if n == 2 and type(args[0]) in _NUMBERS:
+            b = args[1]
+            if type(b) is batched_cls and b._interp.alive:
+                return wrap(func(args[0], b._value), b._bdim, b._interp)
+            return None
+    return _pointwise_general(func, args, kwargs, batched_cls, wrap)
+
+
+def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     if kwargs:
-        if "out" in kwargs or kwargs.get("inplace"):
+        if "out" in kwargs:
             return None
         values = kwargs.values()
     else:
         values = ()
-    if inplace_at is not None and len(args) > inplace_at and args[inplace_at]:
-        return None
     interp = None
     bdim = 0
     front = True
@@ -153,7 +177,7 @@ def pointwise_fast(func, args, kwargs, batched_cls, wrap):
     if n_tensors > 1:
         # Several tensors broadcast against each other: batch dims must all be in front, and a
         # plain tensor must not reach the batch dim (nor, for 0-d logical values, change the
-        # type-promotion category a 0-d tensor has).
+        # type-promotion category a 0-d tensor has: Note [0-d type promotion]).
         if not front or plain_nd > nd or (nd == 0 and plain_nd >= 0):
             return None
     unwrapped = [a._value if type(a) is batched_cls else a for a in args]

@@ -29,8 +29,9 @@ class BatchedTensor(TransformTensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in POINTWISE_FUNCS:  # Note [Pointwise fast path]
-            out = pointwise_fast(func, args, kwargs, cls, wrap_batched)
+        inplace_at = POINTWISE_FUNCS.get(func)
+        if inplace_at is not None:  # Note [Pointwise fast path]
+            out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
         return _no_torch_function(func, types, args, kwargs or {})

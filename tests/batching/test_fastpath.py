@@ -37,7 +37,7 @@ def test_table_is_derived_from_tags():
         assert (fn in POINTWISE_FUNCS) == (fn is not torch.where)  # where(c) is nonzero
     for fn in (torch.sum, torch.Tensor.add_, torch.rand_like, torch.Tensor.view, F.dropout):
         assert fn not in POINTWISE_FUNCS
-    assert POINTWISE_FUNCS[F.relu] is not None  # position of its `inplace` flag
+    assert POINTWISE_FUNCS[F.relu] == 1 and POINTWISE_FUNCS[torch.sin] == -1  # `inplace` position
 
 
 def test_fast_path_is_taken(dispatch_count):
