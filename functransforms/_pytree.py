@@ -34,6 +34,17 @@ def tree_structure(tree):
     return optree.tree_structure(tree, **_KW)
 
 
+def one_level(node):
+    """``(children, structure)`` of a pytree node one level deep, or None for a leaf. The
+    structure compares equal for two nodes of the same type and metadata."""
+    if optree.treespec_is_leaf(optree.tree_structure(node, none_is_leaf=True, namespace=NAMESPACE)):
+        return None
+    children, spec = optree.tree_flatten(
+        node, is_leaf=lambda x: x is not node, none_is_leaf=True, namespace=NAMESPACE
+    )
+    return children, spec
+
+
 def register_pytree_node(cls, flatten, unflatten):
     """Register `cls` as a pytree node in our namespace.
 

@@ -81,7 +81,11 @@ def _broadcast(prefix, tree, what, call, out, path):
         return
     if isinstance(prefix, (tuple, list)):
         if not isinstance(tree, (tuple, list)) or len(tree) != len(prefix):
-            got = f"{type(tree).__name__} of length {len(tree)}" if isinstance(tree, (tuple, list)) else type(tree).__name__
+            got = (
+                f"{type(tree).__name__} of length {len(tree)}"
+                if isinstance(tree, (tuple, list))
+                else type(tree).__name__
+            )
             raise ValueError(
                 f"{call}: {path} is a {type(prefix).__name__} of length {len(prefix)}, so the "
                 f"matching value must be a tuple/list of that length; got a {got}. Expected "
@@ -99,9 +103,22 @@ def _broadcast(prefix, tree, what, call, out, path):
         for k in tree:  # leaves are flattened in the tree's key order
             _broadcast(prefix[k], tree[k], what, call, out, f"{path}[{k!r}]")
         return
+    node = pt.one_level(prefix)
+    if node is not None:  # any other registered node: dataclass, LinearOperator, ...
+        children, spec = node
+        value = pt.one_level(tree)
+        if value is None or value[1] != spec:
+            raise ValueError(
+                f"{call}: {path} is a {type(prefix).__name__} node, so the matching value must "
+                f"be a {type(prefix).__name__} with the same structure; got "
+                f"{type(tree).__name__}. Expected {what} to be a tree prefix of the values."
+            )
+        for i, (p, t) in enumerate(zip(children, value[0])):
+            _broadcast(p, t, what, call, out, f"{path}.<child {i}>")
+        return
     raise TypeError(
-        f"{call}: {path} must be an int, None, or a tuple/list/dict of those; got "
-        f"{type(prefix).__name__} ({prefix!r})."
+        f"{call}: {path} must be an int, None, or a tree (tuple/list/dict or registered pytree "
+        f"node) of those; got {type(prefix).__name__} ({prefix!r})."
     )
 
 
@@ -168,7 +185,18 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
         )
 
     if chunk_size is not None and chunk_size < batch_size:
-        return _chunked(func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size)
+        return _chunked(
+            func,
+            in_dims,
+            out_dims,
+            randomness,
+            chunk_size,
+            flat_args,
+            norm_dims,
+            spec,
+            kwargs,
+            batch_size,
+        )
 
     interp = VmapInterpreter(batch_size, randomness)
     interp.call = call or _call_repr(func, in_dims, out_dims)
@@ -232,7 +260,9 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
     return pt.tree_unflatten(out_spec, results)
 
 
-def _chunked(func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size):
+def _chunked(
+    func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size
+):
     pieces = []
     for start in range(0, batch_size, chunk_size):
         length = min(chunk_size, batch_size - start)
@@ -241,7 +271,15 @@ def _chunked(func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_di
         ]
         chunk_dims = tuple(pt.tree_unflatten(spec, list(norm_dims)))
         pieces.append(
-            _vmap_call(func, chunk_dims, out_dims, randomness, None, pt.tree_unflatten(spec, chunk_args), kwargs)
+            _vmap_call(
+                func,
+                chunk_dims,
+                out_dims,
+                randomness,
+                None,
+                pt.tree_unflatten(spec, chunk_args),
+                kwargs,
+            )
         )
     first_flat, out_spec = pt.tree_flatten(pieces[0])
     flat_od = (
@@ -255,4 +293,3 @@ def _chunked(func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_di
         for j, od in enumerate(flat_od)
     ]
     return pt.tree_unflatten(out_spec, merged)
-

@@ -177,3 +177,27 @@ def test_op_without_rule_falls_back_with_warning(monkeypatch):
     with warnings.catch_warnings():  # warned once per op
         warnings.simplefilter("error", FallbackWarning)
         ft.vmap(f, in_dims=(0, None))(r, theta)
+
+
+def test_in_dims_and_out_dims_through_registered_pytree_nodes():
+    import dataclasses
+
+    from functransforms._pytree import register_pytree_node
+
+    @dataclasses.dataclass
+    class Params:
+        w: torch.Tensor
+        b: torch.Tensor
+
+    register_pytree_node(Params, lambda p: ((p.w, p.b), None), lambda aux, ch: Params(*ch))
+    p = Params(torch.randn(5, 3), torch.randn(3, 5))
+
+    out = ft.vmap(lambda p: p.w * p.b, in_dims=(Params(0, 1),))(p)
+    torch.testing.assert_close(out, p.w * p.b.T)
+
+    out = ft.vmap(lambda x: Params(x, x.sum()), out_dims=Params(1, 0))(p.w)
+    torch.testing.assert_close(out.w, p.w.T)
+    torch.testing.assert_close(out.b, p.w.sum(1))
+
+    with pytest.raises(ValueError, match=r"in_dims\[0\] is a Params node.*got tuple"):
+        ft.vmap(lambda p: p[0], in_dims=(Params(0, None),))((p.w, p.b))
