@@ -34,7 +34,9 @@ def def_bilinear(op, vjp_a, vjp_b):
 
 def_bilinear(aten.mm.default, lambda ct, a, b: ct @ b.mH, lambda ct, a, b: a.mH @ ct)
 def_bilinear(aten.bmm.default, lambda ct, a, b: ct @ b.mH, lambda ct, a, b: a.mH @ ct)
-def_bilinear(aten.mv.default, lambda ct, a, b: ct.unsqueeze(-1) * b.conj(), lambda ct, a, b: a.mH @ ct)
+def_bilinear(
+    aten.mv.default, lambda ct, a, b: ct.unsqueeze(-1) * b.conj(), lambda ct, a, b: a.mH @ ct
+)
 def_bilinear(aten.dot.default, lambda ct, a, b: ct * b.conj(), lambda ct, a, b: ct * a.conj())
 def_bilinear(aten.vdot.default, lambda ct, a, b: (ct * b.conj()).conj(), lambda ct, a, b: ct * a)
 
@@ -64,7 +66,7 @@ def def_add_product(op, product, vjp_a, vjp_b):
     """``op(bias, a, b, beta, alpha) = beta * bias + alpha * product(a, b)``."""
 
     def add_product_jvp_rule(primals, tangents, kwargs):
-        bias, a, b = primals[0], primals[1], primals[2]
+        a, b = primals[1], primals[2]
         beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         out = op(*primals, **kwargs)
         tc, ta, tb = tangents[0], tangents[1], tangents[2]
@@ -85,7 +87,9 @@ def def_add_product(op, product, vjp_a, vjp_b):
         beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         ca = ct if alpha == 1 else ct * alpha
         return (
-            unbroadcast(ct if beta == 1 else ct * beta, bias.shape) if needs[0] and beta != 0 else None,
+            unbroadcast(ct if beta == 1 else ct * beta, bias.shape)
+            if needs[0] and beta != 0
+            else None,
             vjp_a(ca, a, b) if needs[1] else None,
             vjp_b(ca, a, b) if needs[2] else None,
         )
@@ -94,8 +98,419 @@ def def_add_product(op, product, vjp_a, vjp_b):
     register_vjp_rule(op)(add_product_vjp_rule)
 
 
-def_add_product(aten.addmm.default, torch.mm, lambda ct, a, b: ct @ b.mH, lambda ct, a, b: a.mH @ ct)
-def_add_product(aten.baddbmm.default, torch.bmm, lambda ct, a, b: ct @ b.mH, lambda ct, a, b: a.mH @ ct)
 def_add_product(
-    aten.addmv.default, torch.mv, lambda ct, a, b: ct.unsqueeze(-1) * b.conj(), lambda ct, a, b: a.mH @ ct
+    aten.addmm.default, torch.mm, lambda ct, a, b: ct @ b.mH, lambda ct, a, b: a.mH @ ct
 )
+def_add_product(
+    aten.baddbmm.default, torch.bmm, lambda ct, a, b: ct @ b.mH, lambda ct, a, b: a.mH @ ct
+)
+def_add_product(
+    aten.addmv.default,
+    torch.mv,
+    lambda ct, a, b: ct.unsqueeze(-1) * b.conj(),
+    lambda ct, a, b: a.mH @ ct,
+)
+
+
+# -- factorizations, solvers, determinants, spectral decompositions ----------------------------
+# Note [Linalg derivative rules]
+#     Each op's jvp and vjp are written once against its schema arguments, in schema order, and
+#     registered by `def_linalg`: ``jvp(out, dots, *args)`` returns the tangents of the
+#     differentiable leading outputs (``dots`` parallel to ``args``, None for a zero or a
+#     non-tensor); ``vjp(bars, out, needs, *args)`` gets the output cotangents as a tuple (None
+#     for a zero) and returns one cotangent per positional argument. Outputs such as LU, pivots
+#     and info carry no derivative (as in torch). Rules use only ops that have rules of their own
+#     (triangular parts by a constant mask, not `tril`), so that they differentiate again. For
+#     complex inputs the vjp is torch's (docs/complex.md); where torch's vjp is not the exact
+#     adjoint of its jvp (Cholesky and eigh symmetrize: their input is Hermitian by contract),
+#     both follow torch. Formulas: Giles 2008, "Collected matrix derivative results for forward
+#     and reverse mode AD"; the Cholesky, eigh and SVD ones in the projected form of
+#     torch's FunctionsManual.
+def def_linalg(op, jvp, vjp):
+    """Register ``jvp`` / ``vjp`` for ``op`` (Note [Linalg derivative rules])."""
+    schema = op._schema.arguments
+    names = [a.name for a in schema]
+    defaults = [a.default_value if a.has_default_value() else None for a in schema]
+    multi = len(op._schema.returns) > 1
+
+    def bind(primals, kwargs):
+        args = list(primals) + defaults[len(primals) :]
+        for k, v in kwargs.items():
+            args[names.index(k)] = v
+        return args
+
+    def linalg_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        if all(t is None for t in tangents):
+            return out, None
+        dots = list(tangents) + [None] * (len(names) - len(tangents))
+        t = jvp(out, dots, *bind(primals, kwargs))
+        if multi:
+            return out, tuple(t) + (None,) * (len(out) - len(t))
+        return out, t
+
+    def linalg_vjp_rule(bars, primals, kwargs, out, needs):
+        if not multi:
+            bars = (bars,)
+        if all(b is None for b in bars):
+            return (None,) * len(primals)
+        grads = vjp(bars, out, needs, *bind(primals, kwargs))
+        return tuple(grads[: len(primals)]) + (None,) * (len(primals) - len(grads))
+
+    register_jvp_rule(op)(linalg_jvp_rule)
+    register_vjp_rule(op)(linalg_vjp_rule)
+
+
+_MASKS: dict = {}
+
+
+def _mask(X, kind):
+    """A constant [n, n] mask in X's real dtype: ``tril``, ``triu``, ``tril-1``, ``triu+1``,
+    ``phi`` (tril with a halved diagonal), ``eye``, ``offdiag``."""
+    n, dtype = X.shape[-1], X.dtype.to_real()
+    key = (n, kind, dtype, X.device)
+    m = _MASKS.get(key)
+    if m is None:
+        one = torch.ones(n, n, dtype=dtype, device=X.device)
+        eye = torch.eye(n, dtype=dtype, device=X.device)
+        m = {
+            "tril": one.tril(),
+            "triu": one.triu(),
+            "tril-1": one.tril(-1),
+            "triu+1": one.triu(1),
+            "phi": one.tril() - 0.5 * eye,
+            "eye": eye,
+            "offdiag": one - eye,
+        }[kind]
+        if len(_MASKS) < 256:
+            _MASKS[key] = m
+    return m
+
+
+def _tri(X, upper, unit=False):
+    """The triangle of X a triangular solve reads (strict when the diagonal is unit)."""
+    return X * _mask(X, ("triu+1" if unit else "triu") if upper else ("tril-1" if unit else "tril"))
+
+
+def _diag_embed(d, like):
+    """diag_embed(d) in like's dtype."""
+    if like.is_complex() and not d.is_complex():
+        d = d.to(like.dtype)
+    return d.unsqueeze(-1) * _mask(like, "eye")
+
+
+def _H(X):
+    """X^H, materialized: kernels run by a rule ignore a lazy conj bit
+    (Note [No lazy conjugate inside wrappers], autodiff/views.py)."""
+    return torch.conj_physical(X.mT) if X.is_complex() else X.mT
+
+
+def _conj(x):
+    return torch.conj_physical(x) if x.is_complex() else x
+
+
+def _trace(X):
+    return X.diagonal(0, -2, -1).sum(-1)
+
+
+def _plus(a, b):
+    """a + b with None as a symbolic zero."""
+    return b if a is None else a if b is None else a + b
+
+
+def _neg(a):
+    return None if a is None else -a
+
+
+def _solve_tri(A, B, upper, left=True, unit=False):
+    return torch.linalg.solve_triangular(A, B, upper=upper, left=left, unitriangular=unit)
+
+
+def _filled(bars, out):
+    """Output cotangents with zeros for the None entries of the first len(bars) outputs."""
+    return [torch.zeros_like(o) if b is None else b for b, o in zip(bars, out)]
+
+
+# Cholesky: A = L L^H. dL = L Phi(L^-1 dA L^-H), Phi = tril with a halved diagonal;
+# bar A = L^-H Phi*(tril(L^H bar L)) L^-1 with Phi*(X) = (X + tril(X, -1)^H) / 2.
+def _cholesky_jvp(out, dots, A, upper, check_errors):
+    L, dA = out[0], dots[0]
+    if upper:
+        L = L.mH
+    X = _solve_tri(L.mH, _solve_tri(L, dA, upper=False), upper=True, left=False)
+    dL = L @ (X * _mask(X, "phi"))
+    return (_H(dL) if upper else dL,)
+
+
+def _cholesky_vjp(bars, out, needs, A, upper, check_errors):
+    L, gL = out[0], bars[0]
+    if upper:
+        L, gL = L.mH, gL.mH
+    X = (L.mH @ gL) * _mask(L, "tril")
+    X = 0.5 * (X + _H(X * _mask(X, "tril-1")))
+    return (_solve_tri(L, _solve_tri(L.mH, X, upper=True), upper=False, left=False),)
+
+
+def_linalg(aten.linalg_cholesky_ex.default, _cholesky_jvp, _cholesky_vjp)
+
+
+# Solves broadcast A's and B's batch dims; B is a vector (or a batch of vectors) when its shape
+# is A's without the last dim, as in torch.linalg.solve.
+def _is_vector(A, B):
+    return B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
+
+
+def _as_matrix(B, vec, left):
+    return B if not vec else B.unsqueeze(-1 if left else -2)
+
+
+def _as_vector(X, vec, left):
+    return X if not vec else X.squeeze(-1 if left else -2)
+
+
+# X = A^-1 B (left) or B A^-1: dX = A^-1 (dB - dA X) or (dB - X dA) A^-1;
+# bar B = A^-H bar X (or bar X A^-H), bar A = -bar B X^H (or -X^H bar B).
+def _solve_jvp_core(solve, A, B, X, dA, dB, left):
+    vec = _is_vector(A, B)
+    Xm = _as_matrix(X, vec, left)
+    r = _as_matrix(dB, vec, left) if dB is not None else None
+    if dA is not None:
+        r = _plus(r, -(dA @ Xm) if left else -(Xm @ dA))
+    return _as_vector(solve(A, r), vec, left)
+
+
+def _solve_vjp_core(solve_h, A, B, X, gX, needs, left):
+    vec = _is_vector(A, B)
+    gB = solve_h(A, _as_matrix(gX, vec, left))
+    Xm = _as_matrix(X, vec, left)
+    gA = unbroadcast(-(gB @ Xm.mH) if left else -(Xm.mH @ gB), A.shape) if needs[0] else None
+    gB = unbroadcast(_as_vector(gB, vec, left), B.shape) if needs[1] else None
+    return gA, gB
+
+
+def _solve_jvp(out, dots, A, B, left, check_errors):
+    solve = lambda A, R: torch.linalg.solve(A, R, left=left)  # noqa: E731
+    return (_solve_jvp_core(solve, A, B, out[0], dots[0], dots[1], left),)
+
+
+def _solve_vjp(bars, out, needs, A, B, left, check_errors):
+    solve_h = lambda A, G: torch.linalg.solve(A.mH, G, left=left)  # noqa: E731
+    return _solve_vjp_core(solve_h, A, B, out[0], bars[0], needs, left)
+
+
+def_linalg(aten._linalg_solve_ex.default, _solve_jvp, _solve_vjp)
+
+
+# Triangular solves read one triangle of A (without the diagonal when unitriangular), so the
+# tangent and the cotangent of A live in that triangle.
+def _solve_triangular_jvp(X, dots, A, B, upper, left, unitriangular):
+    dA = None if dots[0] is None else _tri(dots[0], upper, unitriangular)
+    solve = lambda A, R: _solve_tri(A, R, upper, left, unitriangular)  # noqa: E731
+    return _solve_jvp_core(solve, A, B, X, dA, dots[1], left)
+
+
+def _solve_triangular_vjp(bars, X, needs, A, B, upper, left, unitriangular):
+    solve_h = lambda A, G: _solve_tri(A.mH, G, not upper, left, unitriangular)  # noqa: E731
+    gA, gB = _solve_vjp_core(solve_h, A, B, X, bars[0], needs, left)
+    return (None if gA is None else _tri(gA, upper, unitriangular)), gB
+
+
+def_linalg(aten.linalg_solve_triangular.default, _solve_triangular_jvp, _solve_triangular_vjp)
+
+
+# cholesky_solve(B, L) = (L L^H)^-1 B (or (U^H U)^-1 B): a solve with A = L L^H,
+# dA = dL L^H + L dL^H; bar L = -(G + G^H) L with G = bar B X^H (bar U = -U (G + G^H)).
+def _cholesky_solve_jvp(X, dots, B, L, upper):
+    r = dots[0]
+    dL = dots[1]
+    if dL is not None:
+        if upper:  # A = U^H U
+            dAX = dL.mH @ (L @ X) + L.mH @ (dL @ X)
+        else:
+            dAX = dL @ (L.mH @ X) + L @ (dL.mH @ X)
+        r = _plus(r, -dAX)
+    return torch.cholesky_solve(r, L, upper)
+
+
+def _cholesky_solve_vjp(bars, X, needs, B, L, upper):
+    gB = torch.cholesky_solve(bars[0], L, upper)
+    gL = None
+    if needs[1]:
+        G = gB @ X.mH
+        G = G + _H(G)
+        gL = unbroadcast(-(L @ G) if upper else -(G @ L), L.shape)
+    return (unbroadcast(gB, B.shape) if needs[0] else None), gL
+
+
+def_linalg(aten.cholesky_solve.default, _cholesky_solve_jvp, _cholesky_solve_vjp)
+
+
+# inverse: d(A^-1) = -A^-1 dA A^-1; bar A = -A^-H bar X A^-H.
+def_linalg(
+    aten.linalg_inv_ex.default,
+    lambda out, dots, A, check_errors: (-(out[0] @ dots[0] @ out[0]),),
+    lambda bars, out, needs, A, check_errors: (-(out[0].mH @ bars[0] @ out[0].mH),),
+)
+
+
+# determinants: d log det A = tr(A^-1 dA) =: tau.
+# det: d det = det tau, bar A = conj(bar det det) A^-H.
+# slogdet: d logabsdet = Re tau, d sign = sign i Im tau (complex; real signs are constant);
+# bar A = w A^-H with w = bar logabsdet - i Im(conj(bar sign) sign).
+def _tau(A, dA):
+    return _trace(torch.linalg.solve(A, dA))
+
+
+def _inv_h(A):
+    return _H(torch.linalg.inv(A))
+
+
+def_linalg(
+    aten._linalg_det.default,
+    lambda out, dots, A: (out[0] * _tau(A, dots[0]),),
+    lambda bars, out, needs, A: ((bars[0] * _conj(out[0]))[..., None, None] * _inv_h(A),),
+)
+
+
+def _slogdet_jvp(out, dots, A):
+    sign, tau = out[0], _tau(A, dots[0])
+    if not A.is_complex():
+        return None, tau
+    return sign * (1j * tau.imag), tau.real
+
+
+def _slogdet_vjp(bars, out, needs, A):
+    g_sign, g_lad = bars[0], bars[1]
+    w = g_lad
+    if A.is_complex() and g_sign is not None:
+        w = _plus(w, -1j * (_conj(g_sign) * out[0]).imag)
+    if w is None:
+        return (None,)
+    return (w[..., None, None] * _inv_h(A),)
+
+
+def_linalg(aten._linalg_slogdet.default, _slogdet_jvp, _slogdet_vjp)
+
+
+# eigh: A = V diag(L) V^H. With dP = V^H dA V: dL = Re diag(dP), dV = V (dP / E) with
+# E_ij = L_j - L_i off the diagonal (0 on it). bar A = V (diag(bar L) + skew(V^H bar V) / E) V^H,
+# skew(X) = (X - X^H) / 2 (torch's projection onto the tangent space of the unitary group).
+# eigvalsh (compute_v=False) has no V in its output: the rules recompute it.
+def _inv_gaps(L):
+    E = L.unsqueeze(-2) - L.unsqueeze(-1)
+    return _mask(E, "offdiag") / (E + _mask(E, "eye"))
+
+
+def _eigh_jvp(out, dots, A, UPLO, compute_v):
+    L, V = out if compute_v else torch.linalg.eigh(A, UPLO)
+    dP = V.mH @ dots[0] @ V
+    dL = dP.diagonal(0, -2, -1)
+    dL = dL.real if dL.is_complex() else dL
+    if not compute_v:
+        return (dL,)
+    return dL, V @ (dP * _inv_gaps(L))
+
+
+def _eigh_vjp(bars, out, needs, A, UPLO, compute_v):
+    gL, gV = bars[0], bars[1] if compute_v else None
+    L, V = out if compute_v else torch.linalg.eigh(A, UPLO)
+    gP = None if gL is None else _diag_embed(gL, V)
+    if gV is not None:
+        X = V.mH @ gV
+        gP = _plus(gP, 0.5 * (X - _H(X)) * _inv_gaps(L))
+    return (V @ gP @ V.mH,)
+
+
+def_linalg(aten._linalg_eigh.default, _eigh_jvp, _eigh_vjp)
+
+
+# SVD, A = U diag(S) V^H, k = min(m, n) singular triplets. With dP = U^H dA V and
+# F = _inv_gaps(S^2) (F_ij = 1 / (S_j^2 - S_i^2), 0 on the diagonal):
+#   dS = Re diag(dP)
+#   dU = U (F o (dP S + S dP^H) + i Im diag(dP) / 2S) + (I - U U^H) dA V S^-1
+#   dV = V (F o (S dP + dP^H S) - i Im diag(dP) / 2S) + (I - V V^H) dA^H U S^-1,  dVh = dV^H
+# (the imaginary diagonal fixes the phase gauge as torch does). The vjp is its adjoint:
+#   bar A = U [diag(bar S) + (F o (G - G^H)) S + S (F o (H - H^H)) + i Im diag(G - H) / 2S] V^H
+#           + (I - U U^H) bar U S^-1 V^H + U S^-1 bar V^H (I - V V^H),
+# G = U^H bar U, H = V^H bar V. full_matrices=True: the columns past k carry no derivative.
+def _svd_factors(out, A, full_matrices, compute_uv):
+    if not compute_uv:
+        U, S, Vh = torch.linalg.svd(A, full_matrices=False)
+        return U, S, Vh.mH
+    U, S, Vh = out
+    k = S.shape[-1]
+    if full_matrices:
+        U, Vh = U[..., :k], Vh[..., :k, :]
+    return U, S, Vh.mH
+
+
+def _pad_columns(X, n):
+    k = X.shape[-1]
+    if k == n:
+        return X
+    return torch.cat([X, torch.zeros(*X.shape[:-1], n - k, dtype=X.dtype, device=X.device)], -1)
+
+
+def _svd_jvp(out, dots, A, full_matrices, compute_uv, driver):
+    U, S, V = _svd_factors(out, A, full_matrices, compute_uv)
+    dA = dots[0]
+    dP = U.mH @ dA @ V
+    diag = dP.diagonal(0, -2, -1)
+    dS = diag.real if diag.is_complex() else diag
+    if not compute_uv:
+        return None, dS
+    F = _inv_gaps(S * S)
+    Sr, Sc = S.unsqueeze(-2), S.unsqueeze(-1)  # scale columns / rows
+    dPh = _H(dP)
+    dU = F * (dP * Sr + Sc * dPh)
+    dV = F * (Sc * dP + dPh * Sr)
+    if dP.is_complex():
+        phase = _diag_embed(1j * diag.imag / (2 * S), dP)
+        dU, dV = dU + phase, dV - phase
+    dU, dV = U @ dU, V @ dV
+    m, n, k = A.shape[-2], A.shape[-1], S.shape[-1]
+    if m > k:
+        dAV = dA @ V
+        dU = dU + (dAV - U @ (U.mH @ dAV)) / Sr
+    if n > k:
+        dAhU = dA.mH @ U
+        dV = dV + (dAhU - V @ (V.mH @ dAhU)) / Sr
+    if full_matrices:
+        dU, dV = _pad_columns(dU, m), _pad_columns(dV, n)
+    return dU, dS, _H(dV)
+
+
+def _svd_vjp(bars, out, needs, A, full_matrices, compute_uv, driver):
+    U, S, V = _svd_factors(out, A, full_matrices, compute_uv)
+    gU, gS, gVh = bars if compute_uv else (None, bars[1], None)
+    k = S.shape[-1]
+    if full_matrices:
+        gU = None if gU is None else gU[..., :k]
+        gVh = None if gVh is None else gVh[..., :k, :]
+    gP = None if gS is None else _diag_embed(gS, U)
+    if gU is None and gVh is None:
+        return (U @ gP @ V.mH,)
+    F = _inv_gaps(S * S)
+    Sr, Sc = S.unsqueeze(-2), S.unsqueeze(-1)
+    extra = None
+    im = None
+    if gU is not None:
+        G = U.mH @ gU
+        gP = _plus(gP, (F * (G - _H(G))) * Sr)
+        im = G.diagonal(0, -2, -1).imag if G.is_complex() else None
+        if A.shape[-2] > k:
+            extra = ((gU - U @ G) / Sr) @ V.mH
+    if gVh is not None:
+        gV = gVh.mH
+        H = V.mH @ gV
+        gP = _plus(gP, Sc * (F * (H - _H(H))))
+        if H.is_complex():
+            im = _plus(im, -H.diagonal(0, -2, -1).imag)
+        if A.shape[-1] > k:
+            extra = _plus(extra, (U / Sr) @ (gVh - (gVh @ V) @ V.mH))
+    if im is not None:
+        gP = gP + _diag_embed(1j * im / (2 * S), gP)
+    return (_plus(U @ gP @ V.mH, extra),)
+
+
+def_linalg(aten._linalg_svd.default, _svd_jvp, _svd_vjp)

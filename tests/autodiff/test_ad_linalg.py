@@ -1,0 +1,271 @@
+"""Derivative rules of linear algebra, FFT and sorting ops (autodiff/linalg.py, spectral.py,
+sorting.py) against torch.func: vjp, jvp, grad of a real loss and, for some, jvp of grad
+(second order); float64 and complex128, batched matrices. Eigenvector and singular-vector
+outputs are checked through gauge-invariant functions (V f(L) V^H), as torch does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.func as tf
+
+import functransforms as ft
+from functransforms.testing import check_grads
+
+F64, C128 = torch.float64, torch.complex128
+DTYPES = [pytest.param(F64, id="f64"), pytest.param(C128, id="c128")]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype=F64, seed=0):
+    g = _gen(seed)
+    if dtype.is_complex:
+        return torch.complex(
+            torch.randn(*shape, generator=g, dtype=F64), torch.randn(*shape, generator=g, dtype=F64)
+        )
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def _eye(n, dtype):
+    return torch.eye(n, dtype=dtype)
+
+
+def spd(*batch, n=4, dtype=F64, seed=0):
+    X = _randn(*batch, n, n, dtype=dtype, seed=seed)
+    return X @ X.mH / n + _eye(n, dtype)
+
+
+def wellcond(*batch, n=4, dtype=F64, seed=0):
+    return _randn(*batch, n, n, dtype=dtype, seed=seed) / n**0.5 + 2 * _eye(n, dtype)
+
+
+def tri(*batch, n=4, upper=False, dtype=F64, seed=0):
+    X = _randn(*batch, n, n, dtype=dtype, seed=seed) / n**0.5
+    X = X.triu() if upper else X.tril()
+    return X + 2 * _eye(n, dtype)
+
+
+def hermitian(*batch, n=4, dtype=F64, seed=0):
+    """Well-separated eigenvalues (so eigenvector derivatives are well conditioned)."""
+    X = _randn(*batch, n, n, dtype=dtype, seed=seed)
+    Q = torch.linalg.qr(X)[0]
+    lam = torch.arange(1, n + 1, dtype=F64) * 1.5 + 0.1 * torch.rand(
+        *batch, n, generator=_gen(seed + 1), dtype=F64
+    )
+    return (Q * lam.to(dtype).unsqueeze(-2)) @ Q.mH
+
+
+def _floating(x):
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _like(tree, seed):
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    out = [
+        _randn(*x.shape, dtype=x.dtype, seed=seed + i) if _floating(x) else x
+        for i, x in enumerate(leaves)
+    ]
+    return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+def close(a, b, rtol=1e-6, atol=1e-8):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def _loss(f, w):
+    """A real loss sum_i Re <w_i, f_i>, so grad and jvp-of-grad apply to any f."""
+
+    def loss(*args):
+        out = f(*args)
+        outs, _ = torch.utils._pytree.tree_flatten(out)
+        ws, _ = torch.utils._pytree.tree_flatten(w)
+        total = 0
+        for o, wi in zip(outs, ws):
+            p = o * wi.conj() if o.is_complex() else o * wi
+            total = total + (p.real if p.is_complex() else p).sum()
+        return total
+
+    return loss
+
+
+def check_all(f, args, *, second=False, rtol=1e-6, atol=1e-8):
+    """ft.vjp / ft.jvp / ft.grad (and ft.jvp(ft.grad) if ``second``) agree with torch.func."""
+    out, vjp_fn = ft.vjp(f, *args)
+    eout, evjp_fn = tf.vjp(f, *args)
+    close(out, eout, rtol, atol)
+    cts = _like(eout, 11)
+    close(vjp_fn(cts), evjp_fn(cts), rtol, atol)
+    tangents = _like(tuple(args), 23)
+    _, t = ft.jvp(f, tuple(args), tangents)
+    _, et = tf.jvp(f, tuple(args), tangents)
+    close(t, et, rtol, atol)
+    argnums = tuple(range(len(args)))
+    loss = _loss(f, cts)
+    close(ft.grad(loss, argnums)(*args), tf.grad(loss, argnums)(*args), rtol, atol)
+    if second:
+        hvp = ft.jvp(ft.grad(loss, argnums), tuple(args), tangents)[1]
+        ehvp = tf.jvp(tf.grad(loss, argnums), tuple(args), tangents)[1]
+        close(hvp, ehvp, rtol * 10, atol * 10)
+
+
+# -- Cholesky ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky(dtype, upper):
+    check_all(lambda A: torch.linalg.cholesky(A, upper=upper), (spd(2, dtype=dtype),), second=True)
+
+
+def test_cholesky_ex_and_check_grads():
+    check_all(lambda A: torch.linalg.cholesky_ex(A)[0], (spd(3, n=3),))
+    check_grads(lambda X: torch.linalg.cholesky(X @ X.mT + _eye(3, F64)), (_randn(3, 3),), order=2)
+
+
+# -- solves ------------------------------------------------------------------------------------
+SOLVE_SHAPES = [
+    pytest.param((2, 3, 3), (2, 3, 2), True, id="matrix"),
+    pytest.param((2, 3, 3), (2, 3), True, id="vector"),
+    pytest.param((2, 3, 3), (3, 2), True, id="broadcast-B"),
+    pytest.param((3, 3), (2, 3, 2), True, id="broadcast-A"),
+    pytest.param((2, 3, 3), (2, 2, 3), False, id="right"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ashape,bshape,left", SOLVE_SHAPES)
+def test_solve(dtype, ashape, bshape, left):
+    A = wellcond(*ashape[:-2], n=3, dtype=dtype)
+    B = _randn(*bshape, dtype=dtype, seed=1)
+    check_all(lambda A, B: torch.linalg.solve(A, B, left=left), (A, B), second=bshape == (2, 3, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("unit", [False, True])
+def test_solve_triangular(dtype, upper, left, unit):
+    A = tri(2, n=3, upper=upper, dtype=dtype)
+    B = _randn(2, 3, 2, dtype=dtype, seed=1) if left else _randn(2, 2, 3, dtype=dtype, seed=1)
+
+    def f(A, B):
+        return torch.linalg.solve_triangular(A, B, upper=upper, left=left, unitriangular=unit)
+
+    check_all(f, (A, B), second=not unit)
+
+
+def test_solve_triangular_broadcast():
+    check_all(
+        lambda A, B: torch.linalg.solve_triangular(A, B, upper=False),
+        (tri(n=3), _randn(2, 1, 3, 2, seed=1)),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("upper", [False, True])
+def test_cholesky_solve(dtype, upper):
+    L = tri(2, n=3, upper=upper, dtype=dtype)
+    B = _randn(2, 3, 2, dtype=dtype, seed=1)
+    check_all(lambda B, L: torch.cholesky_solve(B, L, upper), (B, L), second=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inv(dtype):
+    check_all(torch.linalg.inv, (wellcond(2, n=3, dtype=dtype),), second=True)
+    check_all(lambda A: torch.linalg.inv_ex(A)[0], (wellcond(2, n=3, dtype=dtype),))
+
+
+# -- determinants --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_det(dtype):
+    check_all(torch.linalg.det, (wellcond(2, n=3, dtype=dtype),), second=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slogdet(dtype):
+    A = wellcond(2, n=3, dtype=dtype)
+    A = A * torch.tensor([1.0, -1.0], dtype=F64)[:, None, None]  # both signs of det
+    check_all(lambda A: tuple(torch.linalg.slogdet(A)), (A,), second=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logdet(dtype):
+    check_all(torch.logdet, (spd(2, n=3, dtype=dtype),), second=True)
+
+
+def test_determinants_check_grads():
+    A = wellcond(n=3)
+    check_grads(torch.linalg.det, (A,), order=2)
+    check_grads(lambda A: torch.linalg.slogdet(A)[1], (A,), order=2)
+    check_grads(lambda A: torch.linalg.slogdet(A)[1], (wellcond(n=3, dtype=C128),), order=1)
+
+
+# -- eigh, svd ----------------------------------------------------------------------------------
+def _gauge_invariant_eigh(UPLO):
+    def f(A):
+        L, V = torch.linalg.eigh(A, UPLO=UPLO)
+        return L, (V * torch.exp(L / 4).to(V.dtype).unsqueeze(-2)) @ V.mH
+
+    return f
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("UPLO", ["L", "U"])
+def test_eigh(dtype, UPLO):
+    check_all(_gauge_invariant_eigh(UPLO), (hermitian(2, dtype=dtype),), second=True)
+
+
+def test_eigh_real_eigenvectors():
+    """Real eigenvectors are unique up to sign; both libraries take LAPACK's."""
+    check_all(lambda A: torch.linalg.eigh(A)[1], (hermitian(2),))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eigvalsh(dtype):
+    check_all(torch.linalg.eigvalsh, (hermitian(2, dtype=dtype),), second=True)
+
+
+def _gauge_invariant_svd(full_matrices):
+    def f(A):
+        U, S, Vh = torch.linalg.svd(A, full_matrices=full_matrices)
+        k = S.shape[-1]
+        U, Vh = U[..., :k], Vh[..., :k, :]
+        return S, (U * torch.exp(S / 4).to(U.dtype).unsqueeze(-2)) @ Vh, U @ U.mH, Vh.mH @ Vh
+
+    return f
+
+
+SVD_SHAPES = [
+    pytest.param((2, 4, 4), id="square"),
+    pytest.param((2, 5, 3), id="tall"),
+    pytest.param((2, 3, 5), id="wide"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SVD_SHAPES)
+def test_svd(dtype, shape):
+    A = _randn(*shape, dtype=dtype)
+    check_all(_gauge_invariant_svd(False), (A,), second=shape == (2, 5, 3))
+
+
+@pytest.mark.parametrize("shape", SVD_SHAPES)
+def test_svd_real_factors(shape):
+    """Real singular vectors are unique up to sign; both libraries take LAPACK's."""
+    check_all(lambda A: tuple(torch.linalg.svd(A, full_matrices=False)), (_randn(*shape),))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_svdvals(dtype):
+    check_all(torch.linalg.svdvals, (_randn(2, 5, 3, dtype=dtype),), second=True)
+
+
+def test_svd_full_matrices():
+    check_all(_gauge_invariant_svd(True), (_randn(2, 5, 3),))
+    check_all(_gauge_invariant_svd(True), (_randn(4, 4, dtype=C128),))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matrix_norm_fro(dtype):
+    check_all(torch.linalg.matrix_norm, (_randn(2, 3, 4, dtype=dtype),), second=True)
