@@ -17,6 +17,9 @@ from __future__ import annotations
 
 JVP_RULES: dict = {}
 VJP_RULES: dict = {}
+# Ops whose value under grad is computed by another function than the op itself: the lazy
+# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]).
+VJP_FORWARD: dict = {}
 
 
 def _register(table, kind, ops):
@@ -40,13 +43,39 @@ def register_vjp_rule(*ops):
     return _register(VJP_RULES, "register_vjp_rule", ops)
 
 
-def missing_rule(func, transform, decorator):
+class MissingRuleError(NotImplementedError):
+    """An op reached a jvp/vjp level that has no rule for it (nor a decomposition)."""
+
+    def __init__(self, message, path):
+        super().__init__(message)
+        self.path = path  # the op, then what it decomposed into, down to the one without a rule
+
+
+def missing_rule(func, call, kind, decorator, path=()):
+    """The error for an op without a ``kind`` ('jvp' / 'vjp') rule, under ``call`` (the public
+    call, e.g. ``grad(loss)``). ``path``: the ops ``func`` decomposed into, down to the one
+    without a rule."""
     from functransforms._ops import op_name
 
     name = op_name(func)
-    return NotImplementedError(
-        f"{transform}: there is no {transform} rule for {name}, so it cannot be differentiated. "
+    via = ""
+    if path:
+        steps = " -> ".join(op_name(p) for p in path)
+        via = f" (it decomposes as {name} -> {steps}, which has none)"
+    return MissingRuleError(
+        f"{call}: there is no {kind} rule for {name}{via}, so it cannot be differentiated. "
         f"Register one with `@functransforms.autodiff.{decorator}({name})` (signatures in "
         "functransforms/autodiff/_registry.py), or wrap the computation in "
-        "`functransforms.custom_vjp` / `custom_jvp`."
+        "`functransforms.custom_vjp` / `custom_jvp`.",
+        (func,) + tuple(path),
     )
+
+
+def decompose(interp, func, d, args, kwargs):
+    """Run decomposition ``d`` of ``func``; a missing rule inside it is reported as ``func``'s."""
+    try:
+        return d(*args, **kwargs)
+    except MissingRuleError as e:
+        if not str(e).startswith(interp.call + ":"):
+            raise
+        raise missing_rule(func, interp.call, interp.rule_kind, interp.decorator, e.path) from None

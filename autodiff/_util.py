@@ -1,4 +1,4 @@
-"""Helpers shared by derivative rules."""
+"""Helpers shared by derivative rules and by the two autodiff interpreters."""
 
 from __future__ import annotations
 
@@ -30,3 +30,430 @@ def match_dtype(ct, x):
 
 def is_tensor(x):
     return isinstance(x, torch.Tensor)
+
+
+# Note [Composite ops inside rules]
+#     At top level a CompositeImplicitAutograd op (aten.to.dtype, aten.reshape, ...) is
+#     decomposed before it reaches a wrapper. Inside __torch_dispatch__ the Autograd keys, which
+#     host those kernels, are excluded, so an op a rule calls on a wrapper of an outer level
+#     arrives whole. With no rule of its own, the interpreter runs its composite kernel
+#     (``OpOverload.decompose``), which dispatches its pieces back through the transforms.
+_COMPOSITE: dict = {}
+
+
+def composite_implicit(func):
+    """``func.decompose`` for a CompositeImplicitAutograd op, else None (cached per op)."""
+    d = _COMPOSITE.get(func, False)
+    if d is False:
+        has = getattr(func, "has_kernel_for_dispatch_key", None)
+        ok = has is not None and has(torch._C.DispatchKey.CompositeImplicitAutograd)
+        d = _COMPOSITE[func] = func.decompose if ok else None
+    return d
+
+
+def unwrap_level(interp, args, payload):
+    """``(primals, payloads)`` of ``args`` at ``interp``'s level: ``payload(w)`` for each of its
+    wrappers (tangent or tape entry), ``None`` elsewhere; lists of tensors are unwrapped too."""
+    from functransforms._core import TransformTensor
+
+    primals = list(args)
+    payloads = [None] * len(args)
+    for i, a in enumerate(args):
+        if isinstance(a, TransformTensor):
+            if a._interp is interp:
+                primals[i] = a._primal
+                payloads[i] = payload(a)
+        elif type(a) is list or type(a) is tuple:
+            if any(isinstance(b, TransformTensor) and b._interp is interp for b in a):
+                primals[i], payloads[i] = unwrap_level(interp, a, payload)
+    return primals, payloads
+
+
+def any_floating(out):
+    """Whether an op's output (a tensor or a sequence) holds a value that carries derivatives."""
+    if isinstance(out, torch.Tensor):
+        return out.dtype.is_floating_point or out.dtype.is_complex
+    if isinstance(out, (tuple, list)):
+        return any(
+            isinstance(o, torch.Tensor) and (o.dtype.is_floating_point or o.dtype.is_complex)
+            for o in out
+        )
+    return False
+
+
+def contiguous_strides(shape):
+    strides, s = [], 1
+    for n in reversed(shape):
+        strides.append(s)
+        s *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+# -- in-place ops under jvp and grad ------------------------------------------------------------
+# Note [In-place ops and views under jvp and grad]
+#     Both autodiff levels are functional inside: an in-place op runs its functional variant
+#     (aten.add_ -> aten.add, aten.copy_ -> aten.copy), and the wrapper is *rebound* to the
+#     result, so a value saved for the backward pass is never mutated. Aliasing is kept by
+#     bookkeeping, as functionalization does: a wrapper made by a view op records its root base
+#     (``_base``) and the view steps from that base (``_chain``); a root keeps weak references to
+#     its live views (``_views``). A write through a view computes the view's new value, scatters
+#     it back through the chain into a new value of the root (select_scatter, slice_scatter, ...),
+#     rebinds the root and regenerates every other live view by replaying its chain. All of it is
+#     ordinary ops on wrappers, recorded like any other. A write to a wrapper that is not a view
+#     and has no live views (the common case) costs one functional op and nothing else.
+#
+# Note [Writing into a plain tensor]
+#     ``buf = torch.zeros(3); buf[1] = f(x)`` writes a differentiated value into a tensor the
+#     transform does not see. torch.func supports it for tensors created inside the transform, by
+#     wrapping every factory output through an always-on dispatch mode; a do-nothing mode costs
+#     ~9.5 us on every op, so we do it at the one op that needs it instead: the target (and its
+#     base, for a view such as ``buf[1]``) is *promoted* in place: ``torch._C._swap_tensor_impl``
+#     turns the user's Python object into a wrapper of this level whose value is a copy of the
+#     data, so every later op on ``buf`` reaches the interpreter. The old impl stays with a holder
+#     object that redirects any use (``out = buf.add_(x)`` returns it) to the wrapper through
+#     ``__torch_function__``. When the level exits, each promoted tensor gets its final value back
+#     as a plain tensor (written into its original memory), so a tensor captured from outside
+#     ends up as eager execution would leave it. Promotion refuses (InplaceError) when other
+#     tensors share the memory, the target requires grad, or it is another transform's wrapper.
+
+
+class _Step:
+    """One view step from a base: ``replay(base)`` makes the view, ``scatter(base, v)`` writes
+    ``v`` into the view's place and returns the new base (both as ops on wrappers)."""
+
+    __slots__ = ("func", "rest", "kwargs", "index")
+
+    def __init__(self, func, rest, kwargs, index):
+        self.func, self.rest, self.kwargs, self.index = func, rest, kwargs, index
+
+    def replay(self, base):
+        out = self.func(base, *self.rest, **self.kwargs)
+        return out if self.index is None else out[self.index]
+
+    def scatter(self, base, v):
+        if self.index is not None:
+            multi = _MULTI_SCATTER.get(self.func)
+            if multi is not None:
+                return multi(base, v, self.index, *self.rest, **self.kwargs)
+        else:
+            one = _SCATTER.get(self.func)
+            if one is not None:
+                return one(base, v, *self.rest, **self.kwargs)
+        positions = self.replay(torch.arange(base.numel(), device=base.device).reshape(base.shape))
+        return _index_scatter(base, v, positions, self.func)
+
+
+class _IndexStep:
+    """A view given by the flat positions of its elements in the base (a promoted plain view)."""
+
+    __slots__ = ("positions",)
+
+    def __init__(self, positions):
+        self.positions = positions
+
+    def replay(self, base):
+        return torch.ops.aten.index.Tensor(base.reshape(-1), [self.positions])
+
+    def scatter(self, base, v):
+        return _index_scatter(base, v, self.positions, None)
+
+
+def _index_scatter(base, v, positions, func):
+    from functransforms._ops import op_name
+
+    flat = positions.reshape(-1)
+    if positions.dtype != torch.long or flat.unique().numel() != flat.numel():
+        what = op_name(func) if func is not None else "this view"
+        raise NotImplementedError(
+            f"an in-place write through a view made by {what} is not supported under jvp/grad: "
+            "its elements overlap or reinterpret memory. Do: write out of place (e.g. "
+            "torch.where / index_put / torch.cat) and use the result."
+        )
+    return torch.ops.aten.index_put.default(base.reshape(-1), [flat], v.reshape(-1)).reshape(
+        base.shape
+    )
+
+
+def _reshape_back(b, v, *a, **k):
+    return v.reshape(b.shape)
+
+
+def _inverse_perm(perm):
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p % len(perm)] = i
+    return inv
+
+
+def _expanded(b, v, *a, **k):
+    raise NotImplementedError(
+        "an in-place write into an expanded view (x.expand(...), broadcasting) is not supported: "
+        "several elements share one memory location (torch refuses it too). Do: write into "
+        "x.expand(...).clone() or compute the result out of place."
+    )
+
+
+_aten = torch.ops.aten
+_SCATTER = {
+    _aten.select.int: lambda b, v, dim, index: _aten.select_scatter.default(b, v, dim, index),
+    _aten.slice.Tensor: lambda b, v, dim=0, start=None, end=None, step=1: (
+        _aten.slice_scatter.default(b, v, dim, start, end, step)
+    ),
+    _aten.diagonal.default: lambda b, v, offset=0, dim1=0, dim2=1: _aten.diagonal_scatter.default(
+        b, v, offset, dim1, dim2
+    ),
+    _aten.permute.default: lambda b, v, dims: v.permute(_inverse_perm(dims)),
+    _aten.transpose.int: lambda b, v, d0, d1: v.transpose(d0, d1),
+    _aten.t.default: lambda b, v: v.t(),
+    _aten._conj.default: lambda b, v: torch.conj_physical(v),
+    _aten._neg_view.default: lambda b, v: torch.neg(v),
+    _aten.real.default: lambda b, v: torch.complex(v, b.imag),
+    _aten.imag.default: lambda b, v: torch.complex(b.real, v),
+    _aten.view_as_real.default: lambda b, v: torch.view_as_complex(v.contiguous()),
+    _aten.view_as_complex.default: lambda b, v: torch.view_as_real(v),
+    _aten.expand.default: _expanded,
+}
+for _op in (
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten._reshape_alias.default,
+    _aten.squeeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+    _aten.unsqueeze.default,
+    _aten.flatten.using_ints,
+    _aten.unflatten.int,
+):
+    _SCATTER[_op] = _reshape_back
+for _op in (
+    _aten.alias.default,
+    _aten.lift_fresh.default,
+    _aten.resolve_conj.default,
+    _aten.resolve_neg.default,
+):
+    _SCATTER[_op] = lambda b, v: v
+
+
+def _split_scatter(b, v, i, split_size, dim=0):
+    start = i * split_size
+    return _aten.slice_scatter.default(b, v, dim, start, start + v.shape[dim])
+
+
+def _split_sizes_scatter(b, v, i, sizes, dim=0):
+    start = sum(sizes[:i])
+    return _aten.slice_scatter.default(b, v, dim, start, start + sizes[i])
+
+
+_MULTI_SCATTER = {
+    _aten.split.Tensor: _split_scatter,
+    _aten.split_with_sizes.default: _split_sizes_scatter,
+    _aten.unbind.int: lambda b, v, i, dim=0: _aten.select_scatter.default(b, v, dim, i),
+}
+
+
+class _Redirect(torch.Tensor):
+    """The holder of a promoted tensor's old impl: any use goes to the promoted tensor
+    (Note [Writing into a plain tensor])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from functransforms import _pytree as pt
+
+        def redirect(a):
+            return a.__dict__["_target"] if type(a) is _Redirect else a
+
+        args, kwargs = pt.tree_map(redirect, (args, kwargs or {}))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _swap(a, b):
+    """Exchange the contents (impl, class, attributes) of two tensor objects, keeping identities."""
+    a.__class__, b.__class__ = b.__class__, a.__class__
+    a.__dict__, b.__dict__ = b.__dict__, a.__dict__
+    torch._C._swap_tensor_impl(a, b)
+
+
+class InplaceMixin:
+    """In-place ops, views and promotion for the jvp and grad interpreters (Note [In-place ops
+    and views under jvp and grad]). The interpreter supplies ``_rebind(w, value)`` (make wrapper
+    ``w`` hold ``value``: a wrapper of this level or a constant) and ``_constant(primal)`` (a new
+    wrapper of this level holding a constant)."""
+
+    _replaying = False
+    _promoted = None
+
+    # -- views ---------------------------------------------------------------------------------
+    def _note_views(self, func, args, kwargs, out):
+        """Record ``out`` (a view op's result) as a view of ``args[0]``'s root."""
+        src = args[0]
+        if self._replaying or getattr(src, "_interp", None) is not self:
+            return
+        root = src._base if src._base is not None else src
+        if isinstance(out, torch.Tensor):
+            if getattr(out, "_interp", None) is self:
+                self._add_view(root, out, src._chain + (_Step(func, args[1:], kwargs, None),))
+            return
+        for i, o in enumerate(out):
+            if getattr(o, "_interp", None) is self:
+                self._add_view(root, o, src._chain + (_Step(func, args[1:], kwargs, i),))
+
+    @staticmethod
+    def _add_view(root, view, chain):
+        import weakref
+
+        view._base, view._chain = root, chain
+        views = root._views
+        if views is None:
+            root._views = [weakref.ref(view)]
+            return
+        if len(views) >= 8 and len(views) & (len(views) - 1) == 0:  # prune at powers of two
+            views[:] = [r for r in views if r() is not None]
+        views.append(weakref.ref(view))
+
+    def _replay(self, root, chain):
+        v = root
+        for step in chain:
+            v = step.replay(v)
+        return v
+
+    # -- in-place ------------------------------------------------------------------------------
+    def _inplace(self, func, f, args, kwargs):
+        from functransforms._ops import op_name
+
+        from ._registry import missing_rule
+
+        self_ = args[0]
+        if getattr(self_, "_interp", None) is not self:
+            self._promote(func, self_)
+        functional = f.functional
+        if functional is None:
+            raise missing_rule(func, self.call, self.rule_kind, self.decorator)
+        if f.inplace_view:
+            if self_._views is not None and any(r() is not None for r in self_._views):
+                raise NotImplementedError(
+                    f"{self.call}: {op_name(func)} changes the shape of a tensor that has live views "
+                    "(x[0], x.T, ...); this is not supported. Do: use the out-of-place form "
+                    f"({op_name(functional)}) and keep the result."
+                )
+            new = self.process(functional, args, kwargs)
+            self._rebind(self_, new)
+            if self_._base is not None and getattr(new, "_interp", None) is self:
+                self_._chain = new._chain  # still a view of the same root, one step further
+            with torch._C._DisableTorchDispatch():
+                self_.as_strided_(new.shape, contiguous_strides(new.shape))
+            return self_
+        new = self.process(functional, args, kwargs)
+        base = self_._base
+        if base is None and (
+            self_._views is None or not any(r() is not None for r in self_._views)
+        ):
+            self._rebind(self_, new)  # the common case: nothing else shares this value
+            return self_
+        root = self_ if base is None else base
+        self._replaying = True
+        try:
+            if base is not None:
+                self._rebind(root, self._scatter(root, self_._chain, new))
+            else:
+                self._rebind(root, new)
+            for ref in root._views:
+                v = ref()
+                if v is not None and v is not self_:
+                    self._rebind(v, self._replay(root, v._chain))
+        finally:
+            self._replaying = False
+        if base is not None:
+            self._rebind(self_, new)
+        return self_
+
+    def _scatter(self, root, chain, v):
+        """The new value of ``root`` after writing ``v`` into its view ``chain``."""
+        bases = [root]
+        for step in chain[:-1]:
+            bases.append(step.replay(bases[-1]))
+        for step, b in zip(reversed(chain), reversed(bases)):
+            v = step.scatter(b, v)
+        return v
+
+    # -- promotion (Note [Writing into a plain tensor]) ----------------------------------------
+    def _promote(self, func, target):
+        from functransforms._core import TransformTensor
+        from functransforms._ops import op_name
+        from functransforms.errors import InplaceError
+
+        name = op_name(func)
+        why = None
+        if isinstance(target, TransformTensor):
+            why = f"the target belongs to another transform ({target._interp.name}, captured from outside this one)"
+        elif type(target) is not torch.Tensor:
+            why = f"the target is a {type(target).__name__}, not a plain tensor"
+        elif target.requires_grad:
+            why = "the target requires grad (a torch.autograd leaf)"
+        elif target.is_conj() or target.is_neg():
+            why = "the target is a lazily conjugated or negated view (call .resolve_conj() first)"
+        else:
+            root = target._base if target._base is not None else target
+            if type(root) is not torch.Tensor or root.requires_grad:
+                why = "the target is a view of a tensor that cannot be promoted"
+            elif torch._debug_has_internal_overlap(root) != 0 or root.dtype != target.dtype:
+                why = "the target's memory overlaps itself or is reinterpreted"
+            else:
+                known = 1 if root is target else 2
+                if torch._C._storage_Use_Count(root.untyped_storage()._cdata) != known + 1:
+                    why = "other tensors share its memory (views or aliases of it are alive)"
+        if why is not None:
+            raise InplaceError(
+                f"{self.call}: {name} writes a value that carries derivatives in place into a tensor "
+                f"that the transform does not track, and {why}. Do: build the result out of place "
+                "(torch.stack / torch.cat / torch.where / index_put), or create the buffer inside "
+                "the transformed function."
+            )
+        positions = None
+        if root is not target:
+            n = root.untyped_storage().nbytes() // root.element_size()
+            store = torch.full((n,), -1, dtype=torch.long, device=root.device)
+            store.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
+                torch.arange(root.numel(), device=root.device).reshape(root.shape)
+            )
+            positions = store.as_strided(
+                target.shape, target.stride(), target.storage_offset()
+            ).clone()
+            if bool((positions < 0).any()):
+                raise InplaceError(
+                    f"{self.call}: {name}: the target view reaches outside its base."
+                )
+        if self._promoted is None:
+            self._promoted = []
+        self._promote_one(root, root.clone(), None)
+        if positions is not None:
+            step = _IndexStep(positions)
+            self._promote_one(target, step.replay(root._primal), (root, step))
+
+    def _promote_one(self, obj, value, view_of):
+        holder = self._constant(value)
+        _swap(obj, holder)  # obj: the wrapper; holder: the old impl
+        holder.__class__ = _Redirect
+        holder.__dict__["_target"] = obj
+        if view_of is not None:
+            root, step = view_of
+            self._add_view(root, obj, (step,))
+        self._promoted.append((obj, holder, view_of is None))
+
+    def _demote(self):
+        """Give every promoted tensor its final value back as a plain tensor (on level exit)."""
+        promoted, self._promoted = self._promoted, None
+        for obj, holder, is_root in promoted:
+            final = obj._primal
+            holder.__class__ = torch.Tensor
+            del holder.__dict__["_target"]
+            plain = type(final) is torch.Tensor
+            if plain and is_root and final.shape == holder.shape and final.dtype == holder.dtype:
+                holder.copy_(final)
+                _swap(obj, holder.view(holder.shape))  # obj and holder share the original memory
+            elif plain and not is_root:
+                _swap(obj, holder.view(holder.shape))  # written through its root above
+            else:  # the value belongs to an outer transform: obj becomes that value
+                _swap(obj, torch.ops.aten.alias.default(final))
+                holder.__class__ = _Redirect
+                holder.__dict__["_target"] = obj

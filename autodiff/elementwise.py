@@ -67,7 +67,9 @@ def def_binary(op, dx, dy):
 def def_nondifferentiable(*ops):
     """Piecewise-constant ops (floor, sign, ...): zero derivative, outputs are constants."""
     for op in ops:
-        register_jvp_rule(op)(lambda primals, tangents, kwargs, op=op: (op(*primals, **kwargs), None))
+        register_jvp_rule(op)(
+            lambda primals, tangents, kwargs, op=op: (op(*primals, **kwargs), None)
+        )
         register_vjp_rule(op)(NONDIFFERENTIABLE)
 
 
@@ -80,7 +82,9 @@ def _gelu_deriv(x, out, approximate="none"):
     if approximate == "tanh":
         inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
         th = torch.tanh(inner)
-        return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+        return 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * _SQRT_2_OVER_PI * (
+            1 + 3 * 0.044715 * x * x
+        )
     cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2.0)))
     return cdf + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
 
@@ -100,7 +104,9 @@ def _relu_mask(x, out):
 
 
 def _elu_deriv(x, out, alpha=1, scale=1, input_scale=1):
-    return torch.where(x > 0, torch.full_like(x, scale), out * input_scale + alpha * scale * input_scale)
+    return torch.where(
+        x > 0, torch.full_like(x, scale), out * input_scale + alpha * scale * input_scale
+    )
 
 
 def _pow_scalar_deriv(x, out, p):
@@ -124,6 +130,20 @@ def _leaky_deriv(x, out, slope=0.01):
 
 def _hardtanh_deriv(x, out, lo=-1.0, hi=1.0):
     return ((x > lo) & (x < hi)).to(x.dtype)
+
+
+def _abs_deriv(x, o):
+    """d|x|/dx = sgn(x); complex: d|z| = Re(conj(sgn z) dz) (docs/complex.md)."""
+    s = x.sgn()
+    return torch.conj_physical(s) if x.is_complex() else s
+
+
+def _angle_deriv(x, o):
+    """d angle(z) = Im(conj(z) dz) / |z|^2 = Re(-i conj(z) dz) / |z|^2; 0 for real x and at 0."""
+    if not x.is_complex():
+        return torch.zeros_like(x)
+    d = torch.conj_physical(x) * -1j / (x * torch.conj_physical(x)).real
+    return torch.where(x == 0, torch.zeros_like(d), d)
 
 
 # d/dx f(x), with `o` = f(x) where that is cheaper
@@ -168,9 +188,17 @@ for _op, _d in (
     (aten.lgamma.default, lambda x, o: torch.digamma(x)),
     (aten.digamma.default, lambda x, o: torch.polygamma(1, x)),
     (aten.neg.default, lambda x, o: -torch.ones_like(x)),
+    (aten.abs.default, _abs_deriv),
+    (aten.angle.default, _angle_deriv),
     (aten.logit.default, lambda x, o, eps=None: (x * (1 - x)).reciprocal()),
-    (aten.sinc.default, lambda x, o: torch.where(x == 0, torch.zeros_like(x), (torch.cos(math.pi * x) - o) / x)),
-    (aten.mul.Scalar, lambda x, o, s: torch.full_like(x, s) if not isinstance(s, torch.Tensor) else s),
+    (
+        aten.sinc.default,
+        lambda x, o: torch.where(x == 0, torch.zeros_like(x), (torch.cos(math.pi * x) - o) / x),
+    ),
+    (
+        aten.mul.Scalar,
+        lambda x, o, s: torch.full_like(x, s) if not isinstance(s, torch.Tensor) else s,
+    ),
     (aten.div.Scalar, lambda x, o, s: torch.full_like(x, 1.0 / s)),
 ):
     def_unary(_op, _d)
@@ -201,20 +229,38 @@ def_nondifferentiable(
 
 # partials (d/dx, d/dy) of binary ops
 def _pow_dy(x, y, o):
-    return torch.where(x == 0, torch.zeros_like(o), o * torch.log(x if not x.is_complex() else x + 0j))
+    return torch.where(
+        x == 0, torch.zeros_like(o), o * torch.log(x if not x.is_complex() else x + 0j)
+    )
 
 
 for _op, _dx, _dy in (
     (aten.mul.Tensor, lambda x, y, o: y, lambda x, y, o: x),
     (aten.div.Tensor, lambda x, y, o: 1 / y, lambda x, y, o: -o / y),
     (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
-    (aten.maximum.default, lambda x, y, o: _tie(x > y, x == y, o), lambda x, y, o: _tie(y > x, x == y, o)),
-    (aten.minimum.default, lambda x, y, o: _tie(x < y, x == y, o), lambda x, y, o: _tie(y < x, x == y, o)),
+    (
+        aten.maximum.default,
+        lambda x, y, o: _tie(x > y, x == y, o),
+        lambda x, y, o: _tie(y > x, x == y, o),
+    ),
+    (
+        aten.minimum.default,
+        lambda x, y, o: _tie(x < y, x == y, o),
+        lambda x, y, o: _tie(y < x, x == y, o),
+    ),
     (aten.atan2.default, lambda x, y, o: y / (x * x + y * y), lambda x, y, o: -x / (x * x + y * y)),
     (aten.hypot.default, lambda x, y, o: x / o, lambda x, y, o: y / o),
-    (aten.xlogy.Tensor, lambda x, y, o: torch.where(x == 0, torch.zeros_like(o), torch.log(y)), lambda x, y, o: x / y),
+    (
+        aten.xlogy.Tensor,
+        lambda x, y, o: torch.where(x == 0, torch.zeros_like(o), torch.log(y)),
+        lambda x, y, o: x / y,
+    ),
     (aten.fmod.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.trunc(x / y)),
-    (aten.remainder.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.floor(x / y)),
+    (
+        aten.remainder.Tensor,
+        lambda x, y, o: torch.ones_like(o),
+        lambda x, y, o: -torch.floor(x / y),
+    ),
 ):
     def_binary(_op, _dx, _dy)
 
@@ -222,6 +268,28 @@ for _op, _dx, _dy in (
 def _tie(win, tie, o):
     # ties split the derivative evenly, as torch does
     return win.to(o.dtype) + 0.5 * tie.to(o.dtype)
+
+
+def _sgn_tangent(x, s, t):
+    """d sgn(z) = (dz - sgn z Re(conj(sgn z) dz)) / |z|, 0 at z = 0; a self-adjoint map."""
+    d = (t - s * (torch.conj_physical(s) * t).real) / x.abs()
+    return torch.where(x == 0, torch.zeros_like(d), d)
+
+
+@register_jvp_rule(aten.sgn.default)
+def sgn_jvp_rule(primals, tangents, kwargs):
+    """Real x: piecewise constant. Complex z: z / |z| (docs/complex.md)."""
+    x, t = primals[0], tangents[0]
+    out = torch.sgn(x)
+    if t is None or not x.is_complex():
+        return out, None
+    return out, _sgn_tangent(x, out, t)
+
+
+@register_vjp_rule(aten.sgn.default)
+def sgn_vjp_rule(ct, primals, kwargs, out, needs):
+    x = primals[0]
+    return (_sgn_tangent(x, out, ct) if x.is_complex() else None,)
 
 
 @register_jvp_rule(aten.pow.Scalar)
@@ -285,4 +353,3 @@ def_linear_binary(aten.add.Tensor, 1, 1)
 def_linear_binary(aten.sub.Tensor, 1, -1)
 for _op, _s in ((aten.add.Scalar, 1), (aten.sub.Scalar, 1)):
     def_unary(_op, lambda x, o, *a, _s=_s, **k: torch.full_like(x, _s))
-

@@ -33,11 +33,12 @@ def _count(x, dim):
     return n
 
 
-def _args(primals, pos=1):
-    """(x, dim, keepdim) of ``op(x, [ord,] dim=None, keepdim=False, ...)``."""
+def _args(primals, kwargs, pos=1):
+    """(x, dim, keepdim) of ``op(x, [ord,] dim=None, keepdim=False, ...)``; keepdim may be a
+    keyword (var.correction, std.correction)."""
     x = primals[0]
-    dim = primals[pos] if len(primals) > pos else None
-    keepdim = primals[pos + 1] if len(primals) > pos + 1 else False
+    dim = primals[pos] if len(primals) > pos else kwargs.get("dim")
+    keepdim = primals[pos + 1] if len(primals) > pos + 1 else kwargs.get("keepdim", False)
     return x, dim, keepdim
 
 
@@ -49,7 +50,7 @@ def def_sum(op, mean):
         return out, None if t is None else op(t, *primals[1:], **kwargs)
 
     def sum_vjp_rule(ct, primals, kwargs, out, needs):
-        x, dim, keepdim = _args(primals)
+        x, dim, keepdim = _args(primals, kwargs)
         g = _keep(ct, x, dim, keepdim)
         if mean:
             g = g / _count(x, dim)
@@ -74,7 +75,7 @@ def def_weighted(op, weight, pos=1):
         t = tangents[0]
         if t is None:
             return out, None
-        x, dim, keepdim = _args(primals, pos)
+        x, dim, keepdim = _args(primals, kwargs, pos)
         o = out[0] if isinstance(out, tuple) else out
         w = weight(x, _keep(o, x, dim, keepdim), dim, primals, kwargs)
         dt = (w * t).sum(_dims(x, dim), keepdim=keepdim) if x.dim() else w * t
@@ -83,7 +84,7 @@ def def_weighted(op, weight, pos=1):
         return out, dt
 
     def weighted_vjp_rule(ct, primals, kwargs, out, needs):
-        x, dim, keepdim = _args(primals, pos)
+        x, dim, keepdim = _args(primals, kwargs, pos)
         if isinstance(out, tuple):
             ct, out = ct[0], out[0]
             if ct is None:
@@ -121,6 +122,8 @@ def _var_weight(x, o, dim, primals, kwargs, std=False):
     c = 1 if c is None else c
     n = _count(x, dim)
     centered = x - x.mean(_dims(x, dim), keepdim=True)
+    if centered.is_complex():  # d|z - m|^2 = 2 Re(conj(z - m) dz)
+        centered = torch.conj_physical(centered)
     return 2 * centered / max(n - c, 0) if not std else centered / (max(n - c, 0) * o)
 
 
@@ -128,10 +131,13 @@ def _norm_weight(x, o, dim, primals, kwargs):
     """d ||x||_p / dx = sgn(x) |x|^(p-1) / ||x||^(p-1); p = 2 gives x / ||x||."""
     p = primals[1] if len(primals) > 1 else 2
     if p == 2:
-        return (x / o).conj() if x.is_complex() else x / o
+        return (
+            torch.conj_physical(x / o) if x.is_complex() else x / o
+        )  # Note [No lazy conjugate inside wrappers]
+    s = torch.conj_physical(x.sgn()) if x.is_complex() else x.sgn()  # d|z| = Re(conj(sgn z) dz)
     if p == float("inf") or p == -float("inf"):
-        return _argext_weight(x.abs(), o, dim, primals, kwargs) * x.sgn()
-    return x.sgn() * x.abs().pow(p - 1) / o.pow(p - 1)
+        return _argext_weight(x.abs(), o, dim, primals, kwargs) * s
+    return s * x.abs().pow(p - 1) / o.pow(p - 1)
 
 
 def_weighted(aten.amax.default, _argext_weight)
@@ -150,7 +156,9 @@ def def_full(op, weight):
     def full_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
         t = tangents[0]
-        return out, None if t is None else (weight(primals[0], out, None, primals, kwargs) * t).sum()
+        return out, None if t is None else (
+            weight(primals[0], out, None, primals, kwargs) * t
+        ).sum()
 
     def full_vjp_rule(ct, primals, kwargs, out, needs):
         return (ct * weight(primals[0], out, None, primals, kwargs).conj(),)
@@ -161,7 +169,10 @@ def def_full(op, weight):
 
 def_full(aten.max.default, _full_max_weight)
 def_full(aten.min.default, _full_max_weight)
-def_full(aten.prod.default, lambda x, o, *a: _prod_weight(x.reshape(-1), None, 0, (), {}).reshape(x.shape))
+def_full(
+    aten.prod.default,
+    lambda x, o, *a: _prod_weight(x.reshape(-1), None, 0, (), {}).reshape(x.shape),
+)
 
 
 def _prod_dim_weight(x, o, dim, primals, kwargs):
@@ -177,3 +188,35 @@ def_weighted(aten.prod.dim_int, _prod_dim_weight)
 def_weighted(aten.max.dim, _max_dim_weight)
 def_weighted(aten.min.dim, _max_dim_weight)
 def_weighted(aten.linalg_vector_norm.default, _norm_weight, pos=2)
+
+
+def def_moments(op, std):
+    """``(var or std, mean) = op(x, dim, correction=, keepdim=)``: the two reductions at once."""
+
+    def moments_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        if t is None:
+            return out, None
+        x, dim, keepdim = _args(primals, kwargs)
+        w = _var_weight(x, _keep(out[0], x, dim, keepdim), dim, primals, kwargs, std=std)
+        dims = _dims(x, dim)
+        return out, ((w * t).sum(dims, keepdim=keepdim), t.mean(dims, keepdim=keepdim))
+
+    def moments_vjp_rule(cts, primals, kwargs, out, needs):
+        x, dim, keepdim = _args(primals, kwargs)
+        g = None
+        if cts[0] is not None:
+            w = _var_weight(x, _keep(out[0], x, dim, keepdim), dim, primals, kwargs, std=std)
+            g = _keep(cts[0], x, dim, keepdim) * w.conj()
+        if cts[1] is not None:
+            gm = (_keep(cts[1], x, dim, keepdim) / _count(x, dim)).expand(x.shape)
+            g = gm if g is None else g + gm
+        return (g,) + (None,) * (len(primals) - 1)
+
+    register_jvp_rule(op)(moments_jvp_rule)
+    register_vjp_rule(op)(moments_vjp_rule)
+
+
+def_moments(aten.var_mean.correction, std=False)
+def_moments(aten.std_mean.correction, std=True)

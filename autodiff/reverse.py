@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import weakref
 
 import torch
 
 from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._decomp import decomposition
-from functransforms._ops import facts, op_name
-from functransforms.errors import InplaceError
+from functransforms._ops import facts
 
-from ._registry import VJP_RULES, missing_rule
-from ._util import match_dtype
+from ._registry import VJP_FORWARD, VJP_RULES, decompose, missing_rule
+from ._util import InplaceMixin, any_floating, composite_implicit, match_dtype, unwrap_level
 
 _mk = torch.Tensor._make_wrapper_subclass
 _ids = itertools.count()
@@ -61,6 +59,9 @@ class GradTensor(TransformTensor):
     _primal: torch.Tensor
     _node: Node
     _idx: int
+    _base = None  # Note [In-place ops and views under jvp and grad]
+    _chain = ()
+    _views = None
 
     def _describe(self):
         return f"GradTensor(lvl={self._interp.level}, primal={self._primal!r})"
@@ -72,119 +73,75 @@ def wrap_grad(primal, node, idx, interp):
     r._node = node
     r._idx = idx
     r._interp = interp
-    r._views = None
     return r
 
 
-class GradInterpreter(Interpreter):
-    name = "grad"
+def _entry_of(a):
+    return (a._node, a._idx)
 
-    def _unwrap(self, args):
-        primals = list(args)
-        inputs = [None] * len(args)
-        needs = [False] * len(args)
-        for i, a in enumerate(args):
-            if isinstance(a, GradTensor):
-                if a._interp is self:
-                    primals[i] = a._primal
-                    inputs[i] = (a._node, a._idx)
-                    needs[i] = True
-            elif type(a) is list or type(a) is tuple:
-                if any(isinstance(b, GradTensor) and b._interp is self for b in a):
-                    p, inp, nd = self._unwrap(a)
-                    primals[i], inputs[i], needs[i] = p, inp, True
-        return primals, inputs, needs
+
+class GradInterpreter(InplaceMixin, Interpreter):
+    name = "grad"
+    rule_kind = "vjp"
+    decorator = "register_vjp_rule"
+
+    def __init__(self, call="vjp(f)"):
+        super().__init__()
+        self.call = call  # the public call (grad, vjp, jacrev, hessian, ...), for error messages
 
     def process(self, func, args, kwargs):
         f = facts(func)
         if f.inplace or f.inplace_view:
             return self._inplace(func, f, args, kwargs)
-        primals, inputs, needs = self._unwrap(args)
         rule = VJP_RULES.get(func)
         if rule is None:
-            d = decomposition(func)
+            d = composite_implicit(func) or decomposition(func)
             if d is not None:
-                return d(*args, **kwargs)
-        out = func(*primals, **kwargs)
+                return decompose(self, func, d, args, kwargs)
+        primals, inputs = unwrap_level(self, args, _entry_of)
+        if f.view and func in VJP_FORWARD:
+            out = VJP_FORWARD[func](*primals, **kwargs)
+        else:
+            out = func(*primals, **kwargs)
         if rule is None:
-            if isinstance(out, torch.Tensor):
-                if not is_floating(out):
-                    return out
-            elif not any(isinstance(o, torch.Tensor) and is_floating(o) for o in out):
+            if not any_floating(out):
                 return out
-            raise missing_rule(func, "vjp", "register_vjp_rule")
+            raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
             return out
-        node = Node(rule, primals, kwargs, out, inputs, needs)
+        node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
                 return out
             w = wrap_grad(out, node, 0, self)
-            if f.view:
-                _note_view(args[0], w)
-            return w
-        return type(out)(
-            wrap_grad(o, node, i, self) if isinstance(o, torch.Tensor) and is_floating(o) else o
-            for i, o in enumerate(out)
-        )
+        else:
+            w = type(out)(
+                wrap_grad(o, node, i, self) if isinstance(o, torch.Tensor) and is_floating(o) else o
+                for i, o in enumerate(out)
+            )
+        if f.view:
+            self._note_views(func, args, kwargs, w)
+        return w
 
-    def _inplace(self, func, f, args, kwargs):
-        """Note [In-place under grad]: the functional op is recorded and the wrapper is rebound to
-        its result, so saved values are never mutated. A wrapper with live views cannot be
-        rebound consistently, so that case raises instead of giving wrong gradients."""
-        self_ = args[0]
-        if not (isinstance(self_, GradTensor) and self_._interp is self):
-            raise InplaceError(
-                f"grad: {op_name(func)} writes a differentiated value in place into a tensor that "
-                "is not differentiated (captured from outside the transform or created inside it, "
-                "e.g. `out = torch.zeros(3); out[0] = x`). Do: build the result out of place "
-                "(torch.stack / torch.cat / torch.where), or start from a differentiated value "
-                "(`out = x.new_zeros(3) + 0 * x.sum()` is not needed: use torch.stack([...]))."
-            )
-        if _has_live_views(self_) or getattr(self_, "_is_view", False):
-            raise NotImplementedError(
-                f"grad: {op_name(func)} mutates a differentiated tensor that shares memory with "
-                "another one (a view such as `x[0]`, `x.T`, `x.view(...)`, or the base of one). "
-                "In-place updates through views are not supported under grad/vjp yet. Do: use "
-                "the out-of-place form (e.g. `x = torch.cat([x[:1] * 2, x[1:]])` or "
-                "`x = x.index_put((idx,), v)`)."
-            )
-        functional = f.functional
-        if functional is None:
-            raise missing_rule(func, "vjp", "register_vjp_rule")
-        new = self.process(functional, args, kwargs)
-        if isinstance(new, GradTensor) and new._interp is self:
-            self_._primal, self_._node, self_._idx = new._primal, new._node, new._idx
-        else:  # the result no longer depends on this level (e.g. x.zero_())
-            self_._primal, self_._node, self_._idx = new, Leaf(), 0
-        if f.inplace_view:
-            with torch._C._DisableTorchDispatch():
-                self_.as_strided_(self_._primal.shape, _contiguous(self_._primal.shape))
-        return self_
+    def _rebind(self, w, value):
+        if isinstance(value, GradTensor) and value._interp is self:
+            w._primal, w._node, w._idx = value._primal, value._node, value._idx
+        else:  # the new value no longer depends on this level (e.g. x.zero_())
+            w._primal, w._node, w._idx = value, Leaf(), 0
+
+    def _constant(self, primal):
+        return wrap_grad(primal, Leaf(), 0, self)
+
+    def __exit__(self, *exc):
+        try:
+            if self._promoted:
+                self._demote()
+        finally:
+            super().__exit__(*exc)
+        return False
 
 
 NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no derivative
-
-
-def _note_view(base, view):
-    view._is_view = True
-    if isinstance(base, GradTensor):
-        if base._views is None:
-            base._views = []
-        base._views.append(weakref.ref(view))
-
-
-def _has_live_views(t):
-    views = t._views
-    return bool(views) and any(r() is not None for r in views)
-
-
-def _contiguous(shape):
-    strides, s = [], 1
-    for n in reversed(shape):
-        strides.append(s)
-        s *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def backward(roots, leaves):
@@ -248,7 +205,11 @@ def _push(acc, heap, seen, inp, ct):
 def _accumulate(acc, node, idx, ct):
     cts = acc.get(node)
     if cts is None:
-        n = 1 if isinstance(getattr(node, "out", None), torch.Tensor) or type(node) is Leaf else len(node.out)
+        n = (
+            1
+            if isinstance(getattr(node, "out", None), torch.Tensor) or type(node) is Leaf
+            else len(node.out)
+        )
         cts = acc[node] = [None] * n
     prev = cts[idx]
     cts[idx] = ct if prev is None else prev + ct

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import register_jvp_rule, register_vjp_rule
+from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
 
 aten = torch.ops.aten
@@ -77,24 +77,66 @@ for _op, _tr in (
     ),
     (
         aten.diagonal.default,
-        lambda ct, x, offset=0, d1=0, d2=1: aten.diagonal_scatter.default(_zeros(x, ct), ct, offset, d1, d2),
+        lambda ct, x, offset=0, d1=0, d2=1: aten.diagonal_scatter.default(
+            _zeros(x, ct), ct, offset, d1, d2
+        ),
     ),
     (aten.flip.default, lambda ct, x, dims: ct.flip(dims)),
-    (aten.roll.default, lambda ct, x, shifts, dims=(): ct.roll([-s for s in shifts], dims) if dims else ct.flatten().roll([-s for s in shifts]).reshape(x.shape)),
+    (
+        aten.roll.default,
+        lambda ct, x, shifts, dims=(): (
+            ct.roll([-s for s in shifts], dims)
+            if dims
+            else ct.flatten().roll([-s for s in shifts]).reshape(x.shape)
+        ),
+    ),
     (aten.repeat.default, lambda ct, x, reps: _repeat_transpose(ct, x, reps)),
-    (aten._conj.default, lambda ct, x: ct.conj()),
-    (aten.conj_physical.default, lambda ct, x: ct.conj()),
+    (aten.resolve_conj.default, lambda ct, x: ct),
+    (aten.resolve_neg.default, lambda ct, x: ct),
     (aten.real.default, lambda ct, x: ct + 0j if x.is_complex() else ct),
     (aten.imag.default, lambda ct, x: ct * 1j),
     (aten.view_as_real.default, lambda ct, x: torch.view_as_complex(ct.contiguous())),
     (aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct)),
     (aten.index_select.default, lambda ct, x, dim, idx: _zeros(x, ct).index_add(dim, idx, ct)),
     (aten.gather.default, lambda ct, x, dim, idx, **k: _zeros(x, ct).scatter_add(dim, idx, ct)),
-    (aten.index.Tensor, lambda ct, x, indices: _zeros(x, ct).index_put(indices, ct, accumulate=True)),
+    (
+        aten.index.Tensor,
+        lambda ct, x, indices: aten.index_put.default(_zeros(x, ct), indices, ct, True),
+    ),
     (aten.cumsum.default, lambda ct, x, dim, **k: ct.flip(dim).cumsum(dim).flip(dim)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
 ):
     def_linear(_op, _tr)
+
+
+# Note [No lazy conjugate inside wrappers]
+#     Inside __torch_dispatch__ the dispatcher excludes every key above Python, Conjugate and
+#     Negative included, so a kernel called from a rule ignores a tensor's lazy conj/neg bit
+#     (`z * z.conj()` would compute z * z). Plain arguments arrive resolved (the Conjugate key runs
+#     before Python), so the invariant is: a value held by a wrapper never carries the bits. The
+#     conj/neg views below materialize (conj_physical), and the public entry points resolve the
+#     user's inputs. Rules may still call .conj() on a value they pass straight to a wrapper op.
+def _materialized(op):
+    def materialized_jvp_rule(primals, tangents, kwargs):
+        t = tangents[0]
+        return op(primals[0]), None if t is None else op(t)
+
+    def materialized_vjp_rule(ct, primals, kwargs, out, needs):
+        return (op(ct),)
+
+    return materialized_jvp_rule, materialized_vjp_rule
+
+
+for _op, _f in (
+    (aten._conj.default, torch.conj_physical),  # d conj(z) = conj(dz): R-linear, its own adjoint
+    (aten.conj_physical.default, torch.conj_physical),
+    (aten._conj_physical.default, torch.conj_physical),
+    (aten._neg_view.default, torch.neg),
+):
+    _j, _v = _materialized(_f)
+    register_jvp_rule(_op)(_j)
+    register_vjp_rule(_op)(_v)
+    VJP_FORWARD[_op] = _f
 
 
 def _repeat_transpose(ct, x, reps):
@@ -113,7 +155,9 @@ def _unfold_transpose(ct, x, dim, size, step):
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):
         piece = ct.select(dim, i).movedim(-1, dim)
-        out = out.slice_scatter(out.narrow(dim, i * step, size) + piece, dim, i * step, i * step + size)
+        out = out.slice_scatter(
+            out.narrow(dim, i * step, size) + piece, dim, i * step, i * step + size
+        )
     return out
 
 
@@ -148,14 +192,21 @@ def cat_jvp_rule(primals, tangents, kwargs):
     ts = tangents[0]
     if ts is None:
         return out, None
-    return out, torch.cat([t if t is not None else torch.zeros_like(x) for t, x in zip(ts, tensors)], dim)
+    return out, torch.cat(
+        [t if t is not None else torch.zeros_like(x) for t, x in zip(ts, tensors)], dim
+    )
 
 
 @register_vjp_rule(aten.cat.default)
 def cat_vjp_rule(ct, primals, kwargs, out, needs):
     tensors = primals[0]
     dim = primals[1] if len(primals) > 1 else 0
-    sizes = [t.shape[dim] if t.dim() > 0 and not (t.dim() == 1 and t.shape[0] == 0 and out.dim() > 1) else 0 for t in tensors]
+    sizes = [
+        t.shape[dim]
+        if t.dim() > 0 and not (t.dim() == 1 and t.shape[0] == 0 and out.dim() > 1)
+        else 0
+        for t in tensors
+    ]
     pieces = torch.split(ct, sizes, dim if ct.dim() else 0)
     return [p.reshape(t.shape) for p, t in zip(pieces, tensors)], None
 
@@ -168,7 +219,9 @@ def stack_jvp_rule(primals, tangents, kwargs):
     ts = tangents[0]
     if ts is None:
         return out, None
-    return out, torch.stack([t if t is not None else torch.zeros_like(x) for t, x in zip(ts, tensors)], dim)
+    return out, torch.stack(
+        [t if t is not None else torch.zeros_like(x) for t, x in zip(ts, tensors)], dim
+    )
 
 
 @register_vjp_rule(aten.stack.default)
@@ -238,7 +291,11 @@ def def_scatter(op, view):
 
     def scatter_vjp_rule(ct, primals, kwargs, out, needs):
         src = primals[1]
-        gb = op(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs) if needs[0] else None
+        gb = (
+            op(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs)
+            if needs[0]
+            else None
+        )
         gs = view(ct, *primals[2:], **kwargs) if needs[1] else None
         return (gb, gs) + (None,) * (len(primals) - 2)
 
@@ -254,3 +311,28 @@ def_scatter(
 def_scatter(
     aten.diagonal_scatter.default, lambda ct, offset=0, d1=0, d2=1: ct.diagonal(offset, d1, d2)
 )
+
+
+@register_jvp_rule(aten.index_put.default)
+def index_put_jvp_rule(primals, tangents, kwargs):
+    """index_put(x, indices, v, accumulate) is linear in (x, v) jointly."""
+    x, indices, v = primals[0], primals[1], primals[2]
+    out = aten.index_put.default(*primals, **kwargs)
+    tx, tv = tangents[0], tangents[2]
+    if tx is None and tv is None:
+        return out, None
+    tx = tx if tx is not None else torch.zeros_like(out)
+    tv = tv if tv is not None else torch.zeros(v.shape, dtype=out.dtype, device=out.device)
+    return out, aten.index_put.default(tx, indices, tv, *primals[3:], **kwargs)
+
+
+@register_vjp_rule(aten.index_put.default)
+def index_put_vjp_rule(ct, primals, kwargs, out, needs):
+    x, indices, v = primals[0], primals[1], primals[2]
+    accumulate = primals[3] if len(primals) > 3 else kwargs.get("accumulate", False)
+    gx = gv = None
+    if needs[0]:  # overwritten positions get no cotangent unless accumulating
+        gx = ct if accumulate else aten.index_put.default(ct, indices, _zeros(v, ct))
+    if needs[2]:
+        gv = unbroadcast(aten.index.Tensor(ct, indices), v.shape)
+    return (gx, None, gv) + (None,) * (len(primals) - 3)

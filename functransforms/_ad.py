@@ -38,44 +38,61 @@ def vjp(func, *primals, has_aux=False):
         >>> torch.allclose(vjp_fn(torch.ones(2))[0], torch.cos(x))
         True
     """
-    from functransforms.autodiff.reverse import GradInterpreter, GradTensor, Leaf, backward, wrap_grad
+    return _vjp(func, primals, has_aux, f"vjp({_name(func)}, ...)")
+
+
+def _resolved(x):
+    """The user's value without lazy conj/neg bits (Note [No lazy conjugate inside wrappers])."""
+    return x.resolve_conj().resolve_neg() if x.is_conj() or x.is_neg() else x
+
+
+def _vjp(func, primals, has_aux, call):
+    """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
+    from functransforms.autodiff.reverse import (
+        GradInterpreter,
+        GradTensor,
+        Leaf,
+        backward,
+        wrap_grad,
+    )
 
     flat, spec = pt.tree_flatten(primals)
-    interp = GradInterpreter()
+    interp = GradInterpreter(call)
     leaves = []
-    with interp:
+    with interp:  # outputs are read inside: promoted buffers are restored on exit
         wrapped = []
         for x in flat:
             if isinstance(x, torch.Tensor) and is_floating(x):
                 leaf = Leaf()
                 leaves.append(leaf)
-                wrapped.append(wrap_grad(x, leaf, 0, interp))
+                wrapped.append(wrap_grad(_resolved(x), leaf, 0, interp))
             else:
                 leaves.append(None)
                 wrapped.append(x)
         result = func(*pt.tree_unflatten(spec, wrapped))
-    if has_aux:
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise TypeError(
-                f"vjp({_name(func)}, ..., has_aux=True): expected the function to return a pair "
-                f"(output, aux); got {type(result).__name__}."
-            )
-        result, aux = result
-    flat_out, out_spec = pt.tree_flatten(result)
-    roots = []
-    primals_out = []
-    for i, o in enumerate(flat_out):
-        if not isinstance(o, torch.Tensor):
-            raise TypeError(
-                f"vjp({_name(func)}, ...): output {i} (flattened) is a {type(o).__name__}; "
-                "expected the function to return tensors (or pytrees of tensors)."
-            )
-        if isinstance(o, GradTensor) and o._interp is interp:
-            roots.append((o._node, o._idx))
-            primals_out.append(o._primal)
-        else:
-            roots.append(None)
-            primals_out.append(o)
+        if has_aux:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise TypeError(
+                    f"{call} with has_aux=True: expected the function to return a pair "
+                    f"(output, aux); got {type(result).__name__}."
+                )
+            result, aux = result
+            aux = _unwrap_level(aux, interp)
+        flat_out, out_spec = pt.tree_flatten(result)
+        roots = []
+        primals_out = []
+        for i, o in enumerate(flat_out):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(
+                    f"{call}: output {i} (flattened) is a {type(o).__name__}; "
+                    "expected the function to return tensors (or pytrees of tensors)."
+                )
+            if isinstance(o, GradTensor) and o._interp is interp:
+                roots.append((o._node, o._idx))
+                primals_out.append(o._primal)
+            else:
+                roots.append(None)
+                primals_out.append(o)
 
     def vjp_fn(*cotangents):
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
@@ -107,7 +124,7 @@ def vjp(func, *primals, has_aux=False):
 
     output = pt.tree_unflatten(out_spec, primals_out)
     if has_aux:
-        return output, vjp_fn, _unwrap_level(aux, interp)
+        return output, vjp_fn, aux
     return output, vjp_fn
 
 
@@ -128,7 +145,9 @@ def _check_argnums(func, argnums, n, call):
         raise ValueError(f"{call}: argnums must not be empty.")
     for a in nums:
         if not isinstance(a, int):
-            raise TypeError(f"{call}: expected argnums to be an int or a tuple of ints; got {argnums!r}.")
+            raise TypeError(
+                f"{call}: expected argnums to be an int or a tuple of ints; got {argnums!r}."
+            )
         if not -n <= a < n:
             raise ValueError(
                 f"{call}: argnums={argnums!r} is out of range: the function was called with {n} "
@@ -162,7 +181,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
         call = f"grad({_name(func)}, argnums={argnums!r})"
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
-        res = vjp(f, *[args[i] for i in nums], has_aux=has_aux)
+        res = _vjp(f, tuple(args[i] for i in nums), has_aux, call)
         out, vjp_fn = res[0], res[1]
         if not isinstance(out, torch.Tensor) or out.numel() != 1:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -249,8 +268,6 @@ def jvp(func, primals, tangents, *, has_aux=False):
         >>> ft.jvp(torch.sin, (x,), (v,))[1]             # [2] = cos(x) * v
         tensor([1.0000, 0.5403])
     """
-    from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
-
     call = f"jvp({_name(func)}, primals, tangents)"
     if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
         raise TypeError(
@@ -260,42 +277,56 @@ def jvp(func, primals, tangents, *, has_aux=False):
     flat_p, spec = pt.tree_flatten(primals)
     flat_t, tspec = pt.tree_flatten(tangents)
     if spec != tspec:
-        raise ValueError(f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}.")
+        raise ValueError(
+            f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
+        )
     for p, t in zip(flat_p, flat_t):
         if isinstance(p, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{call}: a tangent has shape {got} but its primal has shape {tuple(p.shape)}.")
-    interp = JvpInterpreter()
-    with interp:
+            raise ValueError(
+                f"{call}: a tangent has shape {got} but its primal has shape {tuple(p.shape)}."
+            )
+    return _jvp(func, flat_p, flat_t, spec, has_aux, call)
+
+
+def _jvp(func, flat_p, flat_t, spec, has_aux, call):
+    """jvp on flattened, validated inputs, with ``call`` (jvp, jacfwd, hessian) named in errors."""
+    from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
+
+    interp = JvpInterpreter(call)
+    with interp:  # outputs are read inside: promoted buffers are restored on exit
         wrapped = [
-            wrap_dual(p, t.to(p.dtype) if t.dtype != p.dtype else t, interp)
+            wrap_dual(_resolved(p), _resolved(t.to(p.dtype) if t.dtype != p.dtype else t), interp)
             if isinstance(p, torch.Tensor) and is_floating(p)
             else p
             for p, t in zip(flat_p, flat_t)
         ]
         result = func(*pt.tree_unflatten(spec, wrapped))
-    aux = None
-    if has_aux:
-        result, aux = result
-    flat_out, out_spec = pt.tree_flatten(result)
-    outs, touts = [], []
-    for o in flat_out:
-        if isinstance(o, DualTensor) and o._interp is interp:
-            outs.append(o._primal)
-            touts.append(o._tangent)
-        else:
-            outs.append(o)
-            touts.append(torch.zeros_like(o))
+        aux = None
+        if has_aux:
+            result, aux = result
+            aux = _unwrap_dual(aux, interp)
+        flat_out, out_spec = pt.tree_flatten(result)
+        outs, touts = [], []
+        for o in flat_out:
+            if isinstance(o, DualTensor) and o._interp is interp:
+                outs.append(o._primal)
+                touts.append(o._tangent)
+            else:
+                outs.append(o)
+                touts.append(torch.zeros_like(o))
     res = (pt.tree_unflatten(out_spec, outs), pt.tree_unflatten(out_spec, touts))
     if has_aux:
-        return res + (_unwrap_dual(aux, interp),)
+        return res + (aux,)
     return res
 
 
 def _unwrap_dual(tree, interp):
     from functransforms.autodiff.forward import DualTensor
 
-    return pt.tree_map(lambda x: x._primal if isinstance(x, DualTensor) and x._interp is interp else x, tree)
+    return pt.tree_map(
+        lambda x: x._primal if isinstance(x, DualTensor) and x._interp is interp else x, tree
+    )
 
 
 def linearize(func, *primals):
@@ -317,7 +348,16 @@ def linearize(func, *primals):
 
 
 # -- Jacobians --------------------------------------------------------------------------------
-def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_copy=False, holomorphic=False):
+def jacrev(
+    func,
+    argnums=0,
+    *,
+    has_aux=False,
+    chunk_size=None,
+    _preallocate_and_copy=False,
+    holomorphic=False,
+    _call=None,
+):
     """The Jacobian of ``func`` by reverse mode: one vjp per output element, vmapped.
 
     Returns, for each output leaf, a tensor of shape ``out.shape + in.shape`` (a tuple over
@@ -333,24 +373,25 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        call = f"jacrev({_name(func)}, argnums={argnums!r})"
+        call = _call or f"jacrev({_name(func)}, argnums={argnums!r})"
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
-        res = vjp(f, *[args[i] for i in nums], has_aux=has_aux)
+        res = _vjp(f, tuple(args[i] for i in nums), has_aux, call)
         out, vjp_fn = res[0], res[1]
         flat_out, out_spec = pt.tree_flatten(out)
         sizes = [o.numel() for o in flat_out]
         total = sum(sizes)
         dtype = flat_out[0].dtype
         basis = torch.eye(total, dtype=dtype, device=flat_out[0].device)
-        cts = [b.reshape((total,) + tuple(o.shape)).to(o.dtype) for b, o in zip(basis.split(sizes, 1), flat_out)]
+        cts = [
+            b.reshape((total,) + tuple(o.shape)).to(o.dtype)
+            for b, o in zip(basis.split(sizes, 1), flat_out)
+        ]
         jac = vmap(vjp_fn, chunk_size=chunk_size)(pt.tree_unflatten(out_spec, cts))
         flat_in_jac, in_spec = pt.tree_flatten(jac)
         per_out = []
         for o, rows in zip(flat_out, _row_splits(sizes)):
-            leaves = [
-                j[rows].reshape(tuple(o.shape) + tuple(j.shape[1:])) for j in flat_in_jac
-            ]
+            leaves = [j[rows].reshape(tuple(o.shape) + tuple(j.shape[1:])) for j in flat_in_jac]
             if holomorphic:
                 leaves = [j.conj() for j in leaves]
             tree = pt.tree_unflatten(in_spec, leaves)
@@ -368,7 +409,7 @@ def _row_splits(sizes):
         start += s
 
 
-def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=False):
+def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=False, _call=None):
     """The Jacobian of ``func`` by forward mode: one jvp per input element, vmapped.
 
     Example:
@@ -381,7 +422,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=Fa
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        call = f"jacfwd({_name(func)}, argnums={argnums!r})"
+        call = _call or f"jacfwd({_name(func)}, argnums={argnums!r})"
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)
@@ -389,10 +430,13 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=Fa
         sizes = [x.numel() for x in flat_in]
         total = sum(sizes)
         basis = torch.eye(total, dtype=flat_in[0].dtype, device=flat_in[0].device)
-        tans = [b.reshape((total,) + tuple(x.shape)).to(x.dtype) for b, x in zip(basis.split(sizes, 1), flat_in)]
+        tans = [
+            b.reshape((total,) + tuple(x.shape)).to(x.dtype)
+            for b, x in zip(basis.split(sizes, 1), flat_in)
+        ]
 
         def push(*t):
-            r = jvp(f, diff, pt.tree_unflatten(in_spec, list(t)), has_aux=has_aux)
+            r = _jvp(f, flat_in, list(t), in_spec, has_aux, call)
             return (r[1], r[2]) if has_aux else r[1]
 
         pushed = vmap(push, randomness=randomness)(*tans)
@@ -427,4 +471,5 @@ def hessian(func, argnums=0):
         tensor([[ 6.,  0.],
                 [ 0., 12.]])
     """
-    return jacfwd(jacrev(func, argnums), argnums)
+    call = f"hessian({_name(func)}, argnums={argnums!r})"
+    return jacfwd(jacrev(func, argnums, _call=call), argnums, _call=call)

@@ -41,7 +41,9 @@ class _CustomFunction:
         flat, spec = pt.tree_flatten(args)
         interp = None
         for x in flat:
-            if isinstance(x, TransformTensor) and (interp is None or x._interp.level > interp.level):
+            if isinstance(x, TransformTensor) and (
+                interp is None or x._interp.level > interp.level
+            ):
                 interp = x._interp
         if interp is None:
             return self.fn(*args)
@@ -103,7 +105,11 @@ def _process_grad(cf, interp, args):
             cts = cf.bwd(res, ct)
             if not isinstance(cts, tuple):
                 cts = (cts,)
-            return pt.tree_leaves(cts) if len(pt.tree_leaves(cts)) == len(flat) else _flat_cts(cts, args)
+            return (
+                pt.tree_leaves(cts)
+                if len(pt.tree_leaves(cts)) == len(flat)
+                else _flat_cts(cts, args)
+            )
     elif cf.jvp_rule is not None:
         from ._ad import vjp
 
@@ -135,11 +141,23 @@ def _process_grad(cf, interp, args):
         if single:
             c = ct
         else:
-            c = pt.tree_unflatten(out_spec, [x if x is not None else torch.zeros_like(o) for x, o in zip(ct, flat_out)])
+            c = pt.tree_unflatten(
+                out_spec,
+                [x if x is not None else torch.zeros_like(o) for x, o in zip(ct, flat_out)],
+            )
         return bwd(c)
 
-    node = Node(rule, primals, {}, flat_out[0] if single else tuple(flat_out), inputs, [i is not None for i in inputs])
-    wrapped = [wrap_grad(o, node, i, interp) if is_floating(o) else o for i, o in enumerate(flat_out)]
+    node = Node(
+        rule,
+        primals,
+        {},
+        flat_out[0] if single else tuple(flat_out),
+        inputs,
+        [i is not None for i in inputs],
+    )
+    wrapped = [
+        wrap_grad(o, node, i, interp) if is_floating(o) else o for i, o in enumerate(flat_out)
+    ]
     return pt.tree_unflatten(out_spec, wrapped)
 
 

@@ -16,7 +16,8 @@ class OpFacts:
 
     def __init__(self, func):
         schema = func._schema
-        self.name = f"aten.{schema.name.split('::')[-1]}.{func._overloadname}"
+        namespace, _, base = schema.name.rpartition("::")
+        self.name = f"{namespace or 'aten'}.{base}.{func._overloadname}"
         first = schema.arguments[0] if schema.arguments else None
         writes_self = bool(first is not None and first.alias_info and first.alias_info.is_write)
         tags = func.tags
@@ -31,10 +32,10 @@ class OpFacts:
 
 def _functional_variant(func):
     """aten.add_.Tensor -> aten.add.Tensor; aten.squeeze_.dim -> aten.squeeze.dim."""
-    base = func._schema.name.split("::")[-1]
+    namespace, _, base = func._schema.name.rpartition("::")
     if not base.endswith("_"):
         return None
-    packet = getattr(aten, base[:-1], None)
+    packet = getattr(getattr(torch.ops, namespace or "aten"), base[:-1], None)
     if packet is None:
         return None
     return getattr(packet, func._overloadname, None)
@@ -51,5 +52,5 @@ def facts(func) -> OpFacts:
 
 
 def op_name(func) -> str:
-    """The op as a user would type it: ``aten.add.Tensor``."""
+    """The op as a user would type it: ``aten.add.Tensor``, ``prims.abs.default``."""
     return facts(func).name if hasattr(func, "_schema") else getattr(func, "__name__", str(func))

@@ -33,11 +33,6 @@ def test_complex_vjp_convention_matches_torch_func():
     check_grads(lambda x: x.sin() * (1 + 2j) + x * x, (torch.randn(3, dtype=torch.float64),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.complex(re, im) under jvp raises InplaceError "
-    "(aten.copy_ into a fresh output tensor)",
-)
 def test_torch_complex_under_jvp():
     check_grads(lambda x: torch.complex(x.sin(), x * x), (torch.randn(3, dtype=torch.float64),))
 
@@ -49,11 +44,6 @@ def test_check_grads_higher_order_and_mixed_args():
     check_grads(lambda a, b, i: (a.sin() * b)[i].exp(), (a, b, idx), order=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no jvp rule for aten.index_put.default, so second-order "
-    "derivatives through advanced indexing (jvp of the index vjp) fail",
-)
 def test_second_order_through_advanced_indexing():
     a, idx = torch.randn(3, dtype=torch.float64), torch.tensor([2, 0])
     check_grads(lambda a: a.sin()[idx].exp(), (a,), order=2)

@@ -55,28 +55,17 @@ def test_complex_unary(name, f):
     compare_with_torch_func(f, (randn(3, 3, dtype=torch.complex128),))
 
 
-@pytest.mark.xfail(strict=True, reason="jvp of z * z.conj() on complex input gives a wrong tangent")
 def test_complex_conj_product_jvp():
     compare_with_torch_func(
         lambda z: z * z.conj(), (randn(3, dtype=torch.complex128),), check=False
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no jvp rule for abs (aten.abs decomposes to prims.abs, which has "
-    "none; the error also mislabels prims.abs as aten.abs.default)",
-)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_abs(dtype):
     compare_with_torch_func(lambda x: torch.abs(x + 0.05), (randn(3, 4, dtype=dtype),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jvp-of-vjp (second order) wrong for complex inputs: "
-    "jvp(lambda z, c: vjp(z*z)(c)) disagrees with torch.func",
-)
 def test_complex_second_order():
     from functransforms.testing import check_grads
 
@@ -210,20 +199,10 @@ def test_cat_stack_split():
     compare_with_torch_func(lambda b: b.chunk(3, 1)[1] * b.unbind(1)[0][:, None], (b,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="std/var with keepdim=True on a non-last-but-one layout: "
-    "x.std(-1, keepdim=True) on [2, 3, 4] raises a broadcasting RuntimeError in jvp/vjp",
-)
 def test_std_keepdim():
     compare_with_torch_func(lambda x: x.std(-1, keepdim=True), (randn(2, 3, 4),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjp of aten.index.Tensor with a leading None index (x[:, idx]) "
-    "raises TypeError: the rule does not handle None entries in indices",
-)
 def test_index_tensor_with_slice_prefix():
     compare_with_torch_func(lambda x: x[:, torch.tensor([0, 2, 2])], (randn(2, 3, 4),))
 
@@ -243,11 +222,6 @@ def test_inplace_on_wrappers_jvp():
     torch.testing.assert_close(t, t_ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grad/vjp: z = x.clone(); z.mul_(y) raises NotImplementedError "
-    "claiming z shares memory with another tensor (a clone aliases nothing)",
-)
 def test_inplace_on_wrappers():
     def f(x, y):
         z = x.clone()
@@ -260,11 +234,6 @@ def test_inplace_on_wrappers():
     compare_with_torch_func(f, (randn(3, 4), randn(3, 4)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="differs from torch.func: writing a differentiated value into a "
-    "buffer created inside grad/jvp (buf = zeros(); buf[1] = f(x)) raises InplaceError",
-)
 def test_inplace_into_fresh_buffer():
     def f(x):
         buf = torch.zeros(3, 4, dtype=x.dtype)
