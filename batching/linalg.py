@@ -114,13 +114,15 @@ def _batch_rank(x, bdim, core):
     return x.dim() - (bdim is not None) - core
 
 
-def def_matrix_op(op):
+def def_matrix_op(op, contiguous=False):
     """Ops of one (batch of) matrices ``[..., m, n]``: the vmap dim goes in front, where it is
     one more batch dim; every output carries it in front. Placeholder outputs (the empty
-    eigenvectors of ``eigvalsh``, the empty Q of ``qr(mode='r')``) carry no vmap dim."""
+    eigenvectors of ``eigvalsh``, the empty Q of ``qr(mode='r')``) carry no vmap dim.
+    ``contiguous``: the kernel needs it (torch 2.13's matrix_exp calls view on its input)."""
 
     def matrix_op_vmap_rule(interp, args, bdims, kwargs):
-        out = op(to_front(args[0], bdims[0]), *args[1:], **kwargs)
+        x = to_front(args[0], bdims[0])
+        out = op(x.contiguous() if contiguous else x, *args[1:], **kwargs)
         if isinstance(out, torch.Tensor):
             return out, 0
         B = interp.batch_size
@@ -140,9 +142,9 @@ for _op in (
     aten._linalg_svd.default,
     aten.linalg_lu_factor_ex.default,
     aten.linalg_lu.default,
-    aten.linalg_matrix_exp.default,
 ):
     def_matrix_op(_op)
+def_matrix_op(aten.linalg_matrix_exp.default, contiguous=True)
 
 
 def def_broadcasting_solve(op, n_out=1):
@@ -174,7 +176,6 @@ def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
     broadcast one: the size-1 dims inserted into A are removed from them."""
     A, b = args[0], args[1]
     bA, bb = bdims[0], bdims[1]
-    left = kwargs.get("left", True)
     A_shape = A.shape if bA is None else A.shape[:bA] + A.shape[bA + 1 :]
     b_shape = b.shape if bb is None else b.shape[:bb] + b.shape[bb + 1 :]
     vec = len(b_shape) == 1 or (len(b_shape) == len(A_shape) - 1 and b_shape == A_shape[:-1])
@@ -182,14 +183,14 @@ def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
         b, bb = to_front(b, bb), 0
     elif bA is not None:  # a size-1 vmap dim: b must never look like a batch of vectors of A
         b, bb = b.unsqueeze(0), 0
-    if vec:
-        b = b.unsqueeze(-1 if left else -2)
+    if vec:  # as torch: a column even when left=False (where torch then reports the mismatch)
+        b = b.unsqueeze(-1)
     ka = len(A_shape) - 2
     nd = max(ka, _batch_rank(b, bb, 2))
     A, b = _broadcast_front([(A, bA, 2), (b, bb, 2)], nd)
     X, LU, pivots, info = aten._linalg_solve_ex.default(A, b, *args[2:], **kwargs)
     if vec:
-        X = X.squeeze(-1 if left else -2)
+        X = X.squeeze(-1)
     if bA is None:
         return (X, LU, pivots, info), (0, None, None, None)
     if nd > ka:  # drop the size-1 dims that _broadcast_front inserted after the vmap dim
@@ -212,6 +213,12 @@ def linalg_lu_solve_vmap_rule(interp, args, bdims, kwargs):
         bLU = bpiv = 0
     nd = max(_batch_rank(LU, bLU, 2), _batch_rank(b, bb, 2))
     LU, piv, b = _broadcast_front([(LU, bLU, 2), (piv, bpiv, 1), (b, bb, 2)], nd)
+    # torch 2.13 returns wrong values when LU's batch dims broadcast against B's (size-1 dims
+    # in LU/pivots): expand all three to the common batch shape first
+    batch = torch.broadcast_shapes(LU.shape[:-2], b.shape[:-2])
+    LU = LU.expand(batch + LU.shape[-2:])
+    piv = piv.expand(batch + piv.shape[-1:])
+    b = b.expand(batch + b.shape[-2:])
     return aten.linalg_lu_solve.default(LU, piv, b, *args[3:], **kwargs), 0
 
 
