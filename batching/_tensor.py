@@ -49,8 +49,18 @@ def wrap_batched(value, bdim, interp):
         # conjugate/negative bits lazily, so a rule would compute z * z with the physical
         # value of z.conj(): materialize them when they enter a wrapper.
         value = value.resolve_conj().resolve_neg()
+    # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
+    # torch's own view-or-copy decisions (reshape, matmul folding, contiguous) on the logical
+    # tensor match what the physical value allows.
     shape = value.shape
-    r = _mk(BatchedTensor, shape[:bdim] + shape[bdim + 1 :], dtype=value.dtype, device=value.device)
+    st = value.stride()
+    r = _mk(
+        BatchedTensor,
+        shape[:bdim] + shape[bdim + 1 :],
+        st[:bdim] + st[bdim + 1 :],
+        dtype=value.dtype,
+        device=value.device,
+    )
     r._value = value
     r._bdim = bdim
     r._interp = interp
@@ -205,18 +215,10 @@ def _set_view_inplace(self_wrapper, new_value, bdim):
     self_wrapper._value = new_value
     self_wrapper._bdim = bdim
     shape = new_value.shape[:bdim] + new_value.shape[bdim + 1 :]
+    st = new_value.stride()
     with torch._C._DisableTorchDispatch():
-        self_wrapper.as_strided_(shape, _contiguous_strides(shape))
+        self_wrapper.as_strided_(shape, st[:bdim] + st[bdim + 1 :])
     return self_wrapper
-
-
-def _contiguous_strides(shape):
-    strides = []
-    s = 1
-    for n in reversed(shape):
-        strides.append(s)
-        s *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def raise_random(interp, func):

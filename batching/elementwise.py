@@ -50,7 +50,6 @@ def _same_bdim_rule(func):
 
 
 for _op in (
-    aten.clone.default,
     aten.alias.default,
     aten.detach.default,
     aten._to_copy.default,

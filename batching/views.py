@@ -15,14 +15,29 @@ def _front(args, bdims):
     return x, x.dim() - 1
 
 
-@register_vmap_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@register_vmap_rule(aten.view.default)
 def view_vmap_rule(interp, args, bdims, kwargs):
+    # The wrapper's strides are the logical ones, and the batch dim (moved to the front) is a
+    # dim of its own in both shapes, so the physical view succeeds exactly when the logical one
+    # does: errors are torch's own ("view size is not compatible ... use .reshape").
     x, _ = _front(args, bdims)
-    shape = (x.shape[0], *args[1])
-    try:
-        return x.view(shape), 0
-    except RuntimeError:  # the batch dim was not outermost in memory: a view is impossible
-        return x.reshape(shape), 0
+    return x.view((x.shape[0], *args[1])), 0
+
+
+@register_vmap_rule(aten.clone.default)
+def clone_vmap_rule(interp, args, bdims, kwargs):
+    # A contiguous clone is contiguous per example only with the batch dim outermost.
+    x = args[0]
+    if kwargs.get("memory_format") is torch.contiguous_format:
+        x = to_front(x, bdims[0])
+        return x.clone(**kwargs), 0
+    return x.clone(**kwargs), bdims[0]
+
+
+@register_vmap_rule(aten._unsafe_view.default, aten.reshape.default)
+def reshape_vmap_rule(interp, args, bdims, kwargs):
+    x, _ = _front(args, bdims)
+    return x.reshape((x.shape[0], *args[1])), 0
 
 
 @register_vmap_rule(aten.expand.default)

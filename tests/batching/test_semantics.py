@@ -201,3 +201,30 @@ def test_in_dims_and_out_dims_through_registered_pytree_nodes():
 
     with pytest.raises(ValueError, match=r"in_dims\[0\] is a Params node.*got tuple"):
         ft.vmap(lambda p: p[0], in_dims=(Params(0, None),))((p.w, p.b))
+
+
+@pytest.mark.parametrize("in_dim", [0, 1, 2])
+def test_wrappers_report_the_per_example_strides(in_dim):
+    y = torch.randn(5, 2, 3, 4).movedim(0, in_dim)
+    seen = {}
+
+    def f(a):
+        seen["stride"] = a.stride()
+        seen["t_stride"] = a.mT.stride()
+        seen["contiguous"] = a.contiguous().is_contiguous()
+        return a.contiguous().view(-1) + a.reshape(-1) + a.mT.reshape(-1).reshape(2, 4, 3).mT.reshape(-1)
+
+    out = ft.vmap(f, in_dims=in_dim)(y)
+    ref = y.movedim(in_dim, 0)[0]
+    assert seen["stride"] == tuple(s for i, s in enumerate(y.stride()) if i != in_dim)
+    assert seen["t_stride"] == seen["stride"][:1] + seen["stride"][:0:-1]
+    assert seen["contiguous"]
+    torch.testing.assert_close(out[0], 3 * ref.reshape(-1))
+
+
+def test_view_of_a_non_viewable_example_raises_like_torch():
+    y = torch.randn(5, 3, 4)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        ft.vmap(lambda a: a.mT.view(-1))(y)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        torch.func.vmap(lambda a: a.mT.view(-1))(y)
