@@ -24,9 +24,9 @@ def _randn(*shape, dtype=F64, seed=0):
     g = _gen(seed)
     if dtype.is_complex:
         return torch.complex(
-            torch.randn(*shape, generator=g, dtype=F64), torch.randn(*shape, generator=g, dtype=F64)
+            torch.randn(shape, generator=g, dtype=F64), torch.randn(shape, generator=g, dtype=F64)
         )
-    return torch.randn(*shape, generator=g, dtype=dtype)
+    return torch.randn(shape, generator=g, dtype=dtype)
 
 
 def _eye(n, dtype):
@@ -269,3 +269,90 @@ def test_svd_full_matrices():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matrix_norm_fro(dtype):
     check_all(torch.linalg.matrix_norm, (_randn(2, 3, 4, dtype=dtype),), second=True)
+
+
+# -- FFT -----------------------------------------------------------------------------------------
+NORMS = ["backward", "ortho", "forward"]
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("n", [6, 7])
+def test_rfft_irfft(norm, n):
+    x = _randn(2, n)
+    check_all(lambda x: torch.fft.rfft(x, norm=norm), (x,))
+    check_all(lambda x: torch.fft.fft(x, norm=norm), (x,))  # r2c, onesided=False
+    z = _randn(2, n // 2 + 1, dtype=C128, seed=3)
+    check_all(lambda z: torch.fft.irfft(z, n=n, norm=norm), (z,))
+    check_all(lambda z: torch.fft.hfft(z, n=n, norm=norm), (z,))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_fft_c2c(norm):
+    z = _randn(2, 5, dtype=C128)
+    check_all(lambda z: torch.fft.fft(z, norm=norm), (z,))
+    check_all(lambda z: torch.fft.ifft(z, norm=norm), (z,))
+    check_all(lambda z: torch.fft.fftn(z, dim=(0, 1), norm=norm), (z,))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_fft_multidim(norm):
+    x = _randn(3, 4, 6)
+    check_all(lambda x: torch.fft.rfft2(x, norm=norm), (x,))
+    check_all(lambda x: torch.fft.rfftn(x, dim=(0, 2), norm=norm), (x,))
+    z = _randn(3, 4, 4, dtype=C128, seed=5)
+    check_all(lambda z: torch.fft.irfft2(z, s=(4, 6), norm=norm), (z,))
+    check_all(lambda z: torch.fft.irfftn(z, s=(3, 7), dim=(0, 2), norm=norm), (z,))
+
+
+def test_fft_second_order_and_check_grads():
+    x = _randn(2, 7)
+    check_all(
+        lambda x: torch.fft.irfft(torch.fft.rfft(x) * torch.fft.rfft(x), n=7), (x,), second=True
+    )
+    check_grads(torch.fft.rfft, (x,), order=2)
+    check_grads(lambda z: torch.fft.irfft(z, n=6), (_randn(5, 4, dtype=C128),), order=2)
+
+
+# -- sorting and selection -------------------------------------------------------------------------
+def _x(*shape, seed=0):
+    """Distinct values (no ties): the derivative of a selection is then unique."""
+    return (
+        torch.randperm(int(torch.tensor(shape).prod()), generator=_gen(seed)).to(F64).reshape(shape)
+        / 3
+    )
+
+
+SELECTIONS = {
+    "sort": lambda x: torch.sort(x, dim=1)[0],
+    "sort-desc": lambda x: torch.sort(x, dim=-1, descending=True)[0],
+    "sort-stable": lambda x: torch.sort(x, dim=0, stable=True)[0],
+    "msort": torch.msort,
+    "topk": lambda x: torch.topk(x, 2, dim=1)[0],
+    "topk-smallest": lambda x: torch.topk(x, 3, dim=0, largest=False)[0],
+    "kthvalue": lambda x: torch.kthvalue(x, 2, dim=1)[0],
+    "kthvalue-keepdim": lambda x: torch.kthvalue(x, 2, dim=0, keepdim=True)[0],
+    "median-dim": lambda x: torch.median(x, dim=1)[0],
+    "median-keepdim": lambda x: torch.median(x, dim=-1, keepdim=True)[0],
+    "nanmedian-dim": lambda x: torch.nanmedian(x, dim=0)[0],
+    "mode": lambda x: torch.mode(x, dim=1)[0],
+    "median": torch.median,
+    "max-dim": lambda x: torch.max(x, dim=1)[0],
+    "min-dim": lambda x: torch.min(x, dim=0)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTIONS))
+def test_selection(name):
+    check_all(SELECTIONS[name], (_x(3, 5, 2) if name != "median" else _x(3, 5),))
+
+
+def test_sort_second_order_and_check_grads():
+    x = _x(4, 5)
+    check_all(lambda x: torch.sort(x * x, dim=1)[0], (x,), second=True)
+    check_grads(lambda x: torch.sort(x, dim=0)[0], (x,), order=2)
+    check_grads(lambda x: torch.topk(x, 2)[0], (x,), order=1)
+
+
+def test_median_ties_share_the_derivative():
+    x = torch.tensor([1.0, 2.0, 2.0, 3.0, 2.0], dtype=F64)
+    close(ft.grad(torch.median)(x), tf.grad(torch.median)(x))
