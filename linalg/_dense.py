@@ -21,7 +21,30 @@ def _check_matrix(A: torch.Tensor, call: str, square: bool = True) -> None:
         )
 
 
-class DenseOperator(LinearOperator):
+class _StoredMatrix:
+    """The methods of an operator that stores its matrix as ``self.A`` (Dense, Triangular);
+    transposes keep the operator's type."""
+
+    def _matmul(self, X):
+        return self.A @ X
+
+    def _rmatmul(self, X):
+        return X @ self.A
+
+    def _to_dense(self):
+        return self.A
+
+    def _transpose(self):
+        return type(self)(self.A.mT, **_transposed_props(self))
+
+    def _adjoint(self):
+        return type(self)(self.A.mH, **_transposed_props(self))
+
+    def _diagonal(self):
+        return self.A.diagonal(dim1=-2, dim2=-1)
+
+
+class DenseOperator(_StoredMatrix, LinearOperator):
     """A plain matrix seen as an operator (dense algorithms, chosen by the declared properties).
 
     Args:
@@ -56,23 +79,6 @@ class DenseOperator(LinearOperator):
         op.lower = op.upper = op.unitary = False
         return op
 
-    def _matmul(self, X):
-        return self.A @ X
-
-    def _rmatmul(self, X):
-        return X @ self.A
-
-    def _to_dense(self):
-        return self.A
-
-    def _transpose(self):
-        return DenseOperator(self.A.mT, **_transposed_props(self))
-
-    def _adjoint(self):
-        return DenseOperator(self.A.mH, **_transposed_props(self))
-
-    def _diagonal(self):
-        return self.A.diagonal(dim1=-2, dim2=-1)
 
     def _half_logdet_pd(self):
         """``½ log det A = sum log diag(chol A)`` (positive definite only)."""
@@ -320,7 +326,7 @@ class IdentityOperator(ScaledIdentityOperator):
         return B
 
 
-class TriangularOperator(LinearOperator):
+class TriangularOperator(_StoredMatrix, LinearOperator):
     """A lower (default) or upper triangular matrix: O(n^2) solve, O(n) logdet.
 
     Only the triangle is read (as ``torch.linalg.solve_triangular``).
@@ -343,23 +349,6 @@ class TriangularOperator(LinearOperator):
         props["lower"], props["upper"] = not upper, bool(upper)
         super().__init__(A.shape, A.dtype, A.device, **props)
 
-    def _matmul(self, X):
-        return self.A @ X
-
-    def _rmatmul(self, X):
-        return X @ self.A
-
-    def _to_dense(self):
-        return self.A
-
-    def _transpose(self):
-        return TriangularOperator(self.A.mT, **_transposed_props(self))
-
-    def _adjoint(self):
-        return TriangularOperator(self.A.mH, **_transposed_props(self))
-
-    def _diagonal(self):
-        return self.A.diagonal(dim1=-2, dim2=-1)
 
     def _scale(self, c):
         return TriangularOperator(self.A * c, **_scaled_props(self, c))
