@@ -8,24 +8,20 @@ loop. Exits non-zero if any result disagrees with torch.func.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import functransforms as ft
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_core import median_time  # noqa: E402  (one timing helper for the suite)
+
 
 def _median(fn, repeats):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return median_time(fn, repeats, warmup=1)
 
 
 def _maxdiff(a, b):

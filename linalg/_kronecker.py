@@ -24,6 +24,7 @@ from ._dense import (
     PermutationOperator,
     ScaledIdentityOperator,
     _scaled_props,
+    _transposed_props,
 )
 
 
@@ -177,10 +178,10 @@ class KroneckerOperator(LinearOperator):
         return out
 
     def _transpose(self):
-        return self._map(lambda f: f._transpose(), **_kron_transposed(self))
+        return self._map(lambda f: f._transpose(), **_transposed_props(self))
 
     def _adjoint(self):
-        return self._map(lambda f: f._adjoint(), **_kron_transposed(self))
+        return self._map(lambda f: f._adjoint(), **_transposed_props(self))
 
     def _diagonal(self):
         return kron_vectors([f._diagonal() for f in self.factors])
@@ -278,16 +279,6 @@ class KroneckerOperator(LinearOperator):
         for f in self.factors[1:]:
             out = out * f._frobenius_sq()
         return out
-
-
-def _kron_transposed(op):
-    return dict(
-        symmetric=op.symmetric,
-        positive_definite=op.positive_definite,
-        lower=op.upper,
-        upper=op.lower,
-        unitary=op.unitary,
-    )
 
 
 class KroneckerPlusScaledIdentityOperator(LinearOperator):
