@@ -119,17 +119,24 @@ class VmapInterpreter(Interpreter):
                     return self._fallback(func, args, kwargs)
         rule = VMAP_RULES.get(func) or _derived_rule(func)
         f = facts(func)
-        if f.inplace and bdims[0] is None and any(b is not None for b in bdims):
-            raise InplaceError(
-                f"{self.call}: {op_name(func)} writes a batched value in place into a tensor that "
-                "is not batched (captured from outside vmap or created inside it). Expected: the "
-                "tensor written to is batched too. Do: write out of place (`y = x + z` instead of "
-                "`x += z`), or make the target batched, e.g. `x = x.expand(...).clone()` per example."
-            )
+        written = _written_args(func)  # self for add_, the target of prims.copy_to, ...
+        for i in written:
+            if bdims[i] is None and any(b is not None for b in bdims):
+                raise InplaceError(
+                    f"{self.call}: {op_name(func)} writes a batched value in place into a tensor "
+                    "that is not batched (captured from outside vmap or created inside it). "
+                    "Expected: the tensor written to is batched too. Do: write out of place "
+                    "(`y = x + z` instead of `x += z`), or make the target batched, e.g. "
+                    "`x = x.expand(...).clone()` per example."
+                )
         if rule is None:
             d = decomposition(func)  # Note [Decomposition fallback]
-            if d is not None and not f.inplace:
-                return d(*args, **kwargs)
+            if d is not None and not written:
+                try:
+                    with _lazy_conj_enabled():
+                        return d(*args, **kwargs)
+                except InplaceError:  # it fills a fresh (unbatched) buffer: loop instead
+                    pass
             return self._fallback(func, args, kwargs)
         out, out_bdim = rule(self, vals, bdims, kwargs)
         if f.inplace:
@@ -154,12 +161,14 @@ class VmapInterpreter(Interpreter):
             )
         B = self.batch_size
         results = []
-        for i in range(B):
-            a_i = [_select(a, self, i) for a in args]
-            k_i = {k: _select(v, self, i) for k, v in kwargs.items()}
-            results.append(func(*a_i, **k_i))
-        if f.inplace:
-            return args[0]
+        with _lazy_conj_enabled():
+            for i in range(B):
+                a_i = [_select(a, self, i) for a in args]
+                k_i = {k: _select(v, self, i) for k, v in kwargs.items()}
+                results.append(func(*a_i, **k_i))
+        written = _written_args(func)
+        if written:  # each example wrote into its slice of the (batched) target
+            return args[written[0]]
         first = results[0]
         if isinstance(first, torch.Tensor):
             return wrap_batched(torch.stack(results), 0, self)
@@ -173,6 +182,41 @@ class VmapInterpreter(Interpreter):
 
 _WARNED: set = set()
 _WRITTEN: dict = {}
+_WRITTEN_ARGS: dict = {}
+_K = torch._C.DispatchKey
+_set_excluded = torch._C._SetExcludeDispatchKeyGuard
+
+
+class _lazy_conj_enabled:
+    """Note [Conjugate views]: inside ``__torch_dispatch__`` torch excludes the Conjugate and
+    Negative keys, so a kernel that builds a lazy ``conj()``/``neg()`` view and hands it to an
+    op without native support reads the raw values (``torch.linalg.pinv`` of a complex matrix
+    comes out wrong). Wrapping resolves such views (``wrap_batched``), and rules use resolved
+    values; the per-example fallback and decompositions run arbitrary kernels, so they turn
+    the two keys back on (a few microseconds: too much for the per-op hot path)."""
+
+    def __enter__(self):
+        self._guards = (_set_excluded(_K.Conjugate, False), _set_excluded(_K.Negative, False))
+        for g in self._guards:
+            g.__enter__()
+
+    def __exit__(self, *exc):
+        for g in reversed(self._guards):
+            g.__exit__(*exc)
+        return False
+
+
+def _written_args(func):
+    """Positions of the positional arguments an op writes to (``Tensor(a!)``), cached: not only
+    ``add_``'s self but also e.g. the target of ``prims.copy_to``, which has no trailing ``_``."""
+    pos = _WRITTEN_ARGS.get(func)
+    if pos is None:
+        pos = _WRITTEN_ARGS[func] = tuple(
+            i
+            for i, a in enumerate(a for a in func._schema.arguments if not a.kwarg_only)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return pos
 
 
 def _written_kwargs(func):
@@ -185,6 +229,8 @@ def _written_kwargs(func):
             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
         )
     return names
+
+
 _DERIVED: dict = {}
 
 
