@@ -15,13 +15,15 @@ from ._registry import register_jvp_rule, register_vjp_rule
 aten = torch.ops.aten
 
 
-def def_fft(op, adjoint):
-    """``op(x, dim, normalization, ...)`` linear in x; ``adjoint(ct, x, *params)``."""
+def def_fft(op, adjoint, linear=None):
+    """``op(x, *params)`` linear in x (``linear(t, *params)``, the op itself unless it is
+    affine); ``adjoint(ct, x, *params)`` is the adjoint of that linear map."""
+    linear = linear or op
 
     def fft_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
         t = tangents[0]
-        return out, None if t is None else op(t, *primals[1:], **kwargs)
+        return out, None if t is None else linear(t, *primals[1:], **kwargs)
 
     def fft_vjp_rule(ct, primals, kwargs, out, needs):
         return (adjoint(ct, *primals, **kwargs),) + (None,) * (len(primals) - 1)
@@ -65,4 +67,14 @@ def_fft(
     lambda ct, x, dim, normalization, forward: aten._fft_c2c.default(
         ct, dim, normalization, not forward
     ),
+)
+
+
+# torch.fft's n= pads the signal with constant_pad_nd (as in batching/fft.py). Padding by
+# (l, r) with a constant is affine in x; its linear part pads with 0, and the adjoint of that
+# crops by (l, r): a padding by (-l, -r).
+def_fft(
+    aten.constant_pad_nd.default,
+    lambda ct, x, pad, value=0: aten.constant_pad_nd.default(ct, [-p for p in pad]),
+    linear=lambda t, pad, value=0: aten.constant_pad_nd.default(t, pad),
 )

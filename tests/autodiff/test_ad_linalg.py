@@ -356,3 +356,13 @@ def test_sort_second_order_and_check_grads():
 def test_median_ties_share_the_derivative():
     x = torch.tensor([1.0, 2.0, 2.0, 3.0, 2.0], dtype=F64)
     close(ft.grad(torch.median)(x), tf.grad(torch.median)(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fft_with_n_pads_and_crops(dtype):
+    x = _randn(2, 5, dtype=dtype)
+    check_all(lambda x: torch.fft.fft(x, n=8), (x,), second=True)
+    check_all(lambda x: torch.fft.fft(x, n=3), (x,))
+    check_all(lambda x: torch.nn.functional.pad(x, (1, -2), value=3.0), (x,))
+    if dtype == F64:
+        check_all(lambda x: torch.fft.rfft(x, n=9), (x,))
