@@ -166,7 +166,8 @@ _MASKS: dict = {}
 
 def _mask(X, kind):
     """A constant [n, n] mask in X's real dtype: ``tril``, ``triu``, ``tril-1``, ``triu+1``,
-    ``phi`` (tril with a halved diagonal), ``eye``, ``offdiag``."""
+    ``phi`` (tril with a halved diagonal), ``tril/2``, ``tril-1/2`` (halved), ``eye``,
+    ``offdiag``."""
     n, dtype = X.shape[-1], X.dtype.to_real()
     key = (n, kind, dtype, X.device)
     m = _MASKS.get(key)
@@ -179,6 +180,8 @@ def _mask(X, kind):
             "tril-1": one.tril(-1),
             "triu+1": one.triu(1),
             "phi": one.tril() - 0.5 * eye,
+            "tril/2": 0.5 * one.tril(),
+            "tril-1/2": 0.5 * one.tril(-1),
             "eye": eye,
             "offdiag": one - eye,
         }[kind]
@@ -246,8 +249,8 @@ def _cholesky_vjp(bars, out, needs, A, upper, check_errors):
     L, gL = out[0], bars[0]
     if upper:
         L, gL = L.mH, gL.mH
-    X = (L.mH @ gL) * _mask(L, "tril")
-    X = 0.5 * (X + _H(X * _mask(X, "tril-1")))
+    X = L.mH @ gL
+    X = X * _mask(X, "tril/2") + _H(X * _mask(X, "tril-1/2"))
     return (_solve_tri(L, _solve_tri(L.mH, X, upper=True), upper=False, left=False),)
 
 
