@@ -397,6 +397,24 @@ def _same_layout(a, b):
     return True
 
 
+def describe(sample) -> str:
+    """A short description of a sample for failure messages: ``op([5, 5] f32, 0, dim=1)``."""
+
+    def one(x):
+        if _is_tensor(x):
+            dt = str(x.dtype).replace("torch.", "")
+            return f"{list(x.shape)} {dt}"
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(one(y) for y in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+        return repr(x)
+
+    parts = [one(sample.input), *(one(a) for a in sample.args)]
+    parts += [f"{k}={one(v)}" for k, v in sample.kwargs.items()]
+    text = ", ".join(parts)
+    return f"({text[:120]}{'...' if len(text) > 120 else ''})"
+
+
 def flat_outputs(out):
     """The op's outputs as a flat tuple of leaves (namedtuples, lists of tensors, ...)."""
     if _is_tensor(out):
@@ -476,7 +494,7 @@ def run_vmap(op, kind) -> Result:
                     examples.append(other[0])
                 else:  # the generator does not repeat its layout: batch copies of example 0
                     examples.append(_clone(leaves0))
-            what = f"{dtype} sample {j}"
+            what = f"sample {j} {describe(s0)}"
             _vmap_case(op, spec, examples, tpos, set(tpos), result, f"{what}, in_dims=0")
             if j == 0 and len(tpos) > 1:
                 _vmap_case(
@@ -585,7 +603,7 @@ def run_ad(op, transform, kind) -> Result:
     for dtype in grad_dtypes(op, transform, kind):
         samples = take_samples(op, dtype, (name, transform, str(dtype)), requires_grad=True)
         for j, sample in enumerate(samples):
-            what = f"{dtype} sample {j}"
+            what = f"sample {j} {describe(sample)}"
             leaves, spec = _leaves(sample)
             if not all(_strided(x) for x in leaves):
                 result.skip_sample("sparse input")
