@@ -31,7 +31,8 @@ class DualTensor(TransformTensor):
 
 
 def wrap_dual(primal, tangent, interp):
-    r = _mk(DualTensor, primal.shape, dtype=primal.dtype, device=primal.device)
+    # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
+    r = _mk(DualTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
     r._primal = primal
     r._tangent = tangent
     r._interp = interp
@@ -57,6 +58,8 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
                 return out
+            if out.is_conj() or t.is_conj():  # Note [No lazy conjugate inside wrappers]
+                out, t = out.resolve_conj(), t.resolve_conj()
             if t.dtype != out.dtype:
                 if t.is_complex() and not out.is_complex():
                     t = t.real

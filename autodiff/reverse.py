@@ -21,7 +21,14 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
 from ._registry import VJP_FORWARD, VJP_RULES, decompose, missing_rule
-from ._util import InplaceMixin, any_floating, composite_implicit, match_dtype, unwrap_level
+from ._util import (
+    InplaceMixin,
+    any_floating,
+    composite_implicit,
+    match_dtype,
+    resolve_lazy,
+    unwrap_level,
+)
 
 _mk = torch.Tensor._make_wrapper_subclass
 _ids = itertools.count()
@@ -68,7 +75,8 @@ class GradTensor(TransformTensor):
 
 
 def wrap_grad(primal, node, idx, interp):
-    r = _mk(GradTensor, primal.shape, dtype=primal.dtype, device=primal.device)
+    # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
+    r = _mk(GradTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
     r._primal = primal
     r._node = node
     r._idx = idx
@@ -109,12 +117,16 @@ class GradInterpreter(InplaceMixin, Interpreter):
             raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
             return out
-        node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
                 return out
+            if out.is_conj():  # Note [No lazy conjugate inside wrappers]
+                out = out.resolve_conj()
+            node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
             w = wrap_grad(out, node, 0, self)
         else:
+            out = type(out)(resolve_lazy(o) for o in out)
+            node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
             w = type(out)(
                 wrap_grad(o, node, i, self) if isinstance(o, torch.Tensor) and is_floating(o) else o
                 for i, o in enumerate(out)
