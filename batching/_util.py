@@ -20,7 +20,8 @@ def wrap_dim(d, n):
         d += n
     if not 0 <= d < max(n, 1):
         raise IndexError(
-            f"Dimension out of range (expected to be in range of [{-max(n, 1)}, {max(n, 1) - 1}], but got {d})"
+            "Dimension out of range (expected to be in range of "
+            f"[{-max(n, 1)}, {max(n, 1) - 1}], but got {d})"
         )
     return d
 

@@ -195,12 +195,14 @@ def index_select_vmap_rule(interp, args, bdims, kwargs):
     if bdims[2] is None:
         x = to_front(x, bdims[0])
         n = x.dim() - 1
-        return aten.index_select.default(x, wrap_dim(dim, n) + 1 if n else 1, idx), 0
+        if n == 0:  # a 0-d example: select from a unit dim (torch checks the index) and drop it
+            return x.unsqueeze(1).index_select(1, idx.reshape(-1)).squeeze(1), 0
+        return aten.index_select.default(x, wrap_dim(dim, n) + 1, idx), 0
     n = x.dim() - (bdims[0] is not None)
     idx = to_front(idx, bdims[2]).reshape(interp.batch_size, -1)  # a 0-d index selects one
-    if n == 0:
+    if n == 0:  # each example is 0-d: index i of example b reads example b's own value
         x = expand_front(x, bdims[0], interp.batch_size)
-        return x.gather(0, idx[:, 0]), 0
+        return x.unsqueeze(1).gather(1, idx[:, :1]).squeeze(1), 0
     d = wrap_dim(dim, n)
     return index_vmap_rule(interp, [x, [None] * d + [idx]], [bdims[0], [None] * d + [0]], {})
 

@@ -31,29 +31,27 @@ def def_dims(op, pos, *, all_if_empty=True):
             new_dim = [_shift(dim, n)]
         else:
             new_dim = [_shift(d, n) for d in dim]
-        if n == 0:  # a 0-d logical tensor: reduce over nothing, i.e. an identity
-            new_dim = []
-            if op in _ALL_IF_EMPTY:
-                return _reduce_nothing(op, x, args, kwargs), 0
+        if n == 0:  # 0-d logical: reduce a unit dim instead, and drop it (torch returns 0-d)
+            x, new_dim = x.unsqueeze(1), [1]
         a = list(args)
         a[0] = x
+        kw = kwargs
         if len(a) > pos:
             a[pos] = new_dim
-            return op(*a, **kwargs), 0
-        kw = dict(kwargs)
-        kw["dim"] = new_dim
-        return op(*a, **kw), 0
+        else:
+            kw = dict(kwargs)
+            kw["dim"] = new_dim
+        return _outputs(op(*a, **kw), squeeze=n == 0)
 
     register_vmap_rule(op)(dims_vmap_rule)
 
 
-_ALL_IF_EMPTY = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
-
-
-def _reduce_nothing(op, x, args, kwargs):
-    # sum/mean/amax over no dims of a 0-d tensor is the tensor itself (cast like the op would)
-    out = op(x.unsqueeze(1), [1], True, **kwargs)
-    return out.squeeze(1)
+def _outputs(out, squeeze):
+    """(out, bdims) with the batch dim in front, for one or several outputs; ``squeeze`` drops
+    the unit dim a 0-d logical input was given (when keepdim left it)."""
+    if isinstance(out, torch.Tensor):
+        return (out.squeeze(1) if squeeze and out.dim() > 1 else out), 0
+    return tuple(o.squeeze(1) if squeeze and o.dim() > 1 else o for o in out), (0,) * len(out)
 
 
 def def_dim(op, pos, *, default=None):
@@ -70,30 +68,14 @@ def def_dim(op, pos, *, default=None):
             new_dim = 1
         else:
             new_dim = _shift(dim, n) if n > 0 else None
-            if new_dim is None:  # 0-d logical: add a unit dim, apply, drop it
-                a[0] = x.unsqueeze(1)
-                a += [None] * (pos + 1 - len(a))
-                a[pos] = 1
-                out = op(*a, **kwargs)
-                keep = _keepdim(op, args, kwargs)
-                if isinstance(out, torch.Tensor):
-                    return (out if keep else out.squeeze(1)), 0
-                return tuple(o if keep else o.squeeze(1) for o in out), (0,) * len(out)
+            if new_dim is None:  # 0-d logical: add a unit dim, apply, drop it (torch: 0-d)
+                x, new_dim = x.unsqueeze(1), 1
         a[0] = x
         a += [None] * (pos + 1 - len(a))
         a[pos] = new_dim
-        out = op(*a, **kwargs)
-        if isinstance(out, torch.Tensor):
-            return out, 0
-        return out, (0,) * len(out)
+        return _outputs(op(*a, **kwargs), squeeze=n == 0 and dim is not None)
 
     register_vmap_rule(op)(dim_vmap_rule)
-
-
-def _keepdim(op, args, kwargs):
-    return bool(
-        kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
-    )
 
 
 # dim lists: (op, position of dim)

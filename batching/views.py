@@ -161,7 +161,21 @@ def stack_vmap_rule(interp, args, bdims, kwargs):
 @register_vmap_rule(aten.unfold.default)
 def unfold_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
-    return x.unfold(wrap_dim(args[1], n) + 1 if n else 1, args[2], args[3]), 0
+    if n == 0:  # a 0-d example unfolds like a 1-element vector, into shape (1,)
+        return x.unsqueeze(1).unfold(1, args[2], args[3]).squeeze(1), 0
+    return x.unfold(wrap_dim(args[1], n) + 1, args[2], args[3]), 0
+
+
+@register_vmap_rule(aten.as_strided.default)
+def as_strided_vmap_rule(interp, args, bdims, kwargs):
+    """as_strided(x, size, stride, offset) per example: the wrapper reports each example's
+    strides and a storage offset of 0, so sizes, strides and offset are relative to where the
+    example starts; the batch dim keeps its own physical stride."""
+    x = to_front(args[0], bdims[0])
+    size, stride = args[1], args[2]
+    offset = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
+    start = x.storage_offset() + (offset or 0)
+    return x.as_strided((x.shape[0], *size), (x.stride(0), *stride), start), 0
 
 
 @register_vmap_rule(aten.roll.default)
