@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+from functransforms._core import TransformTensor
+from functransforms._ops import op_name
+from functransforms.errors import InplaceError
+
+from ._registry import missing_rule
 
 
 def unbroadcast(ct, shape):
@@ -54,8 +62,6 @@ def composite_implicit(func):
 def unwrap_level(interp, args, payload):
     """``(primals, payloads)`` of ``args`` at ``interp``'s level: ``payload(w)`` for each of its
     wrappers (tangent or tape entry), ``None`` elsewhere; lists of tensors are unwrapped too."""
-    from functransforms._core import TransformTensor
-
     primals = list(args)
     payloads = [None] * len(args)
     for i, a in enumerate(args):
@@ -67,6 +73,11 @@ def unwrap_level(interp, args, payload):
             if any(isinstance(b, TransformTensor) and b._interp is interp for b in a):
                 primals[i], payloads[i] = unwrap_level(interp, a, payload)
     return primals, payloads
+
+
+def resolve_lazy(x):
+    """``x`` without a lazy conj bit (Note [No lazy conjugate inside wrappers])."""
+    return x.resolve_conj() if isinstance(x, torch.Tensor) and x.is_conj() else x
 
 
 def any_floating(out):
@@ -81,12 +92,13 @@ def any_floating(out):
     return False
 
 
-def contiguous_strides(shape):
-    strides, s = [], 1
-    for n in reversed(shape):
-        strides.append(s)
-        s *= max(n, 1)
-    return tuple(reversed(strides))
+def restride(w):
+    """Make wrapper ``w``'s metadata (shape, strides) match its rebound primal's, as wrappers are
+    created with their primal's strides (so torch's view-or-copy decisions are right)."""
+    p = w._primal
+    if w.shape != p.shape or w.stride() != p.stride():
+        with torch._C._DisableTorchDispatch():
+            w.as_strided_(p.shape, p.stride())
 
 
 # -- in-place ops under jvp and grad ------------------------------------------------------------
@@ -159,8 +171,6 @@ class _IndexStep:
 
 
 def _index_scatter(base, v, positions, func):
-    from functransforms._ops import op_name
-
     flat = positions.reshape(-1)
     if positions.dtype != torch.long or flat.unique().numel() != flat.numel():
         what = op_name(func) if func is not None else "this view"
@@ -300,8 +310,6 @@ class InplaceMixin:
 
     @staticmethod
     def _add_view(root, view, chain):
-        import weakref
-
         view._base, view._chain = root, chain
         views = root._views
         if views is None:
@@ -319,10 +327,6 @@ class InplaceMixin:
 
     # -- in-place ------------------------------------------------------------------------------
     def _inplace(self, func, f, args, kwargs):
-        from functransforms._ops import op_name
-
-        from ._registry import missing_rule
-
         self_ = args[0]
         if getattr(self_, "_interp", None) is not self:
             self._promote(func, self_)
@@ -332,16 +336,14 @@ class InplaceMixin:
         if f.inplace_view:
             if self_._views is not None and any(r() is not None for r in self_._views):
                 raise NotImplementedError(
-                    f"{self.call}: {op_name(func)} changes the shape of a tensor that has live views "
-                    "(x[0], x.T, ...); this is not supported. Do: use the out-of-place form "
+                    f"{self.call}: {op_name(func)} changes the shape of a tensor that has live "
+                    "views (x[0], x.T, ...); this is not supported. Do: use the out-of-place form "
                     f"({op_name(functional)}) and keep the result."
                 )
             new = self.process(functional, args, kwargs)
             self._rebind(self_, new)
             if self_._base is not None and getattr(new, "_interp", None) is self:
                 self_._chain = new._chain  # still a view of the same root, one step further
-            with torch._C._DisableTorchDispatch():
-                self_.as_strided_(new.shape, contiguous_strides(new.shape))
             return self_
         new = self.process(functional, args, kwargs)
         base = self_._base
@@ -378,14 +380,13 @@ class InplaceMixin:
 
     # -- promotion (Note [Writing into a plain tensor]) ----------------------------------------
     def _promote(self, func, target):
-        from functransforms._core import TransformTensor
-        from functransforms._ops import op_name
-        from functransforms.errors import InplaceError
-
         name = op_name(func)
         why = None
         if isinstance(target, TransformTensor):
-            why = f"the target belongs to another transform ({target._interp.name}, captured from outside this one)"
+            why = (
+                f"the target belongs to another transform ({target._interp.name}), captured "
+                "from outside this one"
+            )
         elif type(target) is not torch.Tensor:
             why = f"the target is a {type(target).__name__}, not a plain tensor"
         elif target.requires_grad:
@@ -404,10 +405,10 @@ class InplaceMixin:
                     why = "other tensors share its memory (views or aliases of it are alive)"
         if why is not None:
             raise InplaceError(
-                f"{self.call}: {name} writes a value that carries derivatives in place into a tensor "
-                f"that the transform does not track, and {why}. Do: build the result out of place "
-                "(torch.stack / torch.cat / torch.where / index_put), or create the buffer inside "
-                "the transformed function."
+                f"{self.call}: {name} writes a value that carries derivatives in place into a "
+                f"tensor that the transform does not track, and {why}. Do: build the result out "
+                "of place (torch.stack / torch.cat / torch.where / index_put), or create the "
+                "buffer inside the transformed function."
             )
         positions = None
         if root is not target:

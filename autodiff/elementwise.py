@@ -353,3 +353,51 @@ def_linear_binary(aten.add.Tensor, 1, 1)
 def_linear_binary(aten.sub.Tensor, 1, -1)
 for _op, _s in ((aten.add.Scalar, 1), (aten.sub.Scalar, 1)):
     def_unary(_op, lambda x, o, *a, _s=_s, **k: torch.full_like(x, _s))
+
+
+# -- complex construction: complex(re, im) and polar(abs, angle) (docs/complex.md) -------------
+def _zero_or(t, like):
+    return t if t is not None else torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+@register_jvp_rule(aten.complex.default)
+def complex_jvp_rule(primals, tangents, kwargs):
+    """complex(re, im) = re + i im is real-linear in (re, im)."""
+    re, im = primals
+    out = torch.complex(re, im)
+    t_re, t_im = tangents
+    if t_re is None and t_im is None:
+        return out, None
+    return out, torch.complex(_zero_or(t_re, re), _zero_or(t_im, im)).expand(out.shape)
+
+
+@register_vjp_rule(aten.complex.default)
+def complex_vjp_rule(ct, primals, kwargs, out, needs):
+    re, im = primals
+    g_re = unbroadcast(ct.real, re.shape) if needs[0] else None
+    g_im = unbroadcast(ct.imag, im.shape) if needs[1] else None
+    return g_re, g_im
+
+
+@register_jvp_rule(aten.polar.default)
+def polar_jvp_rule(primals, tangents, kwargs):
+    """polar(r, a) = r e^{ia}: d out = e^{ia} dr + i out da."""
+    r, a = primals
+    out = torch.polar(r, a)
+    t_r, t_a = tangents
+    t = None
+    if t_r is not None:
+        t = t_r * torch.polar(torch.ones_like(r), a)
+    if t_a is not None:
+        t2 = t_a * out * 1j
+        t = t2 if t is None else t + t2
+    return out, None if t is None else t.expand(out.shape)
+
+
+@register_vjp_rule(aten.polar.default)
+def polar_vjp_rule(ct, primals, kwargs, out, needs):
+    r, a = primals
+    c = torch.conj_physical(ct)
+    g_r = unbroadcast((c * torch.polar(torch.ones_like(r), a)).real, r.shape) if needs[0] else None
+    g_a = unbroadcast((c * out * 1j).real, a.shape) if needs[1] else None
+    return g_r, g_a

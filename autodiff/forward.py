@@ -9,7 +9,7 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
 from ._registry import JVP_RULES, decompose, missing_rule
-from ._util import InplaceMixin, any_floating, composite_implicit, unwrap_level
+from ._util import InplaceMixin, any_floating, composite_implicit, restride, unwrap_level
 
 _mk = torch.Tensor._make_wrapper_subclass
 
@@ -93,6 +93,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
             w._primal, w._tangent = value._primal, value._tangent
         else:  # the new value carries no tangent at this level
             w._primal, w._tangent = value, torch.zeros_like(value)
+        restride(w)
 
     def _constant(self, primal):
         return wrap_dual(primal, torch.zeros_like(primal), self)

@@ -14,7 +14,7 @@ aten = torch.ops.aten
 @register_jvp_rule(aten._softmax.default)
 def softmax_jvp_rule(primals, tangents, kwargs):
     """d softmax = y * (t - <t, y>)"""
-    x, dim = primals[0], primals[1]
+    dim = primals[1]
     y = aten._softmax.default(*primals)
     t = tangents[0]
     return y, None if t is None else y * (t - (t * y).sum(dim, keepdim=True))

@@ -179,14 +179,44 @@ def _prod_dim_weight(x, o, dim, primals, kwargs):
     return _prod_weight(x, o, dim, primals, kwargs)
 
 
-def _max_dim_weight(x, o, dim, primals, kwargs):
-    # max.dim picks one index (not a tie split): derivative flows to the returned index
-    return (x == o).to(x.dtype) / (x == o).to(x.dtype).sum(_dims(x, dim), keepdim=True)
-
-
 def_weighted(aten.prod.dim_int, _prod_dim_weight)
-def_weighted(aten.max.dim, _max_dim_weight)
-def_weighted(aten.min.dim, _max_dim_weight)
+
+
+def def_selecting(op):
+    """``(values, indices) = op(x, dim, keepdim)``: the derivative flows through the returned
+    index only (ties are not split), as in torch."""
+
+    def selecting_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        if t is None:
+            return out, None
+        x, dim, keepdim = _args(primals, kwargs)
+        if x.dim() == 0:
+            return out, (t, None)
+        idx = _keep(out[1], x, dim, keepdim)
+        dt = t.gather(dim, idx)
+        return out, (dt if keepdim else dt.squeeze(dim), None)
+
+    def selecting_vjp_rule(cts, primals, kwargs, out, needs):
+        x, dim, keepdim = _args(primals, kwargs)
+        ct = cts[0]
+        if ct is None:
+            return (None,) * len(primals)
+        if x.dim() == 0:
+            return (ct,) + (None,) * (len(primals) - 1)
+        idx = _keep(out[1], x, dim, keepdim)
+        g = torch.zeros(x.shape, dtype=ct.dtype, device=ct.device).scatter(
+            dim, idx, _keep(ct, x, dim, keepdim)
+        )
+        return (g,) + (None,) * (len(primals) - 1)
+
+    register_jvp_rule(op)(selecting_jvp_rule)
+    register_vjp_rule(op)(selecting_vjp_rule)
+
+
+def_selecting(aten.max.dim)
+def_selecting(aten.min.dim)
 def_weighted(aten.linalg_vector_norm.default, _norm_weight, pos=2)
 
 

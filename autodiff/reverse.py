@@ -27,6 +27,7 @@ from ._util import (
     composite_implicit,
     match_dtype,
     resolve_lazy,
+    restride,
     unwrap_level,
 )
 
@@ -140,6 +141,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
             w._primal, w._node, w._idx = value._primal, value._node, value._idx
         else:  # the new value no longer depends on this level (e.g. x.zero_())
             w._primal, w._node, w._idx = value, Leaf(), 0
+        restride(w)
 
     def _constant(self, primal):
         return wrap_grad(primal, Leaf(), 0, self)

@@ -13,7 +13,7 @@ aten = torch.ops.aten
 
 
 def def_linear(op, transpose):
-    """``op(x, *params)`` linear in ``x``; ``transpose(ct, x, *params, **kwargs)`` is its adjoint."""
+    """``op(x, *params)``, linear in ``x``, with adjoint ``transpose(ct, x, *params, **kwargs)``."""
 
     def linear_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
@@ -316,7 +316,7 @@ def_scatter(
 @register_jvp_rule(aten.index_put.default)
 def index_put_jvp_rule(primals, tangents, kwargs):
     """index_put(x, indices, v, accumulate) is linear in (x, v) jointly."""
-    x, indices, v = primals[0], primals[1], primals[2]
+    indices, v = primals[1], primals[2]
     out = aten.index_put.default(*primals, **kwargs)
     tx, tv = tangents[0], tangents[2]
     if tx is None and tv is None:
@@ -328,7 +328,7 @@ def index_put_jvp_rule(primals, tangents, kwargs):
 
 @register_vjp_rule(aten.index_put.default)
 def index_put_vjp_rule(ct, primals, kwargs, out, needs):
-    x, indices, v = primals[0], primals[1], primals[2]
+    indices, v = primals[1], primals[2]
     accumulate = primals[3] if len(primals) > 3 else kwargs.get("accumulate", False)
     gx = gv = None
     if needs[0]:  # overwritten positions get no cotangent unless accumulating
@@ -336,3 +336,47 @@ def index_put_vjp_rule(ct, primals, kwargs, out, needs):
     if needs[2]:
         gv = unbroadcast(aten.index.Tensor(ct, indices), v.shape)
     return (gx, None, gv) + (None,) * (len(primals) - 3)
+
+
+def def_scatter_src(op, accumulate):
+    """``op(x, dim, index, src)``, linear in (x, src) jointly: scatter_add adds src at index,
+    scatter overwrites (then the overwritten entries of x get no cotangent)."""
+
+    def scatter_src_jvp_rule(primals, tangents, kwargs):
+        x, dim, index, src = primals[:4]
+        out = op(*primals, **kwargs)
+        tx, ts = tangents[0], tangents[3]
+        if tx is None and ts is None:
+            return out, None
+        tx = tx if tx is not None else torch.zeros_like(out)
+        ts = ts if ts is not None else torch.zeros(src.shape, dtype=out.dtype, device=out.device)
+        return out, op(tx, dim, index, ts, *primals[4:], **kwargs)
+
+    def scatter_src_vjp_rule(ct, primals, kwargs, out, needs):
+        x, dim, index, src = primals[:4]
+        gx = gs = None
+        if needs[0]:
+            gx = ct if accumulate else ct.scatter(dim, index, 0.0)
+        if needs[3]:
+            gs = ct.gather(dim, index)
+        return (gx, None, None, gs) + (None,) * (len(primals) - 4)
+
+    register_jvp_rule(op)(scatter_src_jvp_rule)
+    register_vjp_rule(op)(scatter_src_vjp_rule)
+
+
+def_scatter_src(aten.scatter_add.default, accumulate=True)
+def_scatter_src(aten.scatter.src, accumulate=False)
+
+
+@register_jvp_rule(aten.scatter.value)
+def scatter_value_jvp_rule(primals, tangents, kwargs):
+    """scatter(x, dim, index, value): x with constants written at index."""
+    out = aten.scatter.value(*primals, **kwargs)
+    t = tangents[0]
+    return out, None if t is None else t.scatter(primals[1], primals[2], 0.0)
+
+
+@register_vjp_rule(aten.scatter.value)
+def scatter_value_vjp_rule(ct, primals, kwargs, out, needs):
+    return (ct.scatter(primals[1], primals[2], 0.0),) + (None,) * (len(primals) - 1)

@@ -99,8 +99,8 @@ def _vjp(func, primals, has_aux, call):
         flat_ct, ct_spec = pt.tree_flatten(cts)
         if ct_spec != out_spec:
             raise ValueError(
-                f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of the "
-                f"output, {out_spec}; got {ct_spec}."
+                f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
+                f"the output, {out_spec}; got {ct_spec}."
             )
         root_cts = []
         for r, c, o in zip(roots, flat_ct, primals_out):

@@ -1,5 +1,7 @@
 """Derivative rules by family, against torch.func (the oracle) and finite differences."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,3 +268,350 @@ def test_jacobians_and_hessian():
     torch.testing.assert_close(ft.jacfwd(f)(x), torch.func.jacfwd(f)(x))
     h = lambda x: (x.sin() * x.cos().sum()).sum()
     torch.testing.assert_close(ft.hessian(h)(x), torch.func.hessian(h)(x))
+
+
+# -- complex: lazy conj bits, abs/sgn/angle, complex/polar ---------------------------------------
+COMPLEX_NONHOLOMORPHIC = [
+    ("conj_mul", lambda z: z * z.conj() + z.conj() * 2),
+    ("conj_view_chain", lambda z: (z.conj().T @ z).conj()),
+    ("real_of_conj", lambda z: (z * z.conj()).real ** 2 + z.conj().imag),
+    ("norm_p3", lambda z: torch.linalg.vector_norm(z, ord=3, dim=-1)),
+    ("norm_inf", lambda z: torch.linalg.vector_norm(z, ord=float("inf"), dim=0)),
+    ("var", lambda z: z.var(0, keepdim=True) + z.std(1).sum()),
+    ("sgn", lambda z: torch.sgn(z) * z),
+    ("angle", lambda z: torch.angle(z)),
+]
+
+
+@pytest.mark.parametrize(
+    "name,f", COMPLEX_NONHOLOMORPHIC, ids=[c[0] for c in COMPLEX_NONHOLOMORPHIC]
+)
+def test_complex_nonholomorphic(name, f):
+    compare_with_torch_func(f, (randn(3, 3, dtype=torch.complex128),))
+
+
+def test_complex_inputs_with_conj_bits():
+    # lazily conjugated primals / tangents from the caller are resolved at the API edge
+    z, v = randn(3, dtype=torch.complex128), randn(3, dtype=torch.complex128)
+    f = lambda z: z * z.exp()
+    out, t = ft.jvp(f, (z.conj(),), (v.conj(),))
+    out_ref, t_ref = torch.func.jvp(f, (z.conj(),), (v.conj(),))
+    torch.testing.assert_close(t, t_ref)
+    torch.testing.assert_close(ft.vjp(f, z.conj())[1](v)[0], torch.func.vjp(f, z.conj())[1](v)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_abs_sgn_second_order(dtype):
+    compare_with_torch_func(lambda x: torch.abs(x + 0.05) * x, (randn(3, dtype=dtype),), order=2)
+    compare_with_torch_func(lambda x: torch.sgn(x + 0.05) * x, (randn(3, dtype=dtype),), order=2)
+
+
+def test_complex_construction():
+    x, y = randn(3, 4), randn(3, 4)
+    compare_with_torch_func(lambda a, b: torch.complex(a, b) ** 2, (x, y), order=2)
+    compare_with_torch_func(lambda a, b: torch.complex(a, b[0]), (x, y))
+    compare_with_torch_func(lambda a, b: torch.polar(a.abs() + 0.1, b), (x, y), order=2)
+    compare_with_torch_func(lambda a, b: torch.polar(a.abs()[0] + 0.1, b) * b, (x, y))
+
+
+# -- reductions with keyword dims / keepdim / correction -----------------------------------------
+MOMENTS = [
+    ("var_dims_keep", lambda x: x.var((0, 2), keepdim=True, correction=0)),
+    ("var_correction", lambda x: x.var(1, correction=2)),
+    ("std_all_keep", lambda x: x.std(dim=None, keepdim=True, correction=0)),
+    ("var_mean", lambda x: torch.stack(torch.var_mean(x, 1, keepdim=True))),
+    ("std_mean", lambda x: torch.std_mean(x, (0, 2))[0] * torch.std_mean(x, (0, 2))[1]),
+]
+
+
+@pytest.mark.parametrize("name,f", MOMENTS, ids=[m[0] for m in MOMENTS])
+def test_moments(name, f):
+    compare_with_torch_func(f, (randn(2, 3, 4),), order=2)
+
+
+# -- advanced indexing: None entries, index_put ----------------------------------------------------
+INDEXING = [
+    ("ellipsis", lambda x: x[..., torch.tensor([3, 0])]),
+    ("two_tensors_slice_between", lambda x: x[torch.tensor([1, 0]), :, torch.tensor([0, 2])]),
+    ("slice_then_two", lambda x: x[:, torch.tensor([2, 0, 2]), torch.tensor([1, 1, 3])]),
+]
+
+
+@pytest.mark.parametrize("name,f", INDEXING, ids=[i[0] for i in INDEXING])
+def test_indexing_with_none_entries(name, f):
+    compare_with_torch_func(f, (randn(2, 3, 4),), order=2)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_index_put(accumulate):
+    rows, idx = torch.tensor([1, 0]), torch.tensor([2, 0, 3])
+    compare_with_torch_func(
+        lambda x, v: torch.index_put(x, (rows,), v, accumulate=accumulate),
+        (randn(3, 4), randn(2, 4)),
+        order=2,
+    )
+    compare_with_torch_func(  # broadcast values; duplicates only with accumulate
+        lambda x, v: torch.index_put(x, (torch.tensor([1, 0, 1]),), v, accumulate=True),
+        (randn(3, 4), randn(4)),
+    )
+
+    def setitem(x, v):
+        z = x.clone()
+        z[:, idx] = v
+        return z
+
+    compare_with_torch_func(setitem, (randn(2, 4), randn(2, 3)), order=2)
+
+
+# -- where / movedim / masked_fill / clamp with tensor bounds / ties -------------------------------
+def test_selection_ops():
+    x, y = randn(3, 4), randn(3, 4)
+    lo, hi = randn(3, 4) - 1, randn(3, 4) + 1
+    z = randn(3, 4, dtype=torch.complex128)
+    compare_with_torch_func(lambda a, b: torch.where(a > 0, a[0], b), (x, y), order=2)
+    compare_with_torch_func(lambda a, b: torch.where(a > 0, 2.0, b), (x, y))
+    compare_with_torch_func(lambda a, b: torch.where(a.real > 0, a, b), (z, z * 2))
+    compare_with_torch_func(lambda a: a.reshape(3, 2, 2).movedim((0, 1), (2, 0)), (x,))
+    compare_with_torch_func(lambda a, b: a.masked_fill(b[0] > 0, 3.0), (x, y))
+    compare_with_torch_func(lambda a, b: a.masked_fill(b > 0, b[0, 0]), (x, y))
+    compare_with_torch_func(lambda a, l, h: torch.clamp(a, l, h), (x, lo, hi), order=2)
+    compare_with_torch_func(lambda a, l: torch.clamp(a, min=l), (x, lo))
+    compare_with_torch_func(lambda a, h: torch.clamp(a, max=h), (x, hi))
+
+
+def test_ties_split_like_torch():
+    # at ties the derivative is split / routed exactly as torch does; not smooth, so no check_grads
+    x, y = randn(3, 4), randn(3, 4)
+    ties = torch.where(y > 0, x, y)
+    compare_with_torch_func(torch.maximum, (x, ties), check=False)
+    compare_with_torch_func(torch.minimum, (x, ties), check=False)
+    compare_with_torch_func(
+        lambda a, l: torch.clamp(a, min=l, max=l + 1), (x, x.clone()), check=False
+    )
+    compare_with_torch_func(lambda a: torch.clamp(a.round(), 0, 1), (x,), check=False)
+    compare_with_torch_func(lambda a: a.round().amax(1) + torch.max(a.round()), (x,), check=False)
+
+
+# -- in-place through views (Note [In-place ops and views under jvp and grad]) -------------------
+def _column_add(x, y):
+    z = x.clone()
+    z[:, 1].add_(y[:, 0])
+    return z * 2
+
+
+def _diagonal_zero(x, y):
+    z = x.clone() * y
+    z.diagonal().zero_()
+    return z
+
+
+def _live_view_sees_base_write(x, y):
+    z = x.clone()
+    row = z[1]
+    z.mul_(y)  # row must be regenerated from the new z
+    return row * 2 + z.sum()
+
+
+def _transpose_and_nested_views(x, y):
+    z = x.clone()
+    t = z.t()
+    t[0].mul_(y[0, 0])
+    col = z[:, 0]
+    z.T[1:, :2] += y[:2, :3].T
+    return torch.cat([z.flatten(), col])
+
+
+def _unbind_reshape_unsqueeze(x, y):
+    z = x.clone()
+    v = z.view(-1)
+    v[3:5] = y[0, :2]
+    z.unsqueeze(0)[0, 0, 0] *= 5
+    z.narrow(1, 1, 2).mul_(y[:, :2])
+    return z
+
+
+def _view_of_view(x, y):
+    z = x.clone()
+    w = z[1:]
+    w[:, 1:3].copy_(y[:2, :2])
+    return torch.cat([z.flatten(), w.flatten()])
+
+
+def _unfold_generic(x, y):
+    z = x.clone()
+    z.unfold(1, 2, 2).mul_(y[:, :2, None])  # no scatter rule: the generic index path
+    return z
+
+
+def _real_imag_views(x, y):
+    z = x + 1j * y
+    z.real.mul_(2)
+    z.imag[0].zero_()
+    return torch.view_as_real(z)
+
+
+def _inplace_view_ops(x, y):
+    z = x.clone()
+    z.t_()
+    z[0] = 1.0
+    z.unsqueeze_(0)
+    return z * y.T
+
+
+INPLACE_VIEWS = [
+    _column_add,
+    _diagonal_zero,
+    _live_view_sees_base_write,
+    _transpose_and_nested_views,
+    _unbind_reshape_unsqueeze,
+    _view_of_view,
+    _unfold_generic,
+    _real_imag_views,
+    _inplace_view_ops,
+]
+
+
+@pytest.mark.parametrize("f", INPLACE_VIEWS, ids=[f.__name__.strip("_") for f in INPLACE_VIEWS])
+def test_inplace_through_views(f):
+    compare_with_torch_func(f, (randn(3, 4), randn(3, 4)), order=2)
+
+
+def test_inplace_through_views_composes_with_vmap():
+    xs, ys = randn(5, 3, 4), randn(5, 3, 4)
+
+    def loss(x, y):
+        return (_transpose_and_nested_views(x, y) ** 2).sum()
+
+    torch.testing.assert_close(
+        ft.vmap(ft.grad(loss))(xs, ys), torch.func.vmap(torch.func.grad(loss))(xs, ys)
+    )
+
+
+def test_inplace_unsupported_cases_raise():
+    x = randn(3, 4)
+
+    def expanded(x):
+        z = x[:1].clone().expand(3, 4)
+        z.add_(x)
+        return z
+
+    with pytest.raises(NotImplementedError, match="expanded view"):  # torch refuses it too
+        ft.grad(lambda x: expanded(x).sum())(x)
+
+    def reshape_root_with_views(x):
+        z = x.clone()
+        row = z[0]
+        z.t_()
+        return row.sum() + z.sum()
+
+    with pytest.raises(NotImplementedError, match=r"grad\(.*aten\.t_\.default.*live views"):
+        ft.grad(reshape_root_with_views)(x)
+
+
+# -- writes into plain tensors (Note [Writing into a plain tensor]) --------------------------------
+def test_inplace_into_fresh_buffer_everywhere():
+    idx = torch.tensor([0, 2, 2, 1])
+
+    def scatter(x):  # the return value of the in-place op is used
+        out = torch.zeros(3, dtype=x.dtype).index_add_(0, idx, x.sin())
+        return (out * out).sum()
+
+    def rows(x):
+        buf = torch.zeros(2, 4, dtype=x.dtype)
+        r = buf.add_(x)
+        r[0] = 2 * x
+        buf[1] = buf[1] * 2 + x.exp()
+        return (buf**2).sum() + r.sum()
+
+    x, xs = randn(4), randn(5, 4)
+    for f in (scatter, rows):
+        compare_with_torch_func(f, (x,), order=2)
+        torch.testing.assert_close(ft.jacrev(f)(x), torch.func.jacrev(f)(x))
+        torch.testing.assert_close(ft.hessian(f)(x), torch.func.hessian(f)(x))
+        # torch.func refuses vmap of a write into an unbatched buffer; we batch it
+        expected = torch.stack([torch.func.grad(f)(x) for x in xs])
+        torch.testing.assert_close(ft.vmap(ft.grad(f))(xs), expected)
+
+
+def test_inplace_into_captured_tensor():
+    # like eager execution: the captured tensor ends with the primal values, derivatives flow
+    x = randn(4)
+    cap = torch.zeros(4, dtype=x.dtype)
+    mem = cap.data_ptr()
+
+    def f(x):
+        cap.add_(x)
+        return (cap * x).sum()
+
+    torch.testing.assert_close(ft.grad(f)(x), 2 * x)
+    assert type(cap) is torch.Tensor and cap.data_ptr() == mem
+    torch.testing.assert_close(cap, x)
+
+
+def test_inplace_into_untrackable_tensor_raises():
+    from functransforms.errors import InplaceError
+
+    x = randn(4)
+    tracked = torch.zeros(4, dtype=x.dtype, requires_grad=True) * 1  # torch.autograd's
+    with pytest.raises(InplaceError, match=r"grad\(.*aten\.add_\.Tensor.*requires grad"):
+        ft.grad(lambda x: tracked.add_(x).sum())(x)
+    base = torch.zeros(2, 4, dtype=x.dtype)
+    alias = base[0]  # a second view keeps the memory shared: not promotable
+    with pytest.raises(InplaceError, match="other tensors share its memory"):
+        ft.jvp(lambda x: base[1].copy_(x), (x,), (x,))
+    del alias
+
+
+# -- names in errors --------------------------------------------------------------------------
+def test_op_names_keep_their_namespace():
+    from functransforms._ops import op_name
+
+    assert op_name(torch.ops.prims.abs.default) == "prims.abs.default"
+    assert op_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
+
+
+@pytest.mark.parametrize(
+    "call,transform",
+    [
+        ("grad(", lambda f, x: ft.grad(lambda x: f(x).sum())(x)),
+        ("vjp(", lambda f, x: ft.vjp(f, x)),
+        ("jacrev(", lambda f, x: ft.jacrev(f)(x)),
+        ("jacfwd(", lambda f, x: ft.jacfwd(f)(x)),
+        ("hessian(", lambda f, x: ft.hessian(lambda x: f(x).sum())(x)),
+        ("jvp(", lambda f, x: ft.jvp(f, (x,), (x,))),
+    ],
+    ids=["grad", "vjp", "jacrev", "jacfwd", "hessian", "jvp"],
+)
+def test_missing_rule_names_the_public_call(call, transform):
+    # special_i0e decomposes into prims.bessel_i0e, which has no rule: both are named
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"^{re.escape(call)}.*aten\.special_i0e\.default.*prims\.bessel_i0e\.default",
+    ):
+        transform(torch.special.i0e, randn(3))
+
+
+def test_scatter_family_and_selecting_reductions():
+    idx = torch.tensor([[0, 2, 2, 1], [1, 1, 0, 0]])
+    uidx = torch.tensor([[0, 2], [1, 0]])
+    compare_with_torch_func(
+        lambda x, s: x.scatter_add(1, idx, s), (randn(2, 3), randn(2, 4)), order=2
+    )
+    compare_with_torch_func(lambda x, s: x.scatter(1, uidx, s), (randn(2, 3), randn(2, 2)), order=2)
+    compare_with_torch_func(lambda x: x.scatter(1, uidx, 2.5), (randn(2, 3),), order=2)
+    compare_with_torch_func(lambda x: torch.gather(x, 1, idx), (randn(2, 5),), order=2)
+    ties = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]], dtype=torch.float64)
+    for f in (lambda x: torch.max(x, 1)[0], lambda x: torch.min(x, 0, keepdim=True)[0]):
+        compare_with_torch_func(f, (ties,), check=False)  # the returned index gets it all
+        compare_with_torch_func(f, (randn(2, 3, 4),), order=2)
+
+
+def test_lazy_conj_op_outputs_are_materialized():
+    # an op may return a lazily conjugated result (complex right solve); grad must not keep it
+    A = randn(3, 3, dtype=torch.complex128) + 3 * torch.eye(3, dtype=torch.complex128)
+    B = randn(2, 3, dtype=torch.complex128)
+
+    def f(A):
+        return (2 * torch.linalg.solve(A, B, left=False)).imag.sum()
+
+    torch.testing.assert_close(ft.grad(f)(A), torch.func.grad(f)(A))
