@@ -441,6 +441,14 @@ class InplaceMixin:
             self._add_view(root, obj, (step,))
         self._promoted.append((obj, holder, view_of is None))
 
+    def __exit__(self, *exc):
+        try:
+            if self._promoted:
+                self._demote()
+        finally:
+            super().__exit__(*exc)
+        return False
+
     def _demote(self):
         """Give every promoted tensor its final value back as a plain tensor (on level exit)."""
         promoted, self._promoted = self._promoted, None

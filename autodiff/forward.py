@@ -97,11 +97,3 @@ class JvpInterpreter(InplaceMixin, Interpreter):
 
     def _constant(self, primal):
         return wrap_dual(primal, torch.zeros_like(primal), self)
-
-    def __exit__(self, *exc):
-        try:
-            if self._promoted:
-                self._demote()
-        finally:
-            super().__exit__(*exc)
-        return False

@@ -146,14 +146,6 @@ class GradInterpreter(InplaceMixin, Interpreter):
     def _constant(self, primal):
         return wrap_grad(primal, Leaf(), 0, self)
 
-    def __exit__(self, *exc):
-        try:
-            if self._promoted:
-                self._demote()
-        finally:
-            super().__exit__(*exc)
-        return False
-
 
 NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no derivative
 
