@@ -141,15 +141,13 @@ def def_linalg(op, jvp, vjp):
 
     def linalg_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
-        if multi:  # complex _linalg_solve_ex(left=False) returns a lazy conj: materialize
-            out = type(out)(_resolved(o) for o in out)
         if all(t is None for t in tangents):
             return out, None
         dots = list(tangents) + [None] * (len(names) - len(tangents))
         t = jvp(out, dots, *bind(primals, kwargs))
         if multi:
-            return out, tuple(_resolved(x) for x in t) + (None,) * (len(out) - len(t))
-        return out, _resolved(t)
+            return out, tuple(t) + (None,) * (len(out) - len(t))
+        return out, t
 
     def linalg_vjp_rule(bars, primals, kwargs, out, needs):
         if not multi:
@@ -161,14 +159,6 @@ def def_linalg(op, jvp, vjp):
 
     register_jvp_rule(op)(linalg_jvp_rule)
     register_vjp_rule(op)(linalg_vjp_rule)
-
-
-def _resolved(t):
-    """``t`` without a lazy conj/neg bit, which a wrapper must not hold
-    (Note [No lazy conjugate inside wrappers], autodiff/views.py)."""
-    if isinstance(t, torch.Tensor) and (t.is_conj() or t.is_neg()):
-        return t.resolve_conj().resolve_neg()
-    return t
 
 
 _MASKS: dict = {}

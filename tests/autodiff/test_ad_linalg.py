@@ -136,28 +136,10 @@ SOLVE_SHAPES = [
     pytest.param((3, 3), (2, 3, 2), True, id="broadcast-A"),
     pytest.param((2, 3, 3), (2, 2, 3), False, id="right"),
 ]
-_WRAPPED_CONJ_BUG = (
-    "core (autodiff/reverse.py): GradInterpreter wraps an op output that carries a lazy conj "
-    "bit (aten._linalg_solve_ex(left=False) of complex inputs returns one); ops on it under "
-    "grad then ignore the bit, so values and gradients are wrong"
-)
-SOLVE_SHAPES_C128 = [
-    pytest.param(
-        *p.values,
-        id=p.id,
-        marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_WRAPPED_CONJ_BUG),
-    )
-    if p.id == "right"
-    else p
-    for p in SOLVE_SHAPES
-]
 
 
-@pytest.mark.parametrize(
-    "dtype,ashape,bshape,left",
-    [pytest.param(F64, *p.values, id=f"{p.id}-f64") for p in SOLVE_SHAPES]
-    + [pytest.param(C128, *p.values, id=f"{p.id}-c128", marks=p.marks) for p in SOLVE_SHAPES_C128],
-)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ashape,bshape,left", SOLVE_SHAPES)
 def test_solve(dtype, ashape, bshape, left):
     A = wellcond(*ashape[:-2], n=3, dtype=dtype)
     B = _randn(*bshape, dtype=dtype, seed=1)
@@ -391,13 +373,8 @@ def test_fft_with_n_pads_and_crops(dtype):
         check_all(lambda x: torch.fft.rfft(x, n=9), (x,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="autodiff/reductions.py: max.dim/min.dim split the derivative evenly between ties; "
-    "torch (and our sort/topk/median.dim rules) send it to the returned index",
-)
 def test_max_dim_ties_follow_the_returned_index():
+    """As sort/topk/median.dim here: the derivative goes to the returned index, as in torch."""
     x = torch.tensor([[1.0, 3.0, 3.0]], dtype=F64)
     close(
         ft.grad(lambda x: torch.max(x, 1)[0].sum())(x),
@@ -405,20 +382,15 @@ def test_max_dim_ties_follow_the_returned_index():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="aten.scatter_add.default has no jvp/vjp rule (autodiff/views.py), so the vjp of a "
-    "non-permuting selection (topk, kthvalue, median.dim; and gather) cannot be differentiated",
-)
 def test_topk_second_order():
+    """The vjp of a non-permuting selection scatters (scatter_add), itself differentiable."""
     x = _x(2, 5)
     check_all(lambda x: torch.topk(x, 2)[0] ** 2, (x,), second=True)
 
 
 def test_jvp_of_complex_right_solve_has_no_lazy_conj():
-    """_linalg_solve_ex(left=False) returns a lazily conjugated result for complex inputs; our
-    jvp rule materializes it, so values computed from it under jvp are right."""
+    """_linalg_solve_ex(left=False) returns a lazily conjugated result for complex inputs (and
+    so does its tangent, a right solve); values computed from them under jvp are right."""
     A, B = wellcond(n=3, dtype=C128), _randn(2, 3, dtype=C128, seed=1)
 
     def f(A):
@@ -427,8 +399,8 @@ def test_jvp_of_complex_right_solve_has_no_lazy_conj():
     close(ft.jvp(f, (A,), (A,)), tf.jvp(f, (A,), (A,)))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_WRAPPED_CONJ_BUG)
 def test_grad_of_complex_right_solve_value():
+    """The same lazily conjugated result under grad (materialized by the core on wrapping)."""
     A, B = wellcond(n=3, dtype=C128), _randn(2, 3, dtype=C128, seed=1)
 
     def f(A):
