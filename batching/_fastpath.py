@@ -105,7 +105,14 @@ def _build_table():
     return table
 
 
-POINTWISE_FUNCS = _build_table()
+# Filled on the first vmap call (ensure_table): scanning torch's namespaces costs tens of
+# milliseconds, which users of grad or linalg alone should not pay at import.
+POINTWISE_FUNCS: dict = {}
+
+
+def ensure_table():
+    if not POINTWISE_FUNCS:
+        POINTWISE_FUNCS.update(_build_table())
 
 
 _NUMBERS = frozenset((int, float, bool, complex))

@@ -11,7 +11,7 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
 
-from ._fastpath import POINTWISE_FUNCS, pointwise_fast
+from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
 from ._registry import VMAP_RULES
 
 _no_torch_function = torch._C._disabled_torch_function_impl
@@ -74,6 +74,7 @@ class VmapInterpreter(Interpreter):
 
     def __init__(self, batch_size: int, randomness: str, call: str = "vmap(f)"):
         super().__init__()
+        ensure_table()
         self.batch_size = batch_size
         self.randomness = randomness
         self.call = call
