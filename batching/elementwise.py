@@ -67,6 +67,16 @@ for _op in (
     register_vmap_rule(_op)(_same_bdim_rule(_op))
 
 
+@register_vmap_rule(aten.copy.default)
+def copy_vmap_rule(interp, args, bdims, kwargs):
+    """copy(self, src): src broadcast to self's shape, in self's dtype (functional copy_)."""
+    self_, src = args[0], args[1]
+    n = max(self_.dim() - (bdims[0] is not None), src.dim() - (bdims[1] is not None))
+    dst = pad_to(expand_front(self_, bdims[0], interp.batch_size), n)
+    s = src if bdims[1] is None else pad_to(to_front(src, bdims[1]), n)
+    return aten.copy.default(dst, s, *args[2:], **kwargs), 0
+
+
 @register_vmap_rule(aten.copy_.default)
 def copy__vmap_rule(interp, args, bdims, kwargs):
     """copy_(self, src): broadcast src into the (batched) self."""
