@@ -403,6 +403,13 @@ class InplaceMixin:
                 known = 1 if root is target else 2
                 if torch._C._storage_Use_Count(root.untyped_storage()._cdata) != known + 1:
                     why = "other tensors share its memory (views or aliases of it are alive)"
+                elif root._use_count() > (3 if root is target else 2):
+                    # Note [Buffers held by kernels]: the TensorImpl is referenced from C++
+                    # beyond its Python object and this op's arguments: a composite kernel
+                    # (hinge_embedding_loss: `(margin - x).clamp_min_(0)`) made the buffer and
+                    # keeps using it in C++, where a promoted wrapper is invisible; promoting
+                    # would silently drop the derivative (and the value) on that path.
+                    why = "a torch kernel holds it (a composite op writing into its own buffer)"
         if why is not None:
             raise InplaceError(
                 f"{self.call}: {name} writes a value that carries derivatives in place into a "

@@ -20,6 +20,14 @@ def _conj(d):
     return d.conjugate() if isinstance(d, complex) else d
 
 
+def _logit_deriv(x, o, eps=None):
+    d = (x * (1 - x)).reciprocal()
+    if eps is None:
+        return d
+    # logit clamps x to [eps, 1 - eps] first: zero derivative outside (torch's convention)
+    return torch.where((x < eps) | (x > 1 - eps), torch.zeros_like(d), d)
+
+
 def def_unary(op, deriv):
     """``op(x, *params)`` with d/dx op = ``deriv(x, out, *params)``."""
 
@@ -190,7 +198,7 @@ for _op, _d in (
     (aten.neg.default, lambda x, o: -torch.ones_like(x)),
     (aten.abs.default, _abs_deriv),
     (aten.angle.default, _angle_deriv),
-    (aten.logit.default, lambda x, o, eps=None: (x * (1 - x)).reciprocal()),
+    (aten.logit.default, _logit_deriv),
     (
         aten.sinc.default,
         lambda x, o: torch.where(x == 0, torch.zeros_like(x), (torch.cos(math.pi * x) - o) / x),

@@ -62,6 +62,10 @@ def_bilinear(
 )
 
 
+def _conj_scalar(c):
+    return c.conjugate() if isinstance(c, complex) else c
+
+
 def def_add_product(op, product, vjp_a, vjp_b):
     """``op(bias, a, b, beta, alpha) = beta * bias + alpha * product(a, b)``."""
 
@@ -84,7 +88,8 @@ def def_add_product(op, product, vjp_a, vjp_b):
 
     def add_product_vjp_rule(ct, primals, kwargs, out, needs):
         bias, a, b = primals[0], primals[1], primals[2]
-        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        # the vjp multiplies by the conjugate of each (possibly complex) scalar
+        beta, alpha = _conj_scalar(kwargs.get("beta", 1)), _conj_scalar(kwargs.get("alpha", 1))
         ca = ct if alpha == 1 else ct * alpha
         return (
             unbroadcast(ct if beta == 1 else ct * beta, bias.shape)

@@ -615,3 +615,17 @@ def test_lazy_conj_op_outputs_are_materialized():
         return (2 * torch.linalg.solve(A, B, left=False)).imag.sum()
 
     torch.testing.assert_close(ft.grad(f)(A), torch.func.grad(f)(A))
+
+
+def test_composite_kernel_writing_into_its_own_buffer_raises_instead_of_dropping_derivatives():
+    """Note [Buffers held by kernels]: hinge_embedding_loss's C++ kernel fills a fresh buffer in
+    place and keeps using it in C++, where a promoted wrapper is invisible; promoting it gave a
+    wrong value and tangent. Until the op has a rule of its own, it must raise."""
+    import torch.nn.functional as F
+
+    x = torch.tensor([0.3, -0.2, 1.5], dtype=torch.float64)
+    t = torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64)
+    f = lambda x: F.hinge_embedding_loss(x, t, margin=0.5, reduction="none")  # noqa: E731
+    for call in (lambda: ft.jvp(f, (x,), (x,)), lambda: ft.vjp(f, x)):
+        with pytest.raises(ft.errors.InplaceError, match="a torch kernel holds it"):
+            call()
