@@ -629,3 +629,17 @@ def test_composite_kernel_writing_into_its_own_buffer_raises_instead_of_dropping
     for call in (lambda: ft.jvp(f, (x,), (x,)), lambda: ft.vjp(f, x)):
         with pytest.raises(ft.errors.InplaceError, match="a torch kernel holds it"):
             call()
+
+
+def test_add_product_with_complex_scalars():
+    M, a, b = (randn(3, 3, dtype=torch.complex128) for _ in range(3))
+    compare_with_torch_func(lambda M, a, b: torch.addmm(M, a, b, alpha=2 + 3j, beta=1 - 2j), (M, a, b))
+    M, a, b = (randn(2, 3, 3, dtype=torch.complex128) for _ in range(3))
+    compare_with_torch_func(
+        lambda M, a, b: torch.baddbmm(M, a, b, alpha=0.5j, beta=2 + 1j), (M, a, b)
+    )
+
+
+def test_logit_with_eps_has_zero_derivative_where_clamped():
+    x = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.99], dtype=torch.float64)
+    compare_with_torch_func(lambda x: torch.logit(x, eps=0.2), (x,))
