@@ -130,14 +130,19 @@ def _var_weight(x, o, dim, primals, kwargs, std=False):
 def _norm_weight(x, o, dim, primals, kwargs):
     """d ||x||_p / dx = sgn(x) |x|^(p-1) / ||x||^(p-1); p = 2 gives x / ||x||."""
     p = primals[1] if len(primals) > 1 else 2
+    if p == 0:  # piecewise constant
+        return torch.zeros_like(x)
+    # at a zero norm torch picks the zero subgradient: divide by 1 there (x is 0 too)
+    safe = torch.where(o == 0, torch.ones_like(o), o)
     if p == 2:
         return (
-            torch.conj_physical(x / o) if x.is_complex() else x / o
+            torch.conj_physical(x / safe) if x.is_complex() else x / safe
         )  # Note [No lazy conjugate inside wrappers]
     s = torch.conj_physical(x.sgn()) if x.is_complex() else x.sgn()  # d|z| = Re(conj(sgn z) dz)
     if p == float("inf") or p == -float("inf"):
         return _argext_weight(x.abs(), o, dim, primals, kwargs) * s
-    return s * x.abs().pow(p - 1) / o.pow(p - 1)
+    w = s * x.abs().pow(p - 1) / safe.pow(p - 1)
+    return torch.where((o == 0) | (x == 0), torch.zeros_like(w), w)  # |0|^(p-1) is inf for p < 1
 
 
 def_weighted(aten.amax.default, _argext_weight)

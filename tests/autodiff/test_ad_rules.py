@@ -633,7 +633,9 @@ def test_composite_kernel_writing_into_its_own_buffer_raises_instead_of_dropping
 
 def test_add_product_with_complex_scalars():
     M, a, b = (randn(3, 3, dtype=torch.complex128) for _ in range(3))
-    compare_with_torch_func(lambda M, a, b: torch.addmm(M, a, b, alpha=2 + 3j, beta=1 - 2j), (M, a, b))
+    compare_with_torch_func(
+        lambda M, a, b: torch.addmm(M, a, b, alpha=2 + 3j, beta=1 - 2j), (M, a, b)
+    )
     M, a, b = (randn(2, 3, 3, dtype=torch.complex128) for _ in range(3))
     compare_with_torch_func(
         lambda M, a, b: torch.baddbmm(M, a, b, alpha=0.5j, beta=2 + 1j), (M, a, b)
@@ -643,3 +645,13 @@ def test_add_product_with_complex_scalars():
 def test_logit_with_eps_has_zero_derivative_where_clamped():
     x = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.99], dtype=torch.float64)
     compare_with_torch_func(lambda x: torch.logit(x, eps=0.2), (x,))
+
+
+@pytest.mark.parametrize("p", [0, 0.5, 1, 2, 3, float("inf")])
+def test_vector_norm_subgradients_at_zero_match_torch(p):
+    for x in (
+        torch.zeros(4, dtype=torch.float64),
+        torch.tensor([0.0, 1.0, -2.0, 0.0], dtype=torch.float64),
+    ):
+        # nondifferentiable points: torch.func is the reference, not finite differences
+        compare_with_torch_func(lambda x: torch.linalg.vector_norm(x, p), (x,), check=False)
