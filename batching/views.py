@@ -252,3 +252,21 @@ def constant_pad_nd_vmap_rule(interp, args, bdims, kwargs):
             f"Pad length is {len(pad)} while the input has {n} dimensions."
         )
     return aten.constant_pad_nd.default(to_front(x, bdims[0]), pad, *args[2:], **kwargs), 0
+
+
+# mT / mH / adjoint are composite, but arrive whole when a rule of an outer level calls them
+def _matrix_transpose(conj):
+    def matrix_transpose_vmap_rule(interp, args, bdims, kwargs):
+        x, n = _front(args, bdims)
+        if n < 2:
+            raise RuntimeError(
+                f"tensor.mT/mH is only supported on matrices or batches of matrices. Got {n}-D tensor."
+            )
+        t = x.transpose(-2, -1)
+        return (t.conj() if conj and t.is_complex() else t), 0
+
+    return matrix_transpose_vmap_rule
+
+
+register_vmap_rule(aten.mT.default)(_matrix_transpose(False))
+register_vmap_rule(aten.mH.default, aten.adjoint.default)(_matrix_transpose(True))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from functransforms._core import TransformTensor
+
 from ._base import _PROPERTY_NAMES as _PROPS
 from ._base import LinearOperator, broadcast_batch, dense_cholesky, prod
 from ._composite import ProductOperator
@@ -25,6 +27,7 @@ from ._dense import (
     ScaledIdentityOperator,
     _scaled_props,
     _transposed_props,
+    pd_half_logdet,
 )
 
 
@@ -226,14 +229,20 @@ class KroneckerOperator(LinearOperator):
         return sign, logabs
 
     def _logdet_pd(self, scale=1):
-        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i). Dense factors with one coefficient share
-        # one log and one sum over their concatenated Cholesky diagonals (fewer tiny ops).
+        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i); dense factors through pd_half_logdet,
+        # whose derivative is one inverse (Note [Differentiating log det]).
         N = self._shape[-1]
+        traced = any(isinstance(f.A, TransformTensor) for f in self.factors if hasattr(f, "A"))
         diags: dict = {}
         out = None
         for f in self.factors:
             c = scale * (N // f._shape[-1])
             if type(f) is DenseOperator and f.positive_definite:
+                if traced:
+                    term = (2 * c) * pd_half_logdet(f.A)
+                    out = term if out is None else out + term
+                    continue
+                # untransformed: factors with one coefficient share one log and one sum
                 d = dense_cholesky(f.A, f).diagonal(0, -2, -1)
                 diags.setdefault(2 * c, []).append(d.real if d.is_complex() else d)
             else:

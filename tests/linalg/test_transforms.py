@@ -259,3 +259,41 @@ def test_jacobians_through_structured_solve(impl, transform):
     J = jac(structured, argnums=(0, 1))(params, b)
     E = torch.func.jacrev(dense, argnums=(0, 1))(params, b)
     close(J, E)
+
+
+def test_pd_logdet_derivatives_are_one_inverse_and_compose():
+    """Note [Differentiating log det]: the Kronecker logdet's derivative goes through
+    pd_half_logdet (vjp ½ ct A^-1, jvp ½ tr(A^-1 dA)); second order, forward mode and vmap of
+    grad must still match torch.func on the same (Cholesky-based) computation."""
+    import functransforms as ft
+    import functransforms.linalg as L
+
+    g = torch.Generator().manual_seed(0)
+
+    def spd(n, dtype=torch.float64):
+        M = torch.randn(n, n, generator=g, dtype=dtype)
+        return M @ M.mH / n + torch.eye(n, dtype=dtype)
+
+    A, B = spd(3), spd(4)
+    ours = lambda A, B: torch.logdet(L.KroneckerOperator(A, B, positive_definite=True))  # noqa: E731
+    chol = lambda A, B: (
+        8 * torch.linalg.cholesky(A).diagonal().log().sum()
+        + 6 * torch.linalg.cholesky(B).diagonal().log().sum()
+    )  # noqa: E731
+    close(ft.grad(ours, argnums=(0, 1))(A, B), torch.func.grad(chol, argnums=(0, 1))(A, B))
+    close(ft.hessian(ours)(A, B), torch.func.hessian(chol)(A, B))
+    close(
+        ft.jvp(ours, (A, B), (B[:3, :3], A.sum() * B))[1],
+        torch.func.jvp(chol, (A, B), (B[:3, :3], A.sum() * B))[1],
+    )
+    As = torch.stack([spd(3) for _ in range(5)])
+    close(
+        ft.vmap(ft.grad(ours), in_dims=(0, None))(As, B),
+        torch.func.vmap(torch.func.grad(chol), in_dims=(0, None))(As, B),
+    )
+    C = spd(3, torch.complex128)
+    Bc = B.to(torch.complex128)
+    close(
+        ft.grad(lambda A: torch.logdet(L.KroneckerOperator(A, Bc, positive_definite=True)).real)(C),
+        torch.func.grad(lambda A: torch.logdet(torch.kron(A, Bc)).real)(C),
+    )
