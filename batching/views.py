@@ -260,7 +260,8 @@ def _matrix_transpose(conj):
         x, n = _front(args, bdims)
         if n < 2:
             raise RuntimeError(
-                f"tensor.mT/mH is only supported on matrices or batches of matrices. Got {n}-D tensor."
+                "tensor.mT/mH is only supported on matrices or batches of matrices. "
+                f"Got {n}-D tensor."
             )
         t = x.transpose(-2, -1)
         return (t.conj() if conj and t.is_complex() else t), 0

@@ -265,8 +265,9 @@ def test_pd_logdet_derivatives_are_one_inverse_and_compose():
     """Note [Differentiating log det]: the Kronecker logdet's derivative goes through
     pd_half_logdet (vjp ½ ct A^-1, jvp ½ tr(A^-1 dA)); second order, forward mode and vmap of
     grad must still match torch.func on the same (Cholesky-based) computation."""
-    import functransforms as ft
     import functransforms.linalg as L
+
+    import functransforms as ft
 
     g = torch.Generator().manual_seed(0)
 
