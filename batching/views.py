@@ -271,3 +271,17 @@ def _matrix_transpose(conj):
 
 register_vmap_rule(aten.mT.default)(_matrix_transpose(False))
 register_vmap_rule(aten.mH.default, aten.adjoint.default)(_matrix_transpose(True))
+
+
+@register_vmap_rule(aten.as_strided_scatter.default)
+def as_strided_scatter_vmap_rule(interp, args, bdims, kwargs):
+    """as_strided_scatter(x, src, size, stride, offset): per example, src goes into a
+    contiguous copy of x at positions relative to that copy's start (as in a loop)."""
+    B = interp.batch_size
+    out = expand_front(args[0], bdims[0], B).clone(memory_format=torch.contiguous_format)
+    src = expand_front(args[1], bdims[1], B)
+    size, stride = args[2], args[3]
+    offset = args[4] if len(args) > 4 and args[4] is not None else kwargs.get("storage_offset")
+    per_example = out[0].numel() if B else 0
+    out.as_strided((B, *size), (per_example, *stride), offset or 0).copy_(src)
+    return out, 0

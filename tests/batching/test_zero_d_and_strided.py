@@ -57,3 +57,21 @@ def test_as_strided_is_relative_to_each_example(f, in_dim):
     torch.testing.assert_close(ft.vmap(f, in_dims=in_dim)(y), torch.func.vmap(f, in_dims=in_dim)(y))
     if in_dim == 0:  # contiguous examples: the same as a loop over fresh (compact) copies
         torch.testing.assert_close(ft.vmap(f)(y), torch.stack([f(v.clone()) for v in y]))
+
+
+@pytest.mark.parametrize(
+    "size,stride,offset,in_dims",
+    [((2, 2), (1, 2), 0, (0, 0)), ((2,), (2,), 1, (1, None)), ((), (), 0, (0, 0))],
+)
+def test_as_strided_scatter_is_relative_to_each_example(size, stride, offset, in_dims):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, generator=g)
+    src = torch.randn((3, *size) if in_dims[1] == 0 else size, generator=g)
+    xin = x if in_dims[0] == 0 else x.T.contiguous()
+
+    def f(a, s):
+        return torch.as_strided_scatter(a, s, size, stride, offset)
+
+    srcs = src if in_dims[1] == 0 else [src] * 3
+    expected = torch.stack([f(a.clone(), s) for a, s in zip(x, srcs)])  # fresh examples
+    torch.testing.assert_close(ft.vmap(f, in_dims=in_dims)(xin, src), expected)
