@@ -27,6 +27,27 @@ def softmax_vjp_rule(ct, primals, kwargs, out, needs):
     return y * (ct - (ct * y).sum(dim, keepdim=True)), None, None
 
 
+@register_jvp_rule(aten._safe_softmax.default)
+def safe_softmax_jvp_rule(primals, tangents, kwargs):
+    """softmax whose fully masked (all -inf) rows are 0, not NaN: the same formula with the
+    op's own output (0 there), so no NaN reaches the derivative."""
+    dim = primals[1]
+    y = aten._safe_softmax.default(*primals, **kwargs)
+    t = tangents[0]
+    if t is None:
+        return y, None
+    t = t.to(y.dtype)
+    return y, y * (t - (t * y).sum(dim, keepdim=True))
+
+
+@register_vjp_rule(aten._safe_softmax.default)
+def safe_softmax_vjp_rule(ct, primals, kwargs, out, needs):
+    dim = primals[1]
+    y = out.conj() if out.is_complex() else out
+    g = y * (ct - (ct * y).sum(dim, keepdim=True))
+    return (g.to(primals[0].dtype),) + (None,) * (len(primals) - 1)
+
+
 @register_jvp_rule(aten._log_softmax.default)
 def log_softmax_jvp_rule(primals, tangents, kwargs):
     """d log_softmax = t - <t, softmax>"""

@@ -655,3 +655,9 @@ def test_vector_norm_subgradients_at_zero_match_torch(p):
     ):
         # nondifferentiable points: torch.func is the reference, not finite differences
         compare_with_torch_func(lambda x: torch.linalg.vector_norm(x, p), (x,), check=False)
+
+
+def test_safe_softmax_fully_masked_rows_have_zero_derivative():
+    x = randn(2, 3)
+    x[0] = float("-inf")
+    compare_with_torch_func(lambda x: torch.ops.aten._safe_softmax.default(x, 1), (x,), check=False)
