@@ -522,3 +522,23 @@ def _svd_vjp(bars, out, needs, A, full_matrices, compute_uv, driver):
 
 
 def_linalg(aten._linalg_svd.default, _svd_jvp, _svd_vjp)
+
+
+# cholesky_inverse: X = (L L^H)^-1 (or (U^H U)^-1). dX = -X dA X with dA = dL L^H + L dL^H;
+# bar A = -X bar X X (X is Hermitian), and A = L L^H gives bar L = (bar A + bar A^H) L
+# (bar U = U (bar A + bar A^H) for the upper factor).
+def _cholesky_inverse_jvp(out, dots, L, upper):
+    X, dL = out, dots[0]
+    dL = dL * _mask(dL, "triu" if upper else "tril")  # the kernel reads one triangle only
+    dA = _H(dL) @ L + _H(L) @ dL if upper else dL @ _H(L) + L @ _H(dL)
+    return -(X @ dA @ X)
+
+
+def _cholesky_inverse_vjp(bars, out, needs, L, upper):
+    X, G = out, bars[0]
+    gA = -(X @ G @ X)
+    sym = gA + _H(gA)
+    return (L @ sym if upper else sym @ L,)
+
+
+def_linalg(aten.cholesky_inverse.default, _cholesky_inverse_jvp, _cholesky_inverse_vjp)

