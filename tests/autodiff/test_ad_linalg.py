@@ -418,16 +418,11 @@ def test_cholesky_inverse(upper, dtype):
     f = lambda L: torch.cholesky_inverse(L, upper=upper)  # noqa: E731
     c = torch.randn(2, 4, 4, generator=g, dtype=dtype)
     torch.testing.assert_close(ft.vjp(f, L)[1](c), torch.func.vjp(f, L)[1](c))
-    # the kernel reads one triangle: for a real tangent in that triangle torch.func agrees; for
-    # a full or complex tangent torch.func's jvp (not ours) disagrees with finite differences
+    # jvp against finite differences, in the triangle the kernel reads and outside it:
+    # torch.func's jvp of cholesky_inverse (torch 2.13) disagrees with finite differences
     t = torch.randn(2, 4, 4, generator=g, dtype=dtype)
     if dtype.is_complex:  # a Cholesky factor's diagonal is real, and LAPACK reads it so
         t = t - 1j * torch.diag_embed(t.diagonal(0, -2, -1).imag)
-    t_tri = t.triu() if upper else t.tril()
-    if not dtype.is_complex:  # torch.func's complex jvp disagrees with finite differences
-        torch.testing.assert_close(
-            ft.jvp(f, (L,), (t_tri,))[1], torch.func.jvp(f, (L,), (t_tri,))[1]
-        )
     eps = 1e-6
     fd = (f(L + eps * t) - f(L - eps * t)) / (2 * eps)
     torch.testing.assert_close(ft.jvp(f, (L,), (t,))[1], fd, atol=1e-6, rtol=1e-5)
