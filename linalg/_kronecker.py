@@ -18,7 +18,7 @@ import torch
 from functransforms._core import TransformTensor
 
 from ._base import _PROPERTY_NAMES as _PROPS
-from ._base import LinearOperator, broadcast_batch, dense_cholesky, prod
+from ._base import LinearOperator, broadcast_batch, prod
 from ._composite import ProductOperator
 from ._dense import (
     DenseOperator,
@@ -27,7 +27,8 @@ from ._dense import (
     ScaledIdentityOperator,
     _scaled_props,
     _transposed_props,
-    pd_half_logdet,
+    pd_logdet_sum,
+    weighted_logdet,
 )
 
 
@@ -229,30 +230,23 @@ class KroneckerOperator(LinearOperator):
         return sign, logabs
 
     def _logdet_pd(self, scale=1):
-        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i); dense factors through pd_half_logdet,
-        # whose derivative is one inverse (Note [Differentiating log det]).
+        # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i): the dense PD factors in one weighted
+        # sum (Note [Differentiating log det]), the others by their own structure.
         N = self._shape[-1]
-        traced = any(isinstance(f.A, TransformTensor) for f in self.factors if hasattr(f, "A"))
-        diags: dict = {}
-        out = None
+        weights, mats, out = [], [], None
         for f in self.factors:
             c = scale * (N // f._shape[-1])
             if type(f) is DenseOperator and f.positive_definite:
-                if traced:
-                    term = (2 * c) * pd_half_logdet(f.A)
-                    out = term if out is None else out + term
-                    continue
-                # untransformed: factors with one coefficient share one log and one sum
-                d = dense_cholesky(f.A, f).diagonal(0, -2, -1)
-                diags.setdefault(2 * c, []).append(d.real if d.is_complex() else d)
+                weights.append(c)
+                mats.append(f.A)
             else:
                 term = f._logdet_pd(c)
                 out = term if out is None else out + term
-        for c, ds in diags.items():
-            if len(ds) > 1 and all(d.shape[:-1] == ds[0].shape[:-1] for d in ds):
-                term = c * torch.cat(ds, -1).log().sum(-1)
-            else:
-                term = c * sum(d.log().sum(-1) for d in ds)
+        if mats:
+            if any(isinstance(A, TransformTensor) for A in mats):
+                term = pd_logdet_sum(tuple(weights), *mats)
+            else:  # untransformed: skip the custom function's argument flattening
+                term = weighted_logdet(weights, mats)[0]
             out = term if out is None else out + term
         return out
 
