@@ -263,7 +263,7 @@ def test_jacobians_through_structured_solve(impl, transform):
 
 def test_pd_logdet_derivatives_are_one_inverse_and_compose():
     """Note [Differentiating log det]: the Kronecker logdet's derivative goes through
-    pd_half_logdet (vjp ½ ct A^-1, jvp ½ tr(A^-1 dA)); second order, forward mode and vmap of
+    pd_logdet_sum (vjp w ct A^-1, jvp w tr(A^-1 dA)); second order, forward mode and vmap of
     grad must still match torch.func on the same (Cholesky-based) computation."""
     import functransforms.linalg as L
 
