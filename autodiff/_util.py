@@ -292,6 +292,19 @@ class InplaceMixin:
 
     _replaying = False
     _promoted = None
+    _fresh = None  # plain buffers made at this level by *_like ops (Note [Buffers held by kernels])
+
+    def _note_fresh(self, out):
+        if type(out) is torch.Tensor:
+            if self._fresh is None:
+                self._fresh = {}
+            fresh, key = self._fresh, id(out)
+            # by identity (a WeakSet would compare tensors with ==); gone with the tensor
+            fresh[key] = weakref.ref(out, lambda _, k=key: fresh.pop(k, None))
+
+    def _is_fresh(self, t):
+        r = self._fresh.get(id(t)) if self._fresh is not None else None
+        return r is not None and r() is t
 
     # -- views ---------------------------------------------------------------------------------
     def _note_views(self, func, args, kwargs, out):
@@ -403,12 +416,14 @@ class InplaceMixin:
                 known = 1 if root is target else 2
                 if torch._C._storage_Use_Count(root.untyped_storage()._cdata) != known + 1:
                     why = "other tensors share its memory (views or aliases of it are alive)"
-                elif root._use_count() > (3 if root is target else 2):
-                    # Note [Buffers held by kernels]: the TensorImpl is referenced from C++
-                    # beyond its Python object and this op's arguments: a composite kernel
-                    # (hinge_embedding_loss: `(margin - x).clamp_min_(0)`) made the buffer and
-                    # keeps using it in C++, where a promoted wrapper is invisible; promoting
-                    # would silently drop the derivative (and the value) on that path.
+                elif self._is_fresh(root) and root._use_count() > (3 if root is target else 2):
+                    # Note [Buffers held by kernels]: a buffer made at this level by a *_like
+                    # op from a tracked value, whose TensorImpl is referenced from C++ beyond
+                    # its Python object and this op's arguments: a composite kernel
+                    # (hinge_embedding_loss: `(margin - x).clamp_min_(0)`) made it and keeps
+                    # computing with it in C++, where a promoted wrapper is invisible;
+                    # promoting would silently drop the derivative (and the value). Buffers the
+                    # user made, or passed into a kernel (batch_norm's running stats), promote.
                     why = "a torch kernel holds it (a composite op writing into its own buffer)"
         if why is not None:
             raise InplaceError(
@@ -473,3 +488,18 @@ class InplaceMixin:
                 _swap(obj, torch.ops.aten.alias.default(final))
                 holder.__class__ = _Redirect
                 holder.__dict__["_target"] = obj
+
+
+_aten = torch.ops.aten
+FRESH_LIKE = frozenset(
+    (
+        _aten.empty_like.default,
+        _aten.zeros_like.default,
+        _aten.ones_like.default,
+        _aten.full_like.default,
+        _aten.new_empty.default,
+        _aten.new_zeros.default,
+        _aten.new_ones.default,
+        _aten.new_full.default,
+    )
+)

@@ -9,7 +9,14 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
 from ._registry import JVP_RULES, decompose, missing_rule
-from ._util import InplaceMixin, any_floating, composite_implicit, restride, unwrap_level
+from ._util import (
+    FRESH_LIKE,
+    InplaceMixin,
+    any_floating,
+    composite_implicit,
+    restride,
+    unwrap_level,
+)
 
 _mk = torch.Tensor._make_wrapper_subclass
 
@@ -84,6 +91,8 @@ class JvpInterpreter(InplaceMixin, Interpreter):
             raise missing_rule(func, self.call, "jvp", "register_jvp_rule")
         out, t_out = rule(primals, tangents, kwargs)
         out = self._wrap(out, t_out)
+        if func in FRESH_LIKE:
+            self._note_fresh(out)
         if f.view:
             self._note_views(func, args, kwargs, out)
         return out

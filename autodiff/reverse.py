@@ -22,6 +22,7 @@ from functransforms._ops import facts
 
 from ._registry import VJP_FORWARD, VJP_RULES, decompose, missing_rule
 from ._util import (
+    FRESH_LIKE,
     InplaceMixin,
     any_floating,
     composite_implicit,
@@ -117,6 +118,8 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 return out
             raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
+            if func in FRESH_LIKE:
+                self._note_fresh(out)
             return out
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
