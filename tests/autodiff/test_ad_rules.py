@@ -661,3 +661,17 @@ def test_safe_softmax_fully_masked_rows_have_zero_derivative():
     x = randn(2, 3)
     x[0] = float("-inf")
     compare_with_torch_func(lambda x: torch.ops.aten._safe_softmax.default(x, 1), (x,), check=False)
+
+
+def test_batch_norm_training_updates_running_stats_under_grad_and_jvp():
+    """The running stats are user buffers passed into the kernel: they are promoted (Note
+    [Buffers held by kernels]), and values and derivatives match torch.func."""
+    import torch.nn.functional as F
+
+    x = randn(5, 4, 3)
+
+    def f(x):
+        rm, rv = torch.zeros(4, dtype=x.dtype), torch.ones(4, dtype=x.dtype)
+        return F.batch_norm(x, rm, rv, training=True, momentum=0.5) * x
+
+    compare_with_torch_func(f, (x,), check=False)
