@@ -488,18 +488,3 @@ class InplaceMixin:
                 _swap(obj, torch.ops.aten.alias.default(final))
                 holder.__class__ = _Redirect
                 holder.__dict__["_target"] = obj
-
-
-_aten = torch.ops.aten
-FRESH_LIKE = frozenset(
-    (
-        _aten.empty_like.default,
-        _aten.zeros_like.default,
-        _aten.ones_like.default,
-        _aten.full_like.default,
-        _aten.new_empty.default,
-        _aten.new_zeros.default,
-        _aten.new_ones.default,
-        _aten.new_full.default,
-    )
-)

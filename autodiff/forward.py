@@ -10,7 +10,6 @@ from functransforms._ops import facts
 
 from ._registry import JVP_RULES, decompose, missing_rule
 from ._util import (
-    FRESH_LIKE,
     InplaceMixin,
     any_floating,
     composite_implicit,
@@ -91,7 +90,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
             raise missing_rule(func, self.call, "jvp", "register_jvp_rule")
         out, t_out = rule(primals, tangents, kwargs)
         out = self._wrap(out, t_out)
-        if func in FRESH_LIKE:
+        if f.fresh_like:
             self._note_fresh(out)
         if f.view:
             self._note_views(func, args, kwargs, out)

@@ -22,7 +22,6 @@ from functransforms._ops import facts
 
 from ._registry import VJP_FORWARD, VJP_RULES, decompose, missing_rule
 from ._util import (
-    FRESH_LIKE,
     InplaceMixin,
     any_floating,
     composite_implicit,
@@ -118,7 +117,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 return out
             raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
-            if func in FRESH_LIKE:
+            if f.fresh_like:
                 self._note_fresh(out)
             return out
         if isinstance(out, torch.Tensor):

@@ -105,8 +105,9 @@ class VmapInterpreter(Interpreter):
     # -- processing ------------------------------------------------------------------------
     def process(self, func, args, kwargs):
         vals, bdims = self._unwrap(args)
+        f = facts(func)
         if kwargs:
-            for k in _written_kwargs(func):
+            for k in f.written_kwargs:
                 v = kwargs.get(k)
                 if v is not None and not (isinstance(v, BatchedTensor) and v._interp is self):
                     raise InplaceError(
@@ -119,8 +120,7 @@ class VmapInterpreter(Interpreter):
                 if isinstance(v, BatchedTensor) and v._interp is self:
                     return self._fallback(func, args, kwargs)
         rule = VMAP_RULES.get(func) or _derived_rule(func)
-        f = facts(func)
-        written = _written_args(func)  # self for add_, the target of prims.copy_to, ...
+        written = f.written  # self for add_, the target of prims.copy_to, ...
         for i in written:
             if bdims[i] is None and any(b is not None for b in bdims):
                 raise InplaceError(
@@ -167,7 +167,7 @@ class VmapInterpreter(Interpreter):
                 a_i = [_select(a, self, i) for a in args]
                 k_i = {k: _select(v, self, i) for k, v in kwargs.items()}
                 results.append(func(*a_i, **k_i))
-        written = _written_args(func)
+        written = f.written
         if written:  # each example wrote into its slice of the (batched) target
             return args[written[0]]
         first = results[0]
@@ -182,8 +182,6 @@ class VmapInterpreter(Interpreter):
 
 
 _WARNED: set = set()
-_WRITTEN: dict = {}
-_WRITTEN_ARGS: dict = {}
 _K = torch._C.DispatchKey
 _set_excluded = torch._C._SetExcludeDispatchKeyGuard
 
@@ -205,31 +203,6 @@ class _lazy_conj_enabled:
         for g in reversed(self._guards):
             g.__exit__(*exc)
         return False
-
-
-def _written_args(func):
-    """Positions of the positional arguments an op writes to (``Tensor(a!)``), cached: not only
-    ``add_``'s self but also e.g. the target of ``prims.copy_to``, which has no trailing ``_``."""
-    pos = _WRITTEN_ARGS.get(func)
-    if pos is None:
-        pos = _WRITTEN_ARGS[func] = tuple(
-            i
-            for i, a in enumerate(a for a in func._schema.arguments if not a.kwarg_only)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    return pos
-
-
-def _written_kwargs(func):
-    """Names of the keyword arguments an op writes to (``out=`` and friends), cached."""
-    names = _WRITTEN.get(func)
-    if names is None:
-        names = _WRITTEN[func] = tuple(
-            a.name
-            for a in func._schema.arguments
-            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
-        )
-    return names
 
 
 _DERIVED: dict = {}

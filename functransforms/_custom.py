@@ -19,6 +19,19 @@ from . import _pytree as pt
 from ._core import TransformTensor, is_floating
 
 
+_SCALARS = (int, float, bool, complex, str, type(None))
+
+
+def _plain(a):
+    """A plain tensor, a Python scalar, or a tuple/list of those: nothing a transform wraps
+    (registered pytree nodes such as operators may hold wrappers, so they are not plain)."""
+    if type(a) is torch.Tensor or type(a) in _SCALARS:
+        return True
+    return (type(a) is tuple or type(a) is list) and all(
+        type(b) is torch.Tensor or type(b) in _SCALARS for b in a
+    )
+
+
 class _CustomFunction:
     def __init__(self, fn):
         functools.update_wrapper(self, fn)
@@ -38,6 +51,8 @@ class _CustomFunction:
         return jvp_rule
 
     def __call__(self, *args):
+        if all(_plain(a) for a in args):
+            return self.fn(*args)  # no transform can be involved: skip flattening (hot in linalg)
         flat, spec = pt.tree_flatten(args)
         interp = None
         for x in flat:

@@ -12,7 +12,17 @@ aten = torch.ops.aten
 
 
 class OpFacts:
-    __slots__ = ("inplace", "inplace_view", "view", "random", "functional", "name")
+    __slots__ = (
+        "inplace",
+        "inplace_view",
+        "view",
+        "random",
+        "functional",
+        "name",
+        "written",
+        "written_kwargs",
+        "fresh_like",
+    )
 
     def __init__(self, func):
         schema = func._schema
@@ -28,6 +38,20 @@ class OpFacts:
         )
         self.random = torch.Tag.nondeterministic_seeded in tags
         self.functional = _functional_variant(func) if (self.inplace or self.inplace_view) else None
+        # every argument the schema marks written (`Tensor(a!)`): not only add_'s self but the
+        # target of prims.copy_to, which has no trailing underscore, and out= keywords
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        self.written = tuple(
+            i
+            for i, a in enumerate(positional)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        self.written_kwargs = tuple(
+            a.name
+            for a in schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+        )
+        self.fresh_like = func in _FRESH_LIKE  # Note [Buffers held by kernels]
 
 
 def _functional_variant(func):
@@ -40,6 +64,20 @@ def _functional_variant(func):
         return None
     return getattr(packet, func._overloadname, None)
 
+
+# ops that make a new plain buffer from a tracked value (Note [Buffers held by kernels])
+_FRESH_LIKE = frozenset(
+    (
+        aten.empty_like.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.new_empty.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+    )
+)
 
 _FACTS: dict = {}
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from functransforms._core import TransformTensor
-
 from ._base import _PROPERTY_NAMES as _PROPS
 from ._base import LinearOperator, broadcast_batch, prod
 from ._composite import ProductOperator
@@ -28,7 +26,6 @@ from ._dense import (
     _scaled_props,
     _transposed_props,
     pd_logdet_sum,
-    weighted_logdet,
 )
 
 
@@ -243,10 +240,7 @@ class KroneckerOperator(LinearOperator):
                 term = f._logdet_pd(c)
                 out = term if out is None else out + term
         if mats:
-            if any(isinstance(A, TransformTensor) for A in mats):
-                term = pd_logdet_sum(tuple(weights), *mats)
-            else:  # untransformed: skip the custom function's argument flattening
-                term = weighted_logdet(weights, mats)[0]
+            term = pd_logdet_sum(tuple(weights), *mats)
             out = term if out is None else out + term
         return out
 
