@@ -44,7 +44,8 @@ def _sum_to_channels(ct):
 
 
 def conv_input_grad(ct, w, x_shape, stride, padding, dilation, transposed, groups):
-    """The cotangent of a convolution's input (Note [Convolution derivatives through convolution])."""
+    """The cotangent of a convolution's input (Note [Convolution derivatives through
+    convolution])."""
     nd = ct.dim() - 2
     if transposed:
         return aten.convolution.default(
