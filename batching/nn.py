@@ -1,5 +1,5 @@
 """Batching rules for the neural-network ops that reach the dispatcher undecomposed: losses,
-layer norm and the softmax backward ops (convolution: convolution.py, pooling: pooling.py).
+and the softmax backward ops (convolution, pooling and normalization: files of those names).
 
 Note [Batching losses]
     A loss with ``reduction='mean'|'sum'`` reduces over every logical dim, so the per-example
@@ -117,25 +117,6 @@ def nll_loss_forward_vmap_rule(interp, args, bdims, kwargs):
     if reduction == _SUM:
         return (summed, total), (0, 0)
     return (summed / total, total), (0, 0)
-
-
-@register_vmap_rule(aten.native_layer_norm.default)
-def native_layer_norm_vmap_rule(interp, args, bdims, kwargs):
-    """Normalizes over trailing dims, so the batch dim in front changes nothing; a batched
-    affine weight/bias is applied after the normalization."""
-    x, shape, weight, bias, eps = args
-    x = expand_front(x, bdims[0], interp.batch_size)
-    wb, bb = bdims[2], bdims[3]
-    if wb is None and bb is None:
-        out = aten.native_layer_norm.default(x, shape, weight, bias, eps)
-        return out, (0, 0, 0)
-    n = x.dim() - 1
-    out, mean, rstd = aten.native_layer_norm.default(x, shape, None, None, eps)
-    if weight is not None:
-        out = out * (weight if wb is None else pad_to(to_front(weight, wb), n))
-    if bias is not None:
-        out = out + (bias if bb is None else pad_to(to_front(bias, bb), n))
-    return (out, mean, rstd), (0, 0, 0)
 
 
 def _softmax_backward(op):
