@@ -205,9 +205,9 @@ for _op, _d in (
     ),
     (
         aten.mul.Scalar,
-        lambda x, o, s: torch.full_like(x, s) if not isinstance(s, torch.Tensor) else s,
+        lambda x, o, s: torch.full_like(o, s) if not isinstance(s, torch.Tensor) else s,
     ),
-    (aten.div.Scalar, lambda x, o, s: torch.full_like(x, 1.0 / s)),
+    (aten.div.Scalar, lambda x, o, s: torch.full_like(o, 1.0 / s)),
 ):
     def_unary(_op, _d)
 
