@@ -106,6 +106,11 @@ def _no_training_geometry(primals, out):
     return _batch_geometry(x, out, rm, rv, False, eps)
 
 
+def _sum(t, dims):
+    """``t`` summed over ``dims`` (none: ``t`` itself; torch's ``sum([])`` sums everything)."""
+    return t.sum(dims) if dims else t
+
+
 def _affine(t, g):
     return t if g.wshape is None else t.reshape(g.wshape)
 
@@ -172,10 +177,10 @@ def def_normalization(op, geometry, affine_pos=(1, 2)):
             if gx is not None:
                 res[0] = g.from_r(gx)
         if ct is not None and w is not None and needs[wi]:
-            gw = (ct * g.from_r(xhat)).sum(g.wdims)
+            gw = _sum(ct * g.from_r(xhat), g.wdims)
             res[wi] = gw.reshape(w.shape)
         if ct is not None and primals[bi] is not None and needs[bi]:
-            res[bi] = ct.sum(g.wdims).reshape(primals[bi].shape)
+            res[bi] = _sum(ct, g.wdims).reshape(primals[bi].shape)
         return tuple(res)
 
     register_jvp_rule(op)(normalization_jvp_rule)
