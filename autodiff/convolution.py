@@ -17,12 +17,23 @@ Note [Convolution derivatives through convolution]
       exchanged;
     - bias: the cotangent summed over every dim but the channels.
 
-    So the rules are closed under differentiation and batching: grad(grad), jvp(grad),
-    hessian and vmap(grad) (per-sample gradients, where ``x`` and ``ct`` are both batched and
-    the weight cotangent becomes one grouped convolution with ``groups * B`` groups through
-    the batching rule, Note [Batching convolution]) need no rule beyond ``aten.convolution``'s
-    own. Complex: the op is bilinear (no conjugation), so the transposes conjugate the other
-    factor (docs/complex.md).
+    These formulas are closed under differentiation and batching, but the weight one is a
+    convolution whose kernel is as large as the image, which oneDNN runs 2-6x slower than
+    torch's dedicated backward kernel (measured: 6.5 ms vs 1.2 ms for a 16x16x32x32 batch). So
+    for real dtypes the vjp calls ``aten.convolution_backward`` (one kernel for all three
+    cotangents), and that op gets rules of its own, each again a convolution or a
+    ``convolution_backward``: it is bilinear, ``gi = J_x(w)^T go``, ``gw = J_w(x)^T go``,
+    ``gb = sum(go)``, so
+
+    - jvp: ``cb(t_go, x, w) + cb(go, t_x, t_w)`` (the second call's ``gi`` uses only ``t_w``,
+      its ``gw`` only ``t_x``: two calls cover every term);
+    - vjp: ``go_bar = conv(Gi, w) + conv(x, Gw) + Gb`` and ``(x_bar, w_bar) = cb(go, Gi, Gw)``
+      (``<gi, Gi> = <go, conv(Gi, w)>``, ``<gw, Gw> = <go, conv(x, Gw)>``), whatever the
+      geometry (transposed or not);
+    - vmap: Note [Batching convolution_backward] (batching/convolution.py).
+
+    Complex dtypes keep the convolution-only formulas: the op is bilinear (no conjugation), so
+    the transposes conjugate the other factor (docs/complex.md).
 """
 
 from __future__ import annotations
@@ -105,6 +116,23 @@ def def_convolution(op):
 
     def convolution_vjp_rule(ct, primals, kwargs, out, needs):
         x, w, b, stride, padding, dilation, transposed, output_padding, groups = primals[:9]
+        rest = (None,) * (len(primals) - 3)
+        if not ct.is_complex():
+            mask = [bool(needs[0]), bool(needs[1]), b is not None and bool(needs[2])]
+            gx, gw, gb = aten.convolution_backward.default(
+                ct,
+                x,
+                w,
+                None if b is None else list(b.shape),
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                groups,
+                mask,
+            )
+            return (gx, gw, gb) + rest
         gx = gw = gb = None
         if needs[0]:
             gx = conv_input_grad(
@@ -118,7 +146,7 @@ def def_convolution(op):
                 gw = conv_weight_grad(xc, ct, w.shape, stride, padding, dilation, groups)
         if needs[2] and b is not None:
             gb = _sum_to_channels(ct)
-        return (gx, gw, gb) + (None,) * (len(primals) - 3)
+        return (gx, gw, gb) + rest
 
     register_jvp_rule(op)(convolution_jvp_rule)
     register_vjp_rule(op)(convolution_vjp_rule)
@@ -126,3 +154,61 @@ def def_convolution(op):
 
 def_convolution(aten.convolution.default)
 def_convolution(aten._convolution.default)
+
+
+def _real_only(go):
+    if go.is_complex():
+        raise NotImplementedError(
+            "aten.convolution_backward of complex tensors has no derivative rule here (the vjp "
+            "of a complex convolution is written with aten.convolution instead). Do: "
+            "differentiate the convolution itself, e.g. torch.nn.functional.conv2d."
+        )
+
+
+@register_jvp_rule(aten.convolution_backward.default)
+def convolution_backward_jvp_rule(primals, tangents, kwargs):
+    """Bilinear: ``cb(t_go, x, w) + cb(go, t_x, t_w)`` (Note [Convolution derivatives through
+    convolution])."""
+    go, x, w = primals[:3]
+    geo, mask = primals[3:10], primals[10]
+    out = aten.convolution_backward.default(*primals)
+    t_go, t_x, t_w = tangents[:3]
+    _real_only(go)
+    t = [None, None, None]
+    if t_go is not None:
+        t = list(aten.convolution_backward.default(t_go, x, w, *geo, mask))
+    second = [mask[0] and t_w is not None, mask[1] and t_x is not None, False]
+    if any(second):
+        tx = t_x if t_x is not None else x
+        tw = t_w if t_w is not None else w
+        more = aten.convolution_backward.default(go, tx, tw, *geo, second)
+        for i in (0, 1):
+            if second[i]:
+                t[i] = more[i] if t[i] is None else t[i] + more[i]
+    return out, tuple(t)
+
+
+@register_vjp_rule(aten.convolution_backward.default)
+def convolution_backward_vjp_rule(cts, primals, kwargs, out, needs):
+    """``go_bar = conv(Gi, w) + conv(x, Gw) + Gb``, ``(x_bar, w_bar) = cb(go, Gi, Gw)``."""
+    go, x, w = primals[:3]
+    bias_sizes, stride, padding, dilation, transposed, output_padding, groups = primals[3:10]
+    _real_only(go)
+    Gi, Gw, Gb = cts
+    geo = (stride, padding, dilation, transposed, output_padding, groups)
+    go_bar = x_bar = w_bar = None
+    if needs[0]:
+        if Gi is not None:
+            go_bar = aten.convolution.default(Gi, w, None, *geo)
+        if Gw is not None:
+            t = aten.convolution.default(x, Gw, None, *geo)
+            go_bar = t if go_bar is None else go_bar + t
+        if Gb is not None:
+            t = Gb.reshape((-1,) + (1,) * (go.dim() - 2)).expand(go.shape)
+            go_bar = t if go_bar is None else go_bar + t
+    mask = [bool(needs[1]) and Gw is not None, bool(needs[2]) and Gi is not None, False]
+    if any(mask):
+        gi = Gi if Gi is not None else x
+        gw = Gw if Gw is not None else w
+        x_bar, w_bar, _ = aten.convolution_backward.default(go, gi, gw, bias_sizes, *geo, mask)
+    return (go_bar, x_bar, w_bar) + (None,) * (len(primals) - 3)

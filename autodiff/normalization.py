@@ -115,9 +115,23 @@ def _affine(t, g):
     return t if g.wshape is None else t.reshape(g.wshape)
 
 
-def def_normalization(op, geometry, affine_pos=(1, 2)):
+def _batch_norm_kernel_vjp(ct, primals, out, needs, g):
+    """torch's fused backward kernel, for the common case (only ``out`` has a cotangent): one
+    pass instead of about ten elementwise ops. Its own derivatives and batching come from
+    torch's decomposition of it (ordinary ops), so higher orders still compose."""
+    x, w, b = primals[0], primals[1], primals[2]
+    rm, rv = (primals[3], primals[4]) if len(primals) > 6 else (None, None)
+    mask = [bool(needs[0]), w is not None and bool(needs[1]), b is not None and bool(needs[2])]
+    gx, gw, gb = aten.native_batch_norm_backward.default(
+        ct, x, w, rm, rv, out[1], out[2], g.train, primals[-1], mask
+    )
+    return (gx, gw, gb) + (None,) * (len(primals) - 3)
+
+
+def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
     """``op(x, ..., weight, bias, ...) -> (out, mean, rstd)`` (Note [Normalization
-    derivatives]); ``geometry(primals, out)`` describes the call."""
+    derivatives]); ``geometry(primals, out)`` describes the call; ``kernel_vjp``: a faster vjp
+    for the case where only ``out`` has a cotangent."""
     wi, bi = affine_pos
 
     def normalization_jvp_rule(primals, tangents, kwargs):
@@ -155,6 +169,13 @@ def def_normalization(op, geometry, affine_pos=(1, 2)):
         x, w = primals[0], primals[wi]
         res = [None] * len(primals)
         g = geometry(primals, out)
+        if (
+            kernel_vjp is not None
+            and ct is not None
+            and (ct_mean is None or not ct_mean.numel())
+            and (ct_rstd is None or not ct_rstd.numel())
+        ):
+            return kernel_vjp(ct, primals, out, needs, g)
         xhat = (g.to_r(x) - g.mean) * g.rstd
         if needs[0]:
             gx = None
@@ -189,7 +210,10 @@ def def_normalization(op, geometry, affine_pos=(1, 2)):
 
 def_normalization(aten.native_layer_norm.default, _layer_geometry, (2, 3))
 def_normalization(aten.native_group_norm.default, _group_geometry)
-def_normalization(aten.native_batch_norm.default, _batch_norm_geometry)
-def_normalization(aten._native_batch_norm_legit.default, _batch_norm_geometry)
-def_normalization(aten._native_batch_norm_legit.no_stats, _no_stats_geometry)
-def_normalization(aten._native_batch_norm_legit_no_training.default, _no_training_geometry)
+for _op, _geometry in (
+    (aten.native_batch_norm.default, _batch_norm_geometry),
+    (aten._native_batch_norm_legit.default, _batch_norm_geometry),
+    (aten._native_batch_norm_legit.no_stats, _no_stats_geometry),
+    (aten._native_batch_norm_legit_no_training.default, _no_training_geometry),
+):
+    def_normalization(_op, _geometry, kernel_vjp=_batch_norm_kernel_vjp)
