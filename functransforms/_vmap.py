@@ -35,11 +35,16 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
         torch.Size([5])
     """
     if randomness not in _RANDOMNESS:
-        raise ValueError(
+        raise RuntimeError(
             f"vmap(func, randomness={randomness!r}): expected one of {_RANDOMNESS}, "
             f"got {randomness!r}."
         )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
+        raise TypeError(
+            f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
+            f"got a {type(chunk_size).__name__}."
+        )
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(
             f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
             f"got {chunk_size!r}."
@@ -126,7 +131,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import DifferentRandomnessMode, rng_changed, rng_state
 
-    if not isinstance(in_dims, (int, tuple, type(None))):
+    if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
         raise TypeError(
             f"{_call_repr(func, in_dims)}: expected in_dims to be an int, None or a tuple with one "
             f"entry per positional input; got {type(in_dims).__name__}."
@@ -151,7 +156,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
             norm_dims.append(None)
             continue
         if not isinstance(x, torch.Tensor):
-            raise TypeError(
+            raise ValueError(
                 f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but "
                 f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
                 "None as its in_dim."
@@ -232,9 +237,14 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
     results = []
     for i, (o, od) in enumerate(zip(flat_out, flat_od)):
         if not isinstance(o, torch.Tensor):
-            raise TypeError(
+            if od is None:  # returned as it is, as torch.func does
+                results.append(o)
+                continue
+            raise ValueError(
                 f"{_call_repr(func, in_dims, out_dims)}: output {i} (flattened) is a "
-                f"{type(o).__name__}; vmap's function must return tensors (or pytrees of tensors)."
+                f"{type(o).__name__}; vmap's function must return tensors (or pytrees of "
+                "tensors). Expected: a tensor, or out_dims=None for this output to return it "
+                "as it is."
             )
         if isinstance(o, BatchedTensor) and o._interp is interp:
             v, b = o._value, o._bdim
@@ -251,10 +261,16 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
             v = o.unsqueeze(0).expand((batch_size,) + tuple(o.shape))
             b = 0
         n = v.dim()
+        if isinstance(od, bool) or not isinstance(od, int):
+            raise TypeError(
+                f"{_call_repr(func, in_dims, out_dims)}: out_dims for output {i} is "
+                f"{od!r}; expected an int or None."
+            )
         if not -n <= od < n:
-            raise ValueError(
+            raise IndexError(  # torch.func raises IndexError here
                 f"{_call_repr(func, in_dims, out_dims)}: out_dim={od} is out of range for output "
-                f"{i}, which has {n} dims with the mapped dim (shape {tuple(v.shape)})."
+                f"{i}, which has {n} dims with the mapped dim (shape {tuple(v.shape)}): expected "
+                f"out_dim in [{-n}, {n - 1}]."
             )
         results.append(v.movedim(b, od) if b != od % n else v)
     return pt.tree_unflatten(out_spec, results)
