@@ -55,8 +55,8 @@ def _as_primal(x, call, forward):
             return x
         err = ValueError if forward else RuntimeError
         raise err(
-            f"{call}: a differentiated input is a {x.dtype} tensor; only floating-point and complex "
-            "tensors carry derivatives. Convert it (`x.double()`) or move it out of the "
+            f"{call}: a differentiated input is a {x.dtype} tensor; only floating-point and "
+            "complex tensors carry derivatives. Convert it (`x.double()`) or move it out of the "
             "differentiated arguments (argnums)."
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
