@@ -223,7 +223,42 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
         from functransforms.batching._tensor import raise_random
 
         raise_random(interp, "a random op (detected from the global RNG state)")
-    return _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
+    out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
+    return _as_views_of_inputs(out, flat_args)
+
+
+def _as_views_of_inputs(out, flat_args):
+    """Outputs that alias a plain input become views of it, as torch.func returns them.
+
+    Note [Views of vmap's inputs]
+        Rules run inside ``__torch_dispatch__``, below the ADInplaceOrView key, so a view op on
+        the physical value shares memory with the input but is not *registered* as a view
+        (``out._base`` is None). Writes through it already reach the input (same memory); to
+        give the view relation back (``out._base is x``, torch's version counter and
+        view+inplace checks) each output that shares storage with a plain input is rebuilt, at
+        the end of the outermost vmap, as ``x.as_strided(...)`` with the same geometry: a real
+        view of ``x``, no copy. Outputs that carry an autograd graph keep it instead (their
+        graph is the one ordinary autograd must see).
+    """
+    inputs = [
+        x
+        for x in flat_args
+        if type(x) is torch.Tensor and x.device.type != "meta" and x.untyped_storage().data_ptr()
+    ]
+    if not inputs:
+        return out
+    storages = {x.untyped_storage().data_ptr(): x for x in inputs}
+
+    def view_of_input(o):
+        if type(o) is not torch.Tensor or o._base is not None or o.requires_grad:
+            return o
+        x = storages.get(o.untyped_storage().data_ptr()) if o.device.type != "meta" else None
+        if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg():
+            return o
+        return x.as_strided(o.shape, o.stride(), o.storage_offset())
+
+    flat, spec = pt.tree_flatten(out)
+    return pt.tree_unflatten(spec, [view_of_input(o) for o in flat])
 
 
 def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor):

@@ -340,3 +340,43 @@ def test_linearize_inside_vmap_and_wrong_tangent():
     _, jvp_fn = ft.linearize(torch.tanh, x)
     with pytest.raises(ValueError, match="a tangent has shape"):
         jvp_fn(torch.ones(4, dtype=torch.float64))
+
+
+# -- views and aliasing as in torch ----------------------------------------------------------------
+VIEW_FNS = {
+    "slice": lambda t: t[1:],
+    "select": lambda t: t[0],
+    "narrow": lambda t: t.narrow(0, 1, 2),
+    "view": lambda t: t.view(5),
+    "reshape": lambda t: t.reshape(5),
+    "t": lambda t: t.unsqueeze(0).t(),
+    "transpose": lambda t: t.unsqueeze(1).transpose(0, 1),
+    "permute": lambda t: t.unsqueeze(1).permute(1, 0),
+    "diagonal": lambda t: t.view(1, 5).diagonal(),
+    "unbind": lambda t: t.unbind()[1],
+    "split": lambda t: t.split(2)[1],
+    "as_strided": lambda t: t.as_strided((2,), (2,)),
+    "expand": lambda t: t.expand(2, 5),
+    "movedim": lambda t: t.unsqueeze(0).movedim(0, 1),
+    "flatten_copy": lambda t: t.unsqueeze(0).mT.flatten(),  # a copy in both
+    "sin": torch.sin,  # not a view in both
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEW_FNS))
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_vmap_returns_views_where_torch_func_does(name, in_dim):
+    f = VIEW_FNS[name]
+    base = torch.randn(4, 5)
+    x = base if in_dim == 0 else base.mT.contiguous()
+    ours, ref = ft.vmap(f, in_dims=in_dim)(x), tf.vmap(f, in_dims=in_dim)(x)
+    torch.testing.assert_close(ours, ref)
+    assert (ours._base is x) == (ref._base is x)
+    assert ours.stride() == ref.stride()
+
+
+def test_writes_through_a_returned_view_reach_the_input():
+    ours, ref = torch.zeros(3, 4), torch.zeros(3, 4)
+    ft.vmap(lambda t: t[1:])(ours).fill_(1.0)
+    tf.vmap(lambda t: t[1:])(ref).fill_(1.0)
+    assert torch.equal(ours, ref) and ours.sum() == 9
