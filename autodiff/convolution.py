@@ -148,6 +148,7 @@ def def_convolution(op):
             gb = _sum_to_channels(ct)
         return (gx, gw, gb) + rest
 
+    convolution_vjp_rule.keeps = (None, False)  # Note [What a vjp rule keeps]: not the output
     register_jvp_rule(op)(convolution_jvp_rule)
     register_vjp_rule(op)(convolution_vjp_rule)
 
