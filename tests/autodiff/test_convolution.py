@@ -165,3 +165,37 @@ def test_underscore_convolution_directly():
     assert_trees_close(
         ft.vmap(f, (0, None, None))(xs, w, b), torch.func.vmap(f, (0, None, None))(xs, w, b)
     )
+
+
+@pytest.mark.parametrize(
+    "mask", [[True, True, True], [True, False, False], [False, True, False], [False, True, True]]
+)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_convolution_backward_rules(transposed, mask):
+    """The kernel the real vjp calls: its own jvp, vjp and batching (Note [Convolution
+    derivatives through convolution], Note [Batching convolution_backward])."""
+    f, (x, w, b) = _case(2, transposed, (2, 2, 1, 1), True)
+    out = f(x, w, b)
+    go = torch.randn_like(out)
+    out_pad = [1, 1] if transposed else [0, 0]
+
+    def cb(go, x, w):
+        return torch.ops.aten.convolution_backward(
+            go, x, w, [6], [2, 2], [1, 1], [1, 1], transposed, out_pad, 2, mask
+        )
+
+    def used(t):
+        return tuple(o for o, m in zip(t, mask) if m)
+
+    def g(go, x, w):
+        return used(cb(go, x, w))
+
+    compare_with_torch_func(g, (go, x, w), grads=False, check=False)
+    check_grads(g, (go, x, w), order=2)
+    B = 3
+    for in_dims in [(0, None, None), (None, 0, None), (None, None, 0), (0, 0, 0), (1, None, 0)]:
+        args = [
+            torch.randn((B,) + tuple(a.shape), dtype=F64).movedim(0, d) if d is not None else a
+            for a, d in zip((go, x, w), in_dims)
+        ]
+        assert_trees_close(ft.vmap(g, in_dims)(*args), torch.func.vmap(g, in_dims)(*args))
