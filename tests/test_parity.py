@@ -380,3 +380,110 @@ def test_writes_through_a_returned_view_reach_the_input():
     ft.vmap(lambda t: t[1:])(ours).fill_(1.0)
     tf.vmap(lambda t: t[1:])(ref).fill_(1.0)
     assert torch.equal(ours, ref) and ours.sum() == 9
+
+
+# -- the randomness contract -----------------------------------------------------------------------
+def _seeded(make, lib):
+    torch.manual_seed(0)
+    return make(lib)
+
+
+RANDOM_FNS = {
+    "randn factory": (lambda a: a + torch.randn(3), 0),
+    "rand_like": (lambda a: torch.rand_like(a), 0),
+    "rand_like in_dims=1": (lambda a: torch.rand_like(a), 1),
+    "normal_ batched": (lambda a: a.clone().normal_(), 0),
+    "dropout": (lambda a: torch.nn.functional.dropout(a, 0.5), 0),
+    "bernoulli_(float) batched": (lambda a: a.clone().bernoulli_(0.5), 0),
+    "randint": (lambda a: a + torch.randint(0, 5, (3,)), 0),
+    "randperm": (lambda a: a + torch.randperm(3), 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FNS))
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_random_streams_are_torch_funcs(name, randomness):
+    # documented in docs/torch_func_differences.md: our draws are torch.func's, bit for bit
+    f, d = RANDOM_FNS[name]
+    x = torch.rand(4, 3) if d == 0 else torch.rand(3, 4)
+    ours = _seeded(lambda L: L.vmap(f, in_dims=d, randomness=randomness)(x), ft)
+    ref = _seeded(lambda L: L.vmap(f, in_dims=d, randomness=randomness)(x), tf)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [lambda a: torch.randn(3) + 0 * a, torch.rand_like, lambda a: a.clone().uniform_()],
+    ids=["factory", "rand_like", "uniform_"],
+)
+def test_same_randomness_holds_across_chunks(f):
+    x = torch.zeros(5, 3)
+    whole = _seeded(lambda L: L.vmap(f, randomness="same")(x), ft)
+    chunked = _seeded(lambda L: L.vmap(f, randomness="same", chunk_size=2)(x), ft)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(whole, whole[:1].expand_as(whole))
+
+
+def test_same_randomness_inplace_with_unbatched_tensor_parameter():
+    p = torch.rand(3)
+    ours = _seeded(
+        lambda L: L.vmap(lambda t: t.bernoulli_(p), randomness="same")(torch.zeros(4, 3)), ft
+    )
+    ref = _seeded(
+        lambda L: L.vmap(lambda t: t.bernoulli_(p), randomness="same")(torch.zeros(4, 3)), tf
+    )
+    assert torch.equal(ours, ours[:1].expand_as(ours)) and torch.equal(ref, ref[:1].expand_as(ref))
+
+
+def test_same_randomness_of_an_op_without_a_rule_is_one_draw():
+    out = ft.vmap(lambda a: torch.poisson(torch.full((3,), 4.0)) + a, randomness="same")(
+        torch.zeros(4, 3)
+    )
+    assert torch.equal(out, out[:1].expand_as(out))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda L, p: L.vmap(lambda q: torch.normal(q, 1.0), randomness="same")(p),
+        lambda L, p: L.vmap(torch.bernoulli, randomness="same")(p),
+        lambda L, p: L.vmap(torch.poisson, randomness="same")(p),
+        lambda L, p: L.vmap(lambda q: torch.binomial(torch.full((3,), 5.0), q), randomness="same")(
+            p
+        ),
+        lambda L, p: L.vmap(lambda q: torch.multinomial(q, 2), randomness="same")(p),
+        lambda L, p: L.vmap(lambda t, q: t.bernoulli_(q), randomness="same")(torch.zeros(4, 3), p),
+    ],
+    ids=["normal", "bernoulli", "poisson", "binomial", "multinomial", "bernoulli_"],
+)
+def test_same_randomness_with_batched_parameters_raises(make):
+    p = torch.rand(4, 3)
+    with pytest.raises(RuntimeError):
+        make(tf, p)
+    with pytest.raises(RuntimeError, match="randomness='same'"):
+        make(ft, p)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [lambda a: a + torch.zeros(3).normal_(), lambda a: a + x[:3].float().clone().uniform_()],
+    ids=["fresh", "captured"],
+)
+def test_different_randomness_inplace_into_unbatched_raises(f):
+    x = torch.rand(4, 3)
+    with pytest.raises(RuntimeError):
+        tf.vmap(f, randomness="different")(x)
+    with pytest.raises(RuntimeError, match="in place into a tensor that is not batched"):
+        ft.vmap(f, randomness="different")(x)
+
+
+def test_new_factories_of_a_batched_tensor_are_batched():
+    # as torch.func: x.new_zeros(...) under vmap is one buffer per example, so per-example
+    # writes and 'different' draws into it work
+    def f(a):
+        buf = a.new_zeros(2)
+        buf[0] = a.sum()
+        return buf + a.new_empty(()).uniform_() * 0
+
+    x = torch.rand(4, 3)
+    assert torch.equal(ft.vmap(f, randomness="different")(x), tf.vmap(f, randomness="different")(x))
