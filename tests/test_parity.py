@@ -487,3 +487,102 @@ def test_new_factories_of_a_batched_tensor_are_batched():
 
     x = torch.rand(4, 3)
     assert torch.equal(ft.vmap(f, randomness="different")(x), tf.vmap(f, randomness="different")(x))
+
+
+# -- custom rules: JAX's API -----------------------------------------------------------------------
+def test_custom_jvp_nondiff_argnums_and_kwargs():
+    @ft.custom_jvp(nondiff_argnums=(0,))
+    def apply(fn, a, scale=1.0):
+        return fn(a) * scale
+
+    @apply.defjvp
+    def apply_jvp(fn, primals, tangents):
+        (a, scale), (t, _) = primals, tangents
+        assert fn is torch.sin  # the nondiff argument arrives first, as in JAX
+        return apply(fn, a, scale), torch.cos(a) * t * scale
+
+    ref = tf.grad(lambda a: (torch.sin(a) * 2.0).sum())(x)
+    torch.testing.assert_close(ft.grad(lambda a: apply(torch.sin, a, scale=2.0).sum())(x), ref)
+    _, t = ft.jvp(lambda a: apply(torch.sin, a, scale=2.0), (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(t, 2.0 * torch.cos(x))
+
+
+def test_custom_vjp_nondiff_argnums():
+    @ft.custom_vjp(nondiff_argnums=(1,))
+    def clip(a, bound):
+        return a
+
+    clip.defvjp(lambda a, bound: (a, None), lambda bound, res, g: (g.clamp(-bound, bound),))
+    g = ft.grad(lambda a: (clip(a, 0.5) * 10).sum())(x)
+    torch.testing.assert_close(g, torch.full_like(x, 0.5))
+    gs = ft.vmap(ft.grad(lambda a: (clip(a, 0.25) * 10).sum()))(xb)
+    torch.testing.assert_close(gs, torch.full_like(xb, 0.25))
+
+
+def test_custom_jvp_defjvps():
+    f = ft.custom_jvp(lambda a, b: a * b.exp())
+    f.defjvps(lambda ta, out, a, b: ta * b.exp(), lambda tb, out, a, b: out * tb)
+    b = torch.randn(3, dtype=torch.float64)
+    ref = tf.grad(lambda a, b: (a * b.exp()).sum(), argnums=(0, 1))(x, b)
+    ours = ft.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1))(x, b)
+    torch.testing.assert_close(ours, ref)
+    t = ft.jvp(f, (x, b), (torch.ones_like(x), torch.zeros_like(b)))[1]
+    torch.testing.assert_close(t, b.exp())
+
+
+def test_custom_vjp_bad_nondiff_argnums():
+    with pytest.raises(ValueError, match="nondiff_argnums"):
+        ft.custom_vjp(lambda a: a, nondiff_argnums=(-1,))
+
+
+def test_custom_vmap_uses_the_rule_and_grad_differentiates_fn():
+    calls = []
+
+    @ft.custom_vmap
+    def norm2(a):
+        return (a * a).sum()
+
+    @norm2.def_vmap
+    def norm2_vmap(axis_size, in_batched, a):
+        calls.append((axis_size, tuple(in_batched)))
+        return torch.einsum("bi,bi->b", a, a), True
+
+    torch.testing.assert_close(ft.vmap(norm2)(xb), (xb * xb).sum(1))
+    assert calls == [(2, (True,))]
+    torch.testing.assert_close(ft.grad(norm2)(x), 2 * x)
+    torch.testing.assert_close(ft.vmap(ft.grad(norm2))(xb), 2 * xb)
+    torch.testing.assert_close(ft.grad(lambda a: ft.vmap(norm2)(a).sum())(xb), 2 * xb)
+
+
+def test_custom_vmap_checks_what_the_rule_returns():
+    f = ft.custom_vmap(lambda a: a.sum())
+    f.def_vmap(lambda n, b, a: (a.sum(), True))  # forgot the batch dim
+    with pytest.raises(ValueError, match="marked batched has shape"):
+        ft.vmap(f)(xb)
+
+
+def test_sequential_vmap_loops_silently():
+    import warnings
+
+    f = ft.sequential_vmap(lambda a, k: torch.linalg.matrix_power(a, k))
+    A = torch.randn(3, 2, 2, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FallbackWarning: the loop is the implementation
+        ours = ft.vmap(f, in_dims=(0, None))(A, 3)
+    torch.testing.assert_close(ours, tf.vmap(lambda a: torch.linalg.matrix_power(a, 3))(A))
+
+
+def test_debug_unwrap_as_torch_func():
+    seen = {}
+
+    def f(a):
+        seen["ours"] = ft.debug_unwrap(a)
+        seen["one"] = ft.debug_unwrap(a, recurse=False)
+        return a
+
+    ft.vmap(ft.grad(lambda a: (f(a) ** 2).sum()))(xb)
+    assert seen["ours"].shape == (2, 3) and type(seen["ours"]) is torch.Tensor
+    assert seen["one"].shape == (3,)  # one level: the grad wrapper's primal, still batched
+    ref = {}
+    tf.vmap(lambda a: ref.setdefault("r", tf.debug_unwrap(a)) * 0 + a)(xb)
+    assert ref["r"].shape == seen["ours"].shape
