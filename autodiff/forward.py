@@ -29,6 +29,12 @@ class DualTensor(TransformTensor):
     _chain = ()
     _views = None
 
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        p, t = self._primal, self._tangent
+        return (not isinstance(p, TransformTensor) and p.requires_grad) or (
+            not isinstance(t, TransformTensor) and t.requires_grad
+        )
+
     def _describe(self):
         return (
             f"DualTensor(lvl={self._interp.level}, primal={self._primal!r}, "

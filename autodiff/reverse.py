@@ -71,6 +71,10 @@ class GradTensor(TransformTensor):
     _chain = ()
     _views = None
 
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        p = self._primal
+        return not isinstance(p, TransformTensor) and p.requires_grad
+
     def _describe(self):
         return f"GradTensor(lvl={self._interp.level}, primal={self._primal!r})"
 

@@ -36,6 +36,10 @@ class BatchedTensor(TransformTensor):
                 return out
         return _no_torch_function(func, types, args, kwargs or {})
 
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        v = self._value
+        return not isinstance(v, TransformTensor) and v.requires_grad
+
     def _describe(self):
         return f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, value={self._value!r})"
 

@@ -1,0 +1,348 @@
+"""functransforms inside real PyTorch programs (issue 9), each claim against torch.func or plain
+autograd: torch's autograd through our transforms (backward, double backward, MAML), grad-mode
+semantics, in-place writes to primals, module state, torch.compile."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functransforms as ft
+
+tf = torch.func
+LIBS = {"ft": ft, "torch.func": tf}
+
+
+def _close(a, b, **kw):
+    kw.setdefault("atol", 1e-10)
+    kw.setdefault("rtol", 1e-7)
+    torch.testing.assert_close(a, b, **kw)
+
+
+def _outer_grads(build, *shapes, seed=0):
+    """``torch.autograd.grad`` of ``build(lib, *leaves)`` by every leaf, for ours and torch.func.
+
+    Returns ``{lib_name: (value, grads)}``."""
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+    out = {}
+    for name, lib in LIBS.items():
+        leaves = [b.clone().requires_grad_() for b in base]
+        value = build(lib, *leaves)
+        out[name] = (value.detach(), torch.autograd.grad(value, leaves, allow_unused=True))
+    return out
+
+
+def _assert_same_outer_grads(build, *shapes):
+    res = _outer_grads(build, *shapes)
+    (v_ours, g_ours), (v_ref, g_ref) = res["ft"], res["torch.func"]
+    _close(v_ours, v_ref)
+    for a, b in zip(g_ours, g_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            _close(a, b)
+
+
+# -- 1. torch's autograd sees through our transforms ---------------------------------------------
+def test_backward_through_vmap_with_captured_weight():
+    """The issue's first example: W.grad gets the vmapped term, not only the decay term."""
+    torch.manual_seed(0)
+    W0 = torch.randn(3, 3, dtype=torch.float64)
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    grads = {}
+    for name, lib in LIBS.items():
+        W = W0.clone().requires_grad_()
+        out = lib.vmap(lambda x: torch.tanh(W @ x).sum())(xs)  # noqa: B023
+        assert out.requires_grad
+        (out.sum() + 0.1 * (W**2).sum()).backward()
+        grads[name] = W.grad
+    W = W0.clone().requires_grad_()
+    (torch.tanh(xs @ W.T).sum() + 0.1 * (W**2).sum()).backward()
+    _close(grads["ft"], W.grad)
+    _close(grads["torch.func"], W.grad)
+
+
+def test_backward_through_vmap_alone():
+    """Without another path to W, backward used to raise ("does not require grad")."""
+    W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    ft.vmap(lambda x: torch.tanh(W @ x).sum())(xs).sum().backward()
+    ref = torch.autograd.grad(torch.tanh(xs @ W.T).sum(), W)[0]
+    _close(W.grad, ref)
+
+
+def test_autograd_grad_of_ft_grad():
+    """d/dx of grad((sin x)^2) = 2 cos 2x."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    g = ft.grad(lambda x: (x.sin() ** 2).sum())(x)
+    assert g.requires_grad
+    _close(torch.autograd.grad(g.sum(), x)[0], 2 * torch.cos(2 * x.detach()))
+
+
+_OUTER = {
+    "grad": (lambda lib, x: lib.grad(lambda x: (x.sin() ** 2).sum())(x).sum(), (4,)),
+    "vjp_fn": (
+        lambda lib, x: lib.vjp(lambda x: x.sin() ** 2, x)[1](torch.ones(4, dtype=x.dtype))[0].sum(),
+        (4,),
+    ),
+    "vjp_out": (lambda lib, x: lib.vjp(lambda x: x.sin() ** 2, x)[0].sum(), (4,)),
+    "jvp_tangent": (
+        lambda lib, x, v: lib.jvp(lambda x: x.sin() ** 2, (x,), (v,))[1].pow(2).sum(),
+        (4,),
+        (4,),
+    ),
+    "jvp_primal": (
+        lambda lib, x, v: lib.jvp(lambda x: x.sin() ** 2, (x,), (v,))[0].pow(2).sum(),
+        (4,),
+        (4,),
+    ),
+    "vmap_mean": (lambda lib, x: lib.vmap(torch.mean)(x).sum() + x.sum(), (3, 4)),
+    "vmap_view": (
+        lambda lib, x: lib.vmap(lambda r: r.t().reshape(-1)[:3].exp())(x).sum(),
+        (3, 2, 4),
+    ),
+    "vmap_matmul": (
+        lambda lib, x, W: lib.vmap(lambda r: (r @ W).sin())(x).sum(),
+        (3, 2, 4),
+        (4, 5),
+    ),
+    "vmap_nested_in_dims": (
+        lambda lib, x: (
+            lib.vmap(lib.vmap(lambda r: r.sum() * r.max(), in_dims=1), in_dims=2)(x).pow(2).sum()
+        ),
+        (3, 4, 5),
+    ),
+    "vmap_grad_captured": (
+        lambda lib, W, xs: lib.vmap(lib.grad(lambda x: torch.tanh(W @ x).sum()))(xs).pow(2).sum(),
+        (3, 3),
+        (5, 3),
+    ),
+    "grad_captured": (
+        lambda lib, W, x: lib.grad(lambda x: torch.tanh(W @ x).sum())(x).pow(2).sum(),
+        (3, 3),
+        (3,),
+    ),
+    "hessian": (
+        lambda lib, x: lib.hessian(lambda x: (x.sin() * x.exp()).sum())(x).pow(2).sum(),
+        (3,),
+    ),
+    "jacrev": (lambda lib, x: lib.jacrev(lambda x: x.sin().cumsum(0))(x).pow(2).sum(), (3,)),
+    "jacfwd": (lambda lib, x: lib.jacfwd(lambda x: x.sin().cumsum(0))(x).pow(2).sum(), (3,)),
+    "hvp": (
+        lambda lib, x, v: lib.jvp(lib.grad(lambda x: (x.sin() ** 3).sum()), (x,), (v,))[1].sum(),
+        (3,),
+        (3,),
+    ),
+    "vmap_of_vjp_fn": (
+        lambda lib, x: (
+            lib.vmap(lib.vjp(lambda x: x.sin() * x.sum(), x)[1])(torch.eye(3))[0].pow(2).sum()
+        ),
+        (3,),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_OUTER))
+def test_torch_autograd_over_our_outputs(case):
+    build, *shapes = _OUTER[case]
+    _assert_same_outer_grads(build, *shapes)
+
+
+def _double_backward(op):
+    return lambda lib, x: lib.grad(lambda a: op(a).sum())(x).pow(2).sum()
+
+
+_EYE3 = torch.eye(3, dtype=torch.float64)
+# the issue's list: wrong (or no) dependence on the primal in torch.autograd over ft.grad
+_DOUBLE = {
+    "addcmul": (lambda a: torch.addcmul(a, a, a, value=0.5), (4,)),
+    "addcdiv": (lambda a: torch.addcdiv(a, a, a.exp(), value=0.5), (4,)),
+    "std": (lambda a: a.std(), (5,)),
+    "std_mean": (lambda a: torch.std_mean(a)[0] * torch.std_mean(a)[1], (5,)),
+    "norm": (lambda a: a.norm(), (5,)),
+    "renorm": (lambda a: torch.renorm(a, 2, 0, 0.5), (3, 4)),
+    "logaddexp2": (lambda a: torch.logaddexp2(a, a.sin()), (4,)),
+    "true_divide": (lambda a: torch.true_divide(a.exp(), a.cos() + 2), (4,)),
+    "triplet_margin_loss": (lambda a: F.triplet_margin_loss(a, a.sin(), a.cos()), (3, 4)),
+    "sqrt": (lambda a: a.exp().sqrt(), (4,)),
+    "linalg.inv": (lambda a: torch.linalg.inv(a + 4 * _EYE3), (3, 3)),
+    "linalg.solve_ex": (lambda a: torch.linalg.solve_ex(a + 4 * _EYE3, a[:, 0])[0], (3, 3)),
+    "linalg.eigvalsh": (lambda a: torch.linalg.eigvalsh(a + a.mT) ** 2, (3, 3)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_DOUBLE))
+def test_double_backward_through_ft_grad(op):
+    fn, shape = _DOUBLE[op]
+    _assert_same_outer_grads(_double_backward(fn), shape)
+
+
+def test_addcmul_double_backward_value():
+    """The issue's example: d/dx sum(grad(addcmul(a, a, a, value=.5))) = 1 (not 0.5)."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    g = ft.grad(lambda a: torch.addcmul(a, a, a, value=0.5).sum())(x)
+    _close(torch.autograd.grad(g.sum(), x)[0], torch.ones(4, dtype=torch.float64))
+
+
+def test_model_with_vmap_jacrev_term():
+    """`lin(r).sum() + vmap(jacrev(tanh(lin(q))))(r).sum()`, derivative by lin.weight."""
+    grads = {}
+    for name, lib in LIBS.items():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(3, 3).double()
+        r = torch.randn(4, 3, dtype=torch.float64)
+        loss = lin(r).sum() + lib.vmap(lib.jacrev(lambda q: torch.tanh(lin(q))))(r).sum()  # noqa: B023
+        grads[name] = torch.autograd.grad(loss, lin.weight)[0]
+    _close(grads["ft"], grads["torch.func"])
+
+
+# MAML: an inner step with grad, the outer step with ordinary autograd
+def _maml_plain(lib, w, tasks, lr=0.1):
+    def inner_loss(w, x, y):
+        return ((x @ w - y) ** 2).mean()
+
+    total = 0
+    for xs, ys, xq, yq in tasks:
+        w1 = w - lr * lib.grad(inner_loss)(w, xs, ys)
+        w2 = w1 - lr * lib.grad(inner_loss)(w1, xs, ys)  # two inner steps: third-order terms
+        total = total + inner_loss(w2, xq, yq)
+    return total
+
+
+def _tasks(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [
+        tuple(
+            torch.randn(*s, generator=g, dtype=torch.float64) for s in ((6, 4), (6,), (5, 4), (5,))
+        )
+        for _ in range(n)
+    ]
+
+
+def test_maml_plain_tensors():
+    tasks = _tasks()
+    w0 = torch.randn(4, dtype=torch.float64)
+    grads = {}
+    for name, lib in LIBS.items():
+        w = w0.clone().requires_grad_()
+        _maml_plain(lib, w, tasks).backward()
+        grads[name] = w.grad
+
+    class _Autograd:  # plain autograd with create_graph: the textbook MAML
+        @staticmethod
+        def grad(f):
+            def g(w, *a):
+                return torch.autograd.grad(f(w, *a), w, create_graph=True)[0]
+
+            return g
+
+    w = w0.clone().requires_grad_()
+    _maml_plain(_Autograd, w, tasks).backward()
+    _close(grads["ft"], w.grad)
+    _close(grads["torch.func"], w.grad)
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).double()
+
+
+def test_maml_module_functional_call():
+    tasks = _tasks()
+    grads = {}
+    for name, lib in LIBS.items():
+        net = _net()
+        params = dict(net.named_parameters())
+
+        def loss_fn(p, x, y, lib=lib, net=net):
+            return F.mse_loss(lib.functional_call(net, p, (x,)).squeeze(-1), y)
+
+        meta = 0
+        for xs, ys, xq, yq in tasks:
+            g = lib.grad(loss_fn)(params, xs, ys)
+            fast = {k: params[k] - 0.1 * g[k] for k in params}
+            meta = meta + loss_fn(fast, xq, yq)
+        meta.backward()
+        grads[name] = {k: p.grad.clone() for k, p in net.named_parameters()}
+    for k in grads["ft"]:
+        _close(grads["ft"][k], grads["torch.func"][k])
+
+
+def test_maml_vmapped_over_tasks():
+    """The per-task inner step batched with vmap, meta-gradient by backward()."""
+    tasks = _tasks(4)
+    stacked = [torch.stack([t[i] for t in tasks]) for i in range(4)]
+    w0 = torch.randn(4, dtype=torch.float64)
+    grads = {}
+    for name, lib in LIBS.items():
+
+        def task_loss(w, xs, ys, xq, yq, lib=lib):
+            inner = lambda w: ((xs @ w - ys) ** 2).mean()  # noqa: E731
+            w1 = w - 0.1 * lib.grad(inner)(w)
+            return ((xq @ w1 - yq) ** 2).mean()
+
+        w = w0.clone().requires_grad_()
+        lib.vmap(task_loss, in_dims=(None, 0, 0, 0, 0))(w, *stacked).sum().backward()
+        grads[name] = w.grad
+    _close(grads["ft"], grads["torch.func"])
+
+
+def test_vmap_inside_module_forward():
+    """A module whose forward uses ft.vmap trains like one using torch.func.vmap."""
+
+    class PerRow(torch.nn.Module):
+        def __init__(self, lib):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(3, 4).double()
+            self.lib = lib
+
+        def forward(self, x):
+            return self.lib.vmap(lambda r: torch.tanh(self.lin(r)).max() * r.norm())(x)
+
+    x = torch.randn(6, 3, dtype=torch.float64)
+    grads = {}
+    for name, lib in LIBS.items():
+        m = PerRow(lib)
+        m(x).pow(2).sum().backward()
+        grads[name] = [p.grad for p in m.parameters()]
+    for a, b in zip(grads["ft"], grads["torch.func"]):
+        _close(a, b)
+
+
+def test_ensemble_training_step():
+    """stack_module_state + vmap(functional_call) forward, loss.backward() on the stacked params."""
+    torch.manual_seed(0)
+    models = [
+        torch.nn.Sequential(
+            torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        ).double()
+        for _ in range(4)
+    ]
+    x = torch.randn(8, 5, dtype=torch.float64)
+    y = torch.randint(0, 2, (8,))
+    grads = {}
+    for name, lib in LIBS.items():
+        params, buffers = lib.stack_module_state(models)
+        base = copy.deepcopy(models[0]).to("meta")
+
+        def fmodel(p, b, x, base=base, lib=lib):
+            return lib.functional_call(base, (p, b), (x,))
+
+        logits = lib.vmap(fmodel, in_dims=(0, 0, None))(params, buffers, x)  # [4, 8, 2]
+        loss = F.cross_entropy(logits.reshape(-1, 2), y.repeat(4))
+        loss.backward()
+        grads[name] = {k: v.grad for k, v in params.items()}
+    for k in grads["ft"]:
+        _close(grads["ft"][k], grads["torch.func"][k])
+
+
+def test_no_torch_graph_when_nothing_requires_grad():
+    """The common path: nothing requires grad, nothing is recorded by torch."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert not ft.vmap(torch.mean)(x).requires_grad
+    assert not ft.grad(lambda x: (x.sin() ** 2).sum())(x[0]).requires_grad
+    assert not ft.jvp(torch.sin, (x,), (x,))[1].requires_grad
