@@ -346,3 +346,138 @@ def test_no_torch_graph_when_nothing_requires_grad():
     assert not ft.vmap(torch.mean)(x).requires_grad
     assert not ft.grad(lambda x: (x.sin() ** 2).sum())(x[0]).requires_grad
     assert not ft.jvp(torch.sin, (x,), (x,))[1].requires_grad
+
+
+# -- 2. grad-mode semantics ---------------------------------------------------------------------
+def _sin_stopped(x):
+    with torch.no_grad():
+        s = x.sin()
+    return (s * x).sum()
+
+
+def _sin_set_grad_enabled(x):
+    torch.set_grad_enabled(False)
+    try:
+        s = x.sin()
+    finally:
+        torch.set_grad_enabled(True)
+    return (s * x).sum()
+
+
+def _sin_inference_mode(x):
+    with torch.inference_mode():
+        s = x.sin()
+    return (s.clone() * x).sum()
+
+
+_GRAD_MODE_CALLS = {
+    "grad": lambda lib, f, x: lib.grad(f)(x),
+    "vjp": lambda lib, f, x: lib.vjp(f, x)[1](torch.tensor(1.0, dtype=x.dtype))[0],
+    "jacrev": lambda lib, f, x: lib.jacrev(f)(x),
+    "vmap_grad": lambda lib, f, x: lib.vmap(lib.grad(f))(torch.stack([x, 2 * x])),
+    "grad_of_grad": lambda lib, f, x: lib.grad(lambda y: lib.grad(f)(y).sum())(x),
+    "hessian": lambda lib, f, x: lib.hessian(f)(x),
+    "jvp_of_grad": lambda lib, f, x: lib.jvp(lib.grad(f), (x,), (torch.ones_like(x),))[1],
+    "value_and_grad": lambda lib, f, x: (
+        ft.value_and_grad(f)(x)[1] if lib is ft else tf.grad_and_value(f)(x)[0]
+    ),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_GRAD_MODE_CALLS))
+@pytest.mark.parametrize("f", [_sin_stopped, _sin_set_grad_enabled], ids=["no_grad", "set_grad"])
+def test_no_grad_inside_stops_our_grad(call, f):
+    """torch.func: the no_grad part is a constant (grad = sin x, not sin x + x cos x)."""
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    run = _GRAD_MODE_CALLS[call]
+    _close(run(ft, f, x), run(tf, f, x))
+
+
+def test_inference_mode_inside_stops_our_grad():
+    """torch.func raises here (inference tensors saved for backward); we treat it as no_grad."""
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    _close(ft.grad(_sin_inference_mode)(x), x.sin())
+
+
+def test_outer_no_grad_does_not_stop_our_transforms():
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    with torch.no_grad():
+        g = ft.grad(lambda x: (x**3).sum())(xr)
+        h = ft.hessian(lambda x: (x**3).sum())(x)
+        t = ft.jvp(torch.sin, (x,), (torch.ones(2, dtype=x.dtype),))[1]
+        assert torch.is_grad_enabled() is False  # restored after each call
+    _close(g, 3 * x**2)
+    assert not g.requires_grad  # as torch.func: nothing recorded by torch under the outer no_grad
+    _close(h, torch.diag(6 * x))
+    _close(t, x.cos())
+
+
+def test_grad_mode_restored_after_exception():
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+
+    def boom(x):
+        raise RuntimeError("boom")
+
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="boom"):
+            ft.grad(boom)(x)
+        assert not torch.is_grad_enabled()
+
+
+def test_inplace_under_no_grad_keeps_history():
+    """`with no_grad: y.mul_(3)` changes y's value, not its history (as torch's autograd)."""
+
+    def f(x):
+        y = x * 2
+        with torch.no_grad():
+            y.mul_(3)
+        return (y * x).sum()
+
+    def g(x):
+        buf = torch.zeros(2, dtype=x.dtype)
+        with torch.no_grad():
+            buf[0] = x[0] * 3
+        return (buf * x).sum() + x.sum()
+
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    for fn in (f, g):
+        _close(ft.grad(fn)(x), tf.grad(fn)(x))
+        _close(
+            ft.jvp(fn, (x,), (torch.ones_like(x),))[1], tf.jvp(fn, (x,), (torch.ones_like(x),))[1]
+        )
+
+
+def test_fwd_grad_disabled_inside_jvp():
+    import torch.autograd.forward_ad as fwAD
+
+    def g(x):
+        with fwAD._set_fwd_grad_enabled(False):
+            s = x.sin()
+        return s * x
+
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    v = torch.ones_like(x)
+    for a, b in zip(ft.jvp(g, (x,), (v,)), tf.jvp(g, (x,), (v,))):
+        _close(a, b)
+    _close(ft.jacfwd(g)(x), tf.jacfwd(g)(x))
+
+
+def test_no_grad_inside_does_not_stop_jvp():
+    """torch.no_grad is about reverse mode only (forward AD ignores it), in torch.func too."""
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    v = torch.ones_like(x)
+    for a, b in zip(ft.jvp(_sin_stopped, (x,), (v,)), tf.jvp(_sin_stopped, (x,), (v,))):
+        _close(a, b)
+
+
+def test_vjp_fn_under_outer_no_grad():
+    x = torch.tensor([0.3, 0.7], dtype=torch.float64, requires_grad=True)
+    for lib in (ft, tf):
+        out, fn = lib.vjp(torch.sin, x)
+        assert out.requires_grad
+        with torch.no_grad():
+            (r,) = fn(torch.ones(2, dtype=x.dtype))
+        assert not r.requires_grad
+        (r,) = fn(torch.ones(2, dtype=x.dtype))
+        assert r.requires_grad
