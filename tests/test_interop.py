@@ -481,3 +481,114 @@ def test_vjp_fn_under_outer_no_grad():
         assert not r.requires_grad
         (r,) = fn(torch.ones(2, dtype=x.dtype))
         assert r.requires_grad
+
+
+# -- 3. writes to primals, repeated argnums, randomness='error' ---------------------------------
+_WRITES = {
+    "jvp_copy_": lambda lib, x: lib.jvp(
+        lambda a, b: a.copy_(b), (x, torch.ones_like(x)), (torch.zeros_like(x),) * 2
+    ),
+    "jvp_mul_": lambda lib, x: lib.jvp(lambda a: a.mul_(2), (x,), (torch.ones_like(x),)),
+    "jvp_view_write": lambda lib, x: lib.jvp(lambda a: a[0].mul_(2), (x,), (torch.ones_like(x),))[
+        0
+    ],
+    "jacfwd_mul_": lambda lib, x: lib.jacfwd(lambda a: a.mul_(2))(x),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WRITES))
+def test_inplace_write_to_primal_reaches_caller(case):
+    results = {}
+    for name, lib in LIBS.items():
+        x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        out = _WRITES[case](lib, x)
+        results[name] = (x, out)
+    _close(results["ft"][0], results["torch.func"][0])  # the caller's tensor
+    _close(results["ft"][1], results["torch.func"][1])  # what the transform returned
+
+
+def test_inplace_write_to_primal_under_vjp_and_grad():
+    """torch.func refuses these (an in-place op on a leaf it made require grad); we write the
+    final value back, as jvp does, and differentiate the function as written."""
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    out, fn = ft.vjp(lambda a: a.mul_(2), x)
+    _close(x, torch.tensor([2.0, 4.0], dtype=torch.float64))
+    _close(fn(torch.ones(2, dtype=x.dtype))[0], torch.full((2,), 2.0, dtype=x.dtype))
+    y = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    g = ft.grad(lambda a: a.mul_(3).pow(2).sum())(y)
+    _close(y, torch.tensor([3.0, 6.0], dtype=torch.float64))
+    _close(g, 18 * torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+
+def test_inplace_write_to_leaf_requiring_grad_raises():
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        ft.jvp(lambda a: a.mul_(2), (x,), (torch.ones_like(x),))
+
+
+@pytest.mark.parametrize("argnums", [(0, 0), (0, -2), (1, 0, 1)])
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jacfwd", "grad_and_value"])
+def test_repeated_argnums_raise(transform, argnums):
+    f = lambda a, b: (a * b).sum() if transform.startswith("grad") else a * b  # noqa: E731
+    x = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="unique"):  # torch.func's error, as reference
+        getattr(tf, transform)(f, argnums=argnums)(x, x)
+    with pytest.raises(ValueError, match=r"names the same positional argument more than once"):
+        getattr(ft, transform)(f, argnums=argnums)(x, x)
+
+
+_GEN = torch.Generator().manual_seed(0)
+_DRAWS = {
+    "randn": lambda r: torch.randn(3, dtype=r.dtype) + r,
+    "generator": lambda r: torch.randn(3, generator=_GEN, dtype=r.dtype) + r,
+    "meta": lambda r: torch.randn(3, device="meta").sum() * 0 + r,
+    "rand_like": lambda r: torch.rand_like(r),
+    "dropout": lambda r: F.dropout(r, 0.5),
+    "uniform_": lambda r: r.clone().uniform_(),
+    "randperm": lambda r: r[torch.randperm(3)],
+    "normal": lambda r: torch.normal(0.0, 1.0, (3,), dtype=r.dtype) + r,
+    "inside_grad": lambda r: ft.grad(lambda y: (y * torch.randn(3, dtype=y.dtype)).sum())(r),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DRAWS))
+def test_randomness_error_detects_every_draw(case):
+    from functransforms.errors import RandomnessError
+
+    x = torch.zeros(4, 3, dtype=torch.float64)
+    f = _DRAWS[case]
+    with pytest.raises(RuntimeError, match="randomness error mode"):  # torch.func raises too
+        tf.vmap(f)(x)
+    with pytest.raises(RandomnessError, match=r"draws random numbers.*randomness='error'"):
+        ft.vmap(f)(x)
+    torch.randn(2)  # and outside vmap, drawing works again
+
+
+def test_randomness_error_ignores_other_threads():
+    import threading
+
+    stop = threading.Event()
+
+    def draw():
+        while not stop.is_set():
+            torch.randn(8)
+
+    t = threading.Thread(target=draw)
+    t.start()
+    try:
+        x = torch.zeros(4, 3)
+        for _ in range(100):
+            ft.vmap(lambda r: r.sin() * 2)(x)
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_randomness_error_state_restored_after_exception():
+    from functransforms.errors import RandomnessError
+
+    with pytest.raises(RandomnessError):
+        ft.vmap(lambda r: torch.randn(3) + r)(torch.zeros(2, 3))
+    torch.randn(3)
+    out = ft.vmap(lambda r: torch.randn(3) + r, randomness="different")(torch.zeros(5, 3))
+    assert (out.std(0) > 0).all()
