@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -29,7 +29,7 @@ def _reduce(loss, reduction):
     """Per-example mean/sum of an unreduced loss with the batch dim in front."""
     if reduction == _NONE:
         return loss
-    flat = loss.reshape(loss.shape[0], -1)
+    flat = flat_batch(loss)
     return flat.mean(1) if reduction == _MEAN else flat.sum(1)
 
 
@@ -233,3 +233,78 @@ def _softmax_backward(op):
 
 _softmax_backward(aten._softmax_backward_data.default)
 _softmax_backward(aten._log_softmax_backward_data.default)
+
+
+# Note [Batching batch norm]
+#     Batch norm normalizes each channel independently, so a batch of examples folds into the
+#     channels: [B, N, C, *] -> [N, B*C, *], with weight/bias/running stats laid out per
+#     example ([B, C] -> [B*C]; unbatched ones repeated). In training mode the running stats
+#     are updated in place: batched stats are updated through a view of their physical value,
+#     and unbatched ones cannot hold one update per example, so that case raises (as
+#     torch.func does), naming the two ways out.
+def _bn_param(x, bdim, B):
+    if x is None:
+        return None
+    if bdim is None:
+        return x.repeat(B)
+    return to_front(x, bdim).reshape(-1)
+
+
+@register_vmap_rule(aten.native_batch_norm.default)
+def native_batch_norm_vmap_rule(interp, args, bdims, kwargs):
+    x, weight, bias, rmean, rvar, training, momentum, eps = args
+    xb = bdims[0]
+    B = interp.batch_size
+    if training and xb is not None and any(
+        t is not None and b is None for t, b in ((rmean, bdims[3]), (rvar, bdims[4]))
+    ):
+        from functransforms.errors import InplaceError
+
+        raise InplaceError(
+            f"{interp.call}: batch norm in training mode got a batched input, but its running "
+            "statistics (running_mean/running_var, updated in place) are not batched: one "
+            "tensor cannot hold one update per example. Do: "
+            "`functransforms.replace_all_batch_norm_modules_(model)` (no running stats, as "
+            "torch.func's), or `model.eval()`, or pass batched buffers (e.g. from "
+            "stack_module_state) with in_dims=0."
+        )
+    if xb is None:
+        x = x.unsqueeze(0).expand((B,) + tuple(x.shape))
+    else:
+        x = to_front(x, xb)
+    n, c = x.shape[1], x.shape[2]
+    rest = tuple(x.shape[3:])
+    folded = x.transpose(0, 1).reshape((n, B * c) + rest)
+    stats = []
+    for t, b in ((rmean, bdims[3]), (rvar, bdims[4])):
+        if t is None:
+            stats.append(None)
+        elif b is None:
+            stats.append(t.repeat(B))  # eval mode only (training raised above)
+        else:
+            front = to_front(t, b)  # a contiguous one is updated in place through the view
+            stats.append(front.reshape(-1) if front.is_contiguous() else front.contiguous().view(-1))
+    out, save_mean, save_invstd = aten.native_batch_norm.default(
+        folded,
+        _bn_param(weight, bdims[1], B),
+        _bn_param(bias, bdims[2], B),
+        stats[0],
+        stats[1],
+        training,
+        momentum,
+        eps,
+    )
+    if training:
+        for t, b, flat in ((rmean, bdims[3], stats[0]), (rvar, bdims[4], stats[1])):
+            if t is not None and b is not None:
+                front = to_front(t, b)
+                if not front.is_contiguous():
+                    front.copy_(flat.reshape(front.shape))
+    out = out.reshape((n, B, c) + rest)
+    save_mean = save_mean.reshape(B, -1) if save_mean.numel() else save_mean
+    save_invstd = save_invstd.reshape(B, -1) if save_invstd.numel() else save_invstd
+    return (out, save_mean, save_invstd), (
+        1,
+        0 if save_mean.dim() == 2 else None,
+        0 if save_invstd.dim() == 2 else None,
+    )

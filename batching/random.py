@@ -46,9 +46,22 @@ _RANDOM_KEY = "TESTING_ONLY_GenericMode"
 _libs: list = []  # keeps the registrations alive
 
 
+def _dropout_p_position(op):
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == "dropout_p":
+            return i
+    return None
+
+
 def _random_op_kernel(op):
+    p_at = _dropout_p_position(op)  # attention ops draw only when dropout_p > 0
+
     def random_op_in_error_vmap(*args, **kwargs):
-        for interp in reversed(interpreter_stack()):
+        draws = True
+        if p_at is not None:
+            p = args[p_at] if len(args) > p_at else kwargs.get("dropout_p", 0.0)
+            draws = p > 0
+        for interp in reversed(interpreter_stack()) if draws else ():
             if isinstance(interp, VmapInterpreter) and interp.randomness == "error":
                 raise_random(interp, op)
         # included but no 'error' level on this thread's stack (e.g. a grad level's backward
@@ -76,7 +89,11 @@ def _register_random_kernels():
                 continue
             for overload in packet.overloads():
                 op = getattr(packet, overload)
-                if torch.Tag.nondeterministic_seeded in op.tags:
+                # composite ops are skipped: what they decompose into draws (or not: dropout
+                # with train=False), and is caught there
+                if torch.Tag.nondeterministic_seeded in op.tags and not op.has_kernel_for_dispatch_key(
+                    torch._C.DispatchKey.CompositeImplicitAutograd
+                ):
                     lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
 
 

@@ -51,10 +51,22 @@ class Interpreter:
         _state.stack.append(self)
         return self
 
+    _on_exit = None
+
+    def on_exit(self, fn):
+        """Call ``fn()`` when this level exits, also on exceptions (e.g. restoring a user's
+        tensor that an inner level handed over: Note [Writing into a plain tensor])."""
+        if self._on_exit is None:
+            self._on_exit = []
+        self._on_exit.append(fn)
+
     def __exit__(self, *exc):
         popped = _state.stack.pop()
         assert popped is self, "interpreter stack corrupted"
         self.alive = False
+        if self._on_exit:
+            for fn in reversed(self._on_exit):
+                fn()
         return False
 
     def __repr__(self):
