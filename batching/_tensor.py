@@ -53,7 +53,12 @@ _getitem = torch.Tensor.__getitem__
 
 
 def _is_int_scalar(a):
-    return isinstance(a, BatchedTensor) and a.dim() == 0 and not is_floating(a) and a.dtype != torch.bool
+    return (
+        isinstance(a, BatchedTensor)
+        and a.dim() == 0
+        and not is_floating(a)
+        and a.dtype != torch.bool
+    )
 
 
 def _tensor_index(index):

@@ -283,7 +283,8 @@ def native_batch_norm_vmap_rule(interp, args, bdims, kwargs):
             stats.append(t.repeat(B))  # eval mode only (training raised above)
         else:
             front = to_front(t, b)  # a contiguous one is updated in place through the view
-            stats.append(front.reshape(-1) if front.is_contiguous() else front.contiguous().view(-1))
+            flat = front.reshape(-1) if front.is_contiguous() else front.contiguous().view(-1)
+            stats.append(flat)
     out, save_mean, save_invstd = aten.native_batch_norm.default(
         folded,
         _bn_param(weight, bdims[1], B),

@@ -91,9 +91,10 @@ def _register_random_kernels():
                 op = getattr(packet, overload)
                 # composite ops are skipped: what they decompose into draws (or not: dropout
                 # with train=False), and is caught there
-                if torch.Tag.nondeterministic_seeded in op.tags and not op.has_kernel_for_dispatch_key(
+                composite = op.has_kernel_for_dispatch_key(
                     torch._C.DispatchKey.CompositeImplicitAutograd
-                ):
+                )
+                if torch.Tag.nondeterministic_seeded in op.tags and not composite:
                     lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
 
 
