@@ -44,6 +44,7 @@ aten = torch.ops.aten
 #     third-party modes. Registration scans the op tags once, at the first such vmap.
 _RANDOM_KEY = "TESTING_ONLY_GenericMode"
 _libs: list = []  # keeps the registrations alive
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 def _dropout_p_position(op):
@@ -91,10 +92,9 @@ def _register_random_kernels():
                 op = getattr(packet, overload)
                 # composite ops are skipped: what they decompose into draws (or not: dropout
                 # with train=False), and is caught there
-                composite = op.has_kernel_for_dispatch_key(
-                    torch._C.DispatchKey.CompositeImplicitAutograd
-                )
-                if torch.Tag.nondeterministic_seeded in op.tags and not composite:
+                if torch.Tag.nondeterministic_seeded not in op.tags:
+                    continue
+                if not op.has_kernel_for_dispatch_key(_COMPOSITE):
                     lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
 
 

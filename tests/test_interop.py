@@ -592,3 +592,153 @@ def test_randomness_error_state_restored_after_exception():
     torch.randn(3)
     out = ft.vmap(lambda r: torch.randn(3) + r, randomness="different")(torch.zeros(5, 3))
     assert (out.std(0) > 0).all()
+
+
+# -- 4. user objects are never left as wrappers; batch norm; empty batches; integer indices ------
+def _write_captured(buf):
+    def f(x):
+        buf[0] = x.sum()
+        return (buf * x).sum()
+
+    return f
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_captured_tensor_not_left_batched_after_vmap_grad(raises):
+    buf = torch.zeros(3, dtype=torch.float64)
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    f = _write_captured(buf)
+
+    def g(x):
+        out = f(x)
+        if raises:
+            raise ValueError("boom")
+        return out
+
+    if raises:
+        with pytest.raises(ValueError, match="boom"):
+            ft.vmap(ft.grad(g))(xs)
+    else:
+        out = ft.vmap(ft.grad(g))(xs)
+        # per example: buf = [sum x, 0, 0], f = x0 * sum x
+        expected = xs[:, :1].expand(4, 3) + torch.eye(3, dtype=xs.dtype)[0] * xs.sum(
+            1, keepdim=True
+        )
+        _close(out, expected)
+    assert type(buf) is torch.Tensor  # not a (dead) BatchedTensor
+    _close(buf, torch.zeros(3, dtype=torch.float64))  # one value per example: the original kept
+    buf.add_(1)  # an ordinary tensor again
+
+
+def test_captured_tensor_written_under_nested_grad():
+    """grad(grad(f)) writing a captured buffer: the buffer ends with the value eager code
+    leaves, as a plain tensor, and can be written again by a later call."""
+    buf = torch.zeros(3, dtype=torch.float64)
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    f = _write_captured(buf)
+    for _ in range(2):
+        _close(ft.grad(lambda x: ft.grad(f)(x).sum())(x), torch.tensor([4.0, 1, 1]).double())
+        assert type(buf) is torch.Tensor
+        _close(buf, torch.tensor([6.0, 0, 0], dtype=torch.float64))
+        _close(ft.grad(f)(x), torch.tensor([7.0, 1, 1], dtype=torch.float64))
+
+
+def _bn(mode):
+    torch.manual_seed(1)
+    bn = torch.nn.BatchNorm1d(3).double()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2)
+    if mode == "eval":
+        bn.eval()
+    return bn
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_running_stats", "batched_stats"])
+def test_batch_norm_under_vmap_matches_torch_func(mode):
+    xs = torch.randn(4, 5, 3, dtype=torch.float64)
+    results = {}
+    for name, lib in LIBS.items():
+        bn = _bn(mode)
+        if mode == "no_running_stats":
+            lib.replace_all_batch_norm_modules_(bn)
+        p, b = dict(bn.named_parameters()), dict(bn.named_buffers())
+        if mode == "batched_stats":
+            b = {k: v.expand(4, *v.shape).clone() for k, v in b.items()}
+            out = lib.vmap(
+                lambda p, b, x, bn=bn, lib=lib: lib.functional_call(bn, (p, b), (x,)),
+                in_dims=(None, 0, 0),
+            )(p, b, xs)
+            results[name] = (out, b["running_mean"], b["running_var"])
+            continue
+
+        def loss(p, x, bn=bn, b=b, lib=lib):
+            return lib.functional_call(bn, (p, b), (x,)).pow(2).sum()
+
+        out = lib.vmap(lambda x, bn=bn, b=b, lib=lib: lib.functional_call(bn, (p, b), (x,)))(xs)
+        g = lib.vmap(lib.grad(loss), in_dims=(None, 0))(p, xs)
+        results[name] = (out, g["weight"], g["bias"])
+    for a, b in zip(results["ft"], results["torch.func"]):
+        _close(a, b)
+
+
+def test_batch_norm_unbatched_running_stats_raise_clearly():
+    from functransforms.errors import InplaceError
+
+    bn = _bn("train")
+    before = bn.running_mean.clone()
+    with pytest.raises(InplaceError, match=r"running statistics.*replace_all_batch_norm_modules_"):
+        ft.vmap(bn)(torch.randn(4, 5, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="running_mean or running_var"):  # torch.func too
+        tf.vmap(bn)(torch.randn(4, 5, 3, dtype=torch.float64))
+    assert type(bn.running_mean) is torch.Tensor
+    _close(bn.running_mean, before)
+
+
+def test_replace_all_batch_norm_modules_is_exported():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    assert ft.replace_all_batch_norm_modules_(net) is net
+    assert net[1].running_mean is None and not net[1].track_running_stats
+
+
+_EMPTY = {
+    "vmap_grad": lambda lib: lib.vmap(lib.grad(lambda x: (x.sin() ** 2).sum()))(
+        torch.randn(0, 3, dtype=torch.float64)
+    ),
+    "vmap_sum": lambda lib: lib.vmap(torch.sum)(torch.randn(0, 3, dtype=torch.float64)),
+    "vmap_mean_dim": lambda lib: lib.vmap(lambda x: x.mean(0))(torch.randn(0, 3, 2)),
+    "hessian_empty": lambda lib: lib.hessian(lambda x: (x**3).sum())(
+        torch.randn(0, dtype=torch.float64)
+    ),
+    "jacrev_empty": lambda lib: lib.jacrev(torch.sin)(torch.randn(0, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EMPTY))
+def test_batch_size_zero(case):
+    ours, ref = _EMPTY[case](ft), _EMPTY[case](tf)
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+
+
+_V = torch.randn(5, dtype=torch.float64)
+_M = torch.randn(5, 3, dtype=torch.float64)
+_INDEXING = {
+    "v[i]": (lambda i: _V[i], torch.tensor([3, 0, 4, 1])),
+    "M[i]": (lambda i: _M[i], torch.tensor([3, 0, 4, 1])),
+    "take_0d": (lambda i: torch.take(_V, i), torch.tensor([3, 0, -1, 1])),
+    "take_2d": (lambda i: torch.take(_M, i), torch.tensor([[1, 7], [0, 14], [3, -3]])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_INDEXING))
+def test_batched_integer_index_gathers(case):
+    f, idx = _INDEXING[case]
+    _close(ft.vmap(f)(idx), tf.vmap(f)(idx))
+
+
+def test_take_batched_source_and_grad():
+    V = torch.randn(2, 5, dtype=torch.float64)
+    i = torch.tensor([[-1, 2], [0, -5]])
+    _close(ft.vmap(torch.take)(V, i), tf.vmap(torch.take)(V, i))
+    g = lambda lib: lib.vmap(lib.grad(lambda v, i: torch.take(v, i).pow(2).sum()))(V, i)  # noqa: E731
+    _close(g(ft), g(tf))
