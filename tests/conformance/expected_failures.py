@@ -172,8 +172,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("nn.functional.pad.circular", "jvp[complex]"): "crash: InplaceError",
     ("nn.functional.pad.circular", "vjp"): "crash: InplaceError",
     ("nn.functional.pad.circular", "vjp[complex]"): "crash: InplaceError",
-    ("nn.functional.pad.circular", "vmap"): "crash: InplaceError",
-    ("nn.functional.pad.circular", "vmap[complex]"): "crash: InplaceError",
     ("nn.functional.pdist", "vjp"): "no vjp rule",
     ("ormqr", "vjp"): "no vjp rule",
     ("ormqr", "vjp[complex]"): "no vjp rule",
