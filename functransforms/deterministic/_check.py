@@ -356,3 +356,18 @@ def check_deterministic(fn, *args, runs=3, vary_threads=False, **kwargs):
     finally:
         torch.set_num_threads(cur)
     return DeterminismReport(len(plan), len(ref.ops) if ref else 0, divergence, tuple(plan))
+
+
+def assert_deterministic(fn, *args, runs=3, vary_threads=False, **kwargs):
+    """Raise ``AssertionError`` (the report as the message) unless ``fn`` is bitwise
+    reproducible: ``check_deterministic`` for test suites and hypothesis properties.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> from functransforms.testing import assert_deterministic
+        >>> assert_deterministic(ft.grad(lambda x: x.pow(3).sum()), torch.randn(4))   # [4] -> [4]
+    """
+    report = check_deterministic(fn, *args, runs=runs, vary_threads=vary_threads, **kwargs)
+    if not report.identical:
+        raise AssertionError(str(report))
+    return report
