@@ -122,18 +122,25 @@ def _bits(t):
 
 
 def digest(t):
-    """A hash of a tensor's shape, dtype and bits (None for tensors we cannot read)."""
+    """A checksum of a tensor's shape, dtype and bits (Note [Hashing every op]).
+
+    The integer sum of the bits read as int64 words: any change of one word changes it, and an
+    integer sum does not depend on the reduction order. One pass over memory, no copy for a
+    contiguous tensor.
+    """
     if not isinstance(t, torch.Tensor):
         return t if isinstance(t, (int, float, bool, type(None))) else type(t).__name__
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return (tuple(t.shape), str(t.dtype))
     b = _bits(t)
-    if b.device.type == "cpu":
-        h = hash(b.numpy().tobytes())
-    else:  # fixed integer weights: an integer sum does not depend on the order
-        w = torch.arange(1, b.numel() + 1, device=b.device, dtype=torch.int64) * 2654435761
-        h = int((b.to(torch.int64) * w).sum())
+    n8 = (b.numel() // 8) * 8
+    h = int(b[:n8].view(torch.int64).sum()) if n8 else 0
+    if n8 < b.numel():
+        h = h * 1000003 + int((b[n8:].to(torch.int64) * _POS[: b.numel() - n8]).sum())
     return (tuple(t.shape), t.dtype, h)
+
+
+_POS = torch.arange(1, 9, dtype=torch.int64)
 
 
 def _out_digest(out):
@@ -148,6 +155,10 @@ def _tensors(x):
     if isinstance(x, (tuple, list)):
         return [t for o in x for t in _tensors(o)]
     return []
+
+
+def _geometry(out):
+    return tuple((tuple(t.shape), t.stride(), t.storage_offset()) for t in _tensors(out))
 
 
 def _ordered(bits, nbits):
@@ -217,40 +228,53 @@ class HashMode(TransformAwareMode):
             self._held.append(t)
         return h
 
+    def _ins(self, args, kwargs):
+        return tuple(self._in_hash(t) for t in _tensors(args) + _tensors(list(kwargs.values())))
+
     def on_op(self, func, types, args, kwargs, passthrough):
+        f = facts(func)
+        ref = self.ref
+        pre = self._ins(args, kwargs) if f.written and (ref is None or self._comparing()) else None
         out = func(*args, **kwargs)
         if func is _DETACH:  # torch detaches factory outputs that run 0 still references
             return out
         pos = len(self.ops)
         self.ops.append(func)
-        ref = self.ref
-        if ref is None:  # run 0: record everything
-            ins = tuple(self._in_hash(t) for t in _tensors(args) + _tensors(list(kwargs.values())))
-            h = _out_digest(out)
-            self.hashes.append(h)
-            self.in_hashes.append(ins)
-            f = facts(func)
-            keep = out
-            if f.inplace or f.view or f.inplace_view or f.written:
-                keep = pytree.tree_map(
-                    lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out
-                )
-            self.values.append(keep)
-            for t in _tensors(out):
-                self._cache[(id(t), t._version)] = h if isinstance(out, torch.Tensor) else None
-                self._held.append(t)
+        if ref is not None and not self._comparing():
             return out
-        if self.divergence is not None or (self.limit is not None and pos >= self.limit):
+        if f.view:  # a view's bits are its input's: identify it by that and its geometry
+            h = ("view", self._in_hash(args[0]), _geometry(out))
+        else:
+            h = _out_digest(out)
+        for i, t in enumerate(_tensors(out)):
+            self._cache[(id(t), t._version)] = h if t is out else (h, i)
+            self._held.append(t)
+        if ref is None:  # run 0: keep what a later divergence needs
+            self.hashes.append(h)
+            self.in_hashes.append(pre if pre is not None else self._ins(args, kwargs))
+            keep = None
+            if not f.view:
+                keep = out
+                if f.written:
+                    keep = pytree.tree_map(
+                        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out
+                    )
+            self.values.append(keep)
             return out
         if pos >= len(ref.ops) or ref.ops[pos] is not func:
             self._diverge(func, pos, float("inf"), None, False, passthrough)
-            return out
-        h = _out_digest(out)
-        if h != ref.hashes[pos]:
-            mad, mud = _diffs(ref.values[pos], out)
-            ins = tuple(digest(t) for t in _tensors(args) + _tensors(list(kwargs.values())))
-            self._diverge(func, pos, mad, mud, ins != ref.in_hashes[pos], passthrough)
+        elif h != ref.hashes[pos]:
+            ins = pre if pre is not None else self._ins(args, kwargs)
+            differed = ins != ref.in_hashes[pos]
+            if f.view:
+                mad, mud = float("inf"), None
+            else:
+                mad, mud = _diffs(ref.values[pos], out)
+            self._diverge(func, pos, mad, mud, differed, passthrough)
         return out
+
+    def _comparing(self):
+        return self.divergence is None and (self.limit is None or len(self.ops) < self.limit)
 
     def _diverge(self, func, pos, mad, mud, inputs_differed, passthrough):
         loc, origin = self.where(sys._getframe(), passthrough)
