@@ -22,22 +22,47 @@ import functransforms as ft
 from functransforms.deterministic import _ops as det_ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_core import case_per_sample, median_time  # noqa: E402
+from bench_core import case_per_sample  # noqa: E402
 
 aten = torch.ops.aten
 
 
+def paired(fa, fb, reps):
+    """Medians of ``fa`` and ``fb`` timed alternately (the machine's load drifts: a ratio of
+    interleaved runs is steadier than one of two separate series)."""
+    import statistics
+    import time
+
+    for _ in range(2):
+        fa(), fb()
+    ta, tb = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fa()
+        t1 = time.perf_counter()
+        fb()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _in_mode(fn, **kw):
+    def run():
+        with ft.deterministic.enabled(**kw):
+            return fn()
+
+    return run
+
+
 def per_sample(reps):
     _, ours, *_ = case_per_sample(reps)
-    t_plain = median_time(ours, reps)
-    t_audit = median_time(lambda: ft.deterministic.audit(ours), reps)
     runs = 3
-    t_check = median_time(lambda: ft.deterministic.check_deterministic(ours, runs=runs), reps) / runs
-    with ft.deterministic.enabled():
-        t_mode = median_time(ours, reps)
-    with ft.deterministic.enabled(level="threads"):
-        t_threads = median_time(ours, reps)
-    return t_plain, t_audit, t_check, t_mode, t_threads
+    p1, a = paired(ours, lambda: ft.deterministic.audit(ours), reps)
+    p2, c = paired(ours, lambda: ft.deterministic.check_deterministic(ours, runs=runs), reps)
+    p3, m = paired(ours, _in_mode(ours), reps)
+    p4, t = paired(ours, _in_mode(ours, level="threads"), reps)
+    return (p1, a), (p2, c / runs), (p3, m), (p4, t)
 
 
 def index_put(reps):
@@ -46,10 +71,9 @@ def index_put(reps):
     idx = torch.randint(0, S, (N,), generator=g)
     v = torch.randn(N, generator=g)
     z = torch.zeros(S)
-    kernel = median_time(lambda: aten.index_put.default(z, [idx], v, True), reps)
-    with ft.deterministic.enabled():
-        ours = median_time(lambda: det_ops.det_call(aten.index_put.default, z, [idx], v, True), reps)
-    return kernel, ours
+    kernel = lambda: aten.index_put.default(z, [idx], v, True)  # noqa: E731
+    ours = _in_mode(lambda: det_ops.det_call(aten.index_put.default, z, [idx], v, True))
+    return paired(kernel, ours, reps)
 
 
 def embedding(reps):
@@ -61,21 +85,13 @@ def embedding(reps):
     def loss(W):
         return F.embedding(idx, W).tanh().sum()
 
-    f = ft.grad(loss)
-    base = median_time(lambda: f(W), reps)
-    with ft.deterministic.enabled():
-        mode = median_time(lambda: f(W), reps)
-    with ft.deterministic.enabled(level="threads"):
-        threads = median_time(lambda: f(W), reps)
-    return base, mode, threads
+    f = lambda: ft.grad(loss)(W)  # noqa: E731
+    return paired(f, _in_mode(f), reps), paired(f, _in_mode(f, level="threads"), reps)
 
 
 def big_sum(reps):
     x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(0))
-    base = median_time(lambda: x.sum(), reps)
-    with ft.deterministic.enabled(level="threads"):
-        ours = median_time(lambda: x.sum(), reps)
-    return base, ours
+    return paired(lambda: x.sum(), _in_mode(lambda: x.sum(), level="threads"), reps)
 
 
 def main(argv=None):
@@ -86,22 +102,23 @@ def main(argv=None):
     r = 5 if ns.quick else 15
     ms = lambda t: f"{t * 1e3:.2f}"  # noqa: E731
 
-    p, a, c, m, t = per_sample(r)
-    print("| workload | plain (ms) | with it (ms) | ratio | target |")
-    print("|---|---:|---:|---:|---|")
-    print(f"| (a) audit, per-sample grads (bench_core a) | {ms(p)} | {ms(a)} | {a / p:.2f} | <= 2 |")
-    print(
-        f"| (a) check_deterministic per run (runs=3) | {ms(p)} | {ms(c)} | {c / p:.2f} | <= 3 |"
-    )
-    print(f"| (a) deterministic mode, per-sample grads | {ms(p)} | {ms(m)} | {m / p:.2f} | - |")
-    print(f"| (a) level='threads', per-sample grads | {ms(p)} | {ms(t)} | {t / p:.2f} | - |")
+    rows = []
+    (p, a), (p2, c), (p3, m), (p4, t) = per_sample(r)
+    rows.append(("(a) audit, per-sample grads (bench_core a)", p, a, "<= 2"))
+    rows.append(("(a) check_deterministic, per run (runs=3)", p2, c, "<= 3"))
+    rows.append(("(a) enabled(), per-sample grads", p3, m, "-"))
+    rows.append(("(a) enabled(level='threads'), per-sample grads", p4, t, "-"))
     k, o = index_put(r)
-    print(f"| (b) index_put accumulate 1M -> 64k | {ms(k)} | {ms(o)} | {o / k:.2f} | <= 3 |")
-    b, em, et = embedding(r)
-    print(f"| (c) grad of embedding, 200k lookups of 50k x 64 | {ms(b)} | {ms(em)} | {em / b:.2f} | - |")
-    print(f"| (c) same, level='threads' | {ms(b)} | {ms(et)} | {et / b:.2f} | - |")
+    rows.append(("(b) index_put(accumulate=True), 1M values -> 64k slots", k, o, "<= 3"))
+    (b, em), (b2, et) = embedding(max(3, r // 3))
+    rows.append(("(c) grad of embedding: 200k lookups in 50k x 64, enabled()", b, em, "-"))
+    rows.append(("(c) same, enabled(level='threads')", b2, et, "-"))
     s0, s1 = big_sum(r)
-    print(f"| (d) 10M float32 sum, level='threads' | {ms(s0)} | {ms(s1)} | {s1 / s0:.2f} | - |")
+    rows.append(("(d) sum of 10M float32, enabled(level='threads')", s0, s1, "-"))
+    print("| workload | without (ms) | with (ms) | ratio | target |")
+    print("|---|---:|---:|---:|---|")
+    for name, x, y, target in rows:
+        print(f"| {name} | {ms(x)} | {ms(y)} | {y / x:.2f} | {target} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -198,10 +198,14 @@ def test_table_conditions():
     (put_acc,) = [e for e in _table.entries_for(aten.put_.default) if e.device == "cpu"]
     assert put_acc.condition((x, i, v, True), {}) and not put_acc.condition((x, i, v), {})
     (sr_sum, sr_prod) = _table.entries_for(aten.scatter_reduce.two)
-    assert sr_sum.condition((x, 0, i, v, "sum"), {}) and not sr_sum.condition((x, 0, i, v, "amax"), {})
+    assert sr_sum.condition((x, 0, i, v, "sum"), {}) and not sr_sum.condition(
+        (x, 0, i, v, "amax"), {}
+    )
     assert sr_prod.raises and sr_prod.condition((x, 0, i, v, "prod"), {})
     (copy,) = _table.entries_for(aten.index_copy.default)
-    assert copy.condition((x, 0, i, v), {}) and not copy.condition((x, 0, torch.tensor([0, 1]), v), {})
+    assert copy.condition((x, 0, i, v), {}) and not copy.condition(
+        (x, 0, torch.tensor([0, 1]), v), {}
+    )
     bad = [e for e in _table.entries_for(aten.index_put.default) if e.device == "any"][0]
     assert bad.condition((x, [i], v), {}) and not bad.condition((x, [torch.tensor([0, 1])], v), {})
     (cum,) = _table.entries_for(aten.cumsum.default)
@@ -248,14 +252,15 @@ def test_check_localises_a_custom_op_that_differs_per_call(device):
         assert_deterministic(f, x)
 
 
-def test_check_localises_the_custom_op_inside_grad():
-    def loss(x):
-        return torch.ops.ftdet_test.noisy(x * x).sum()  # NOISY
+def test_check_localises_the_custom_op_under_vmap():
+    def f(r):
+        return torch.ops.ftdet_test.noisy(r * 2)  # NOISY (vmap runs it per example)
 
-    # the custom op has no derivative rule: it runs on primals under grad
-    report = det.check_deterministic(lambda x: ft.vmap(lambda r: torch.ops.ftdet_test.noisy(r))(x), torch.ones(2, 3))
-    assert report.first_divergence.op is torch.ops.ftdet_test.noisy.default
-    del loss
+    with pytest.warns(Warning):
+        report = det.check_deterministic(ft.vmap(f), torch.ones(2, 3))
+    d = report.first_divergence
+    assert d.op is torch.ops.ftdet_test.noisy.default
+    assert d.location.lineno == _line_of("# NOISY", f)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -345,7 +350,9 @@ def test_index_backward_found_by_check_and_stable_under_the_mode(two_threads):
     assert d.location.lineno == _line_of("# INDEX", loss)
     with det.enabled():
         assert det.check_deterministic(ft.grad(loss), x, runs=6).identical
-        assert det.check_deterministic(ft.vmap(ft.grad(loss)), x[None].expand(2, -1, -1), runs=3).identical
+        assert det.check_deterministic(
+            ft.vmap(ft.grad(loss)), x[None].expand(2, -1, -1), runs=3
+        ).identical
     torch.use_deterministic_algorithms(True)
     try:
         assert det.check_deterministic(ft.grad(loss), x, runs=4).identical
@@ -366,10 +373,12 @@ def _cases():
         "gather": lambda x: torch.gather(x, 1, gmod(gidx, x)).pow(3).sum(),
         "topk": lambda x: x.topk(2, dim=-1).values.sum(),
         "embedding": lambda x: torch.nn.functional.embedding(idx, x).tanh().sum(),
-        "index_put_acc": lambda x: torch.zeros(4, 3, dtype=x.dtype)
-        .index_put((idx[:3],), x[:3], accumulate=True)
-        .pow(2)
-        .sum(),
+        "index_put_acc": lambda x: (
+            torch.zeros(4, 3, dtype=x.dtype)
+            .index_put((idx[:3],), x[:3], accumulate=True)
+            .pow(2)
+            .sum()
+        ),
     }
 
 
@@ -478,3 +487,15 @@ def test_threads_level_under_grad():
     with det.enabled(level="threads"):
         g = ft.grad(lambda x: (x * x).sum())(x)
     torch.testing.assert_close(g, 2 * x)
+
+
+@pytest.mark.parametrize("name", ["__init__", "_audit", "_check"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(
+        "functransforms.deterministic" + ("" if name == "__init__" else "." + name)
+    )
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

@@ -15,8 +15,7 @@ import contextlib
 
 from ._audit import AuditReport, Finding, audit
 from ._check import DeterminismReport, Divergence, check_deterministic
-from ._ops import active, check_level
-from ._ops import _flags
+from ._ops import _flags, active, check_level
 from ._table import ENTRIES as TABLE
 from ._threads import ThreadsMode
 

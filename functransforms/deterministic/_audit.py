@@ -41,7 +41,10 @@ class Finding:
         loc = self.location
         where = f"{loc.filename}:{loc.lineno}" if loc else "<unknown>"
         by = f" (introduced by {self.transform})" if self.transform else ""
-        return f"{self.op} on {self.device}{by} at {where}: {self.reason}. Alternative: {self.alternative}"
+        return (
+            f"{self.op} on {self.device}{by} at {where}: {self.reason}. "
+            f"Alternative: {self.alternative}"
+        )
 
 
 class AuditReport:
@@ -66,29 +69,24 @@ class AuditReport:
                 f"audit: no nondeterministic op found ({self.ops_seen} ops recorded; none is "
                 "nondeterministic on its device or on CUDA)."
             )
-        rows = [("op", "device", "transform", "location", "reason", "alternative")]
+        rows = [("op", "device", "transform", "location")]
         for f in self.findings:
             loc = f.location
-            rows.append(
-                (
-                    str(f.op),
-                    f.device,
-                    f.transform or "-",
-                    f"{loc.filename.rsplit('/', 1)[-1]}:{loc.lineno}" if loc else "?",
-                    f.reason,
-                    f.alternative,
-                )
-            )
-        widths = [min(max(len(r[i]) for r in rows), 60) for i in range(5)]
-        lines = [f"audit: {len(self.findings)} nondeterministic op(s) in {self.ops_seen} ops"]
-        for r in rows:
-            lines.append(
-                "  ".join(c[:60].ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5]
-            )
-        for f in self.findings:
+            where = f"{loc.filename.rsplit('/', 1)[-1]}:{loc.lineno}" if loc else "?"
+            rows.append((str(f.op), f.device, f.transform or "-", where))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        fmt = lambda r: "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        lines = [
+            f"audit: {len(self.findings)} nondeterministic op(s) in {self.ops_seen} ops",
+            fmt(rows[0]),
+        ]
+        for r, f in zip(rows[1:], self.findings):
+            lines.append(fmt(r))
             if f.location is not None and f.location.line:
-                lines.append(f"  {f.location.filename}:{f.location.lineno}: {f.location.line}")
-        return "\n".join(dict.fromkeys(lines))
+                lines.append(f"      line: {f.location.line}")
+            lines.append(f"      why: {f.reason}")
+            lines.append(f"      alternative: {f.alternative}")
+        return "\n".join(lines)
 
     __repr__ = __str__
 
@@ -171,11 +169,11 @@ def audit(fn=None, *args, **kwargs):
     Example:
         >>> import torch, functransforms as ft
         >>> idx = torch.tensor([0, 2, 2])
-        >>> loss = lambda x: x[idx].sum()                      # [5] -> []
+        >>> loss = lambda x: x[idx].sum()  # [5] -> []
         >>> report = ft.deterministic.audit(ft.grad(loss), torch.randn(5))
         >>> f = report.findings[0]
         >>> (str(f.op), f.transform, f.location.line)
-        ('aten.index_put.default', 'grad', 'loss = lambda x: x[idx].sum()                      # [5] -> []')
+        ('aten.index_put.default', 'grad', 'loss = lambda x: x[idx].sum()  # [5] -> []')
     """
     if fn is None:
         if args or kwargs:

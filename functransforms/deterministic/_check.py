@@ -61,7 +61,9 @@ class Divergence:
 
     def __str__(self):
         loc = self.location
-        where = f"{loc.filename}:{loc.lineno}" + (f" ({loc.line})" if loc.line else "") if loc else "?"
+        where = (
+            f"{loc.filename}:{loc.lineno}" + (f" ({loc.line})" if loc.line else "") if loc else "?"
+        )
         by = f", introduced by {self.transform}" if self.transform else ""
         thr = (
             f" with {self.threads[1]} thread(s) vs {self.threads[0]}"
@@ -193,7 +195,8 @@ def _diffs(a, b):
             size = x.element_size()
             it = _INT_OF[size]
             u = (
-                _ordered(x.contiguous().view(it), size * 8) - _ordered(y.contiguous().view(it), size * 8)
+                _ordered(x.contiguous().view(it), size * 8)
+                - _ordered(y.contiguous().view(it), size * 8)
             ).abs()
             mud = max(mud or 0, int(u.max()))
     return mad, mud
@@ -373,8 +376,16 @@ def check_deterministic(fn, *args, runs=3, vary_threads=False, **kwargs):
                 continue
             d = mode.divergence
             if d is None and len(mode.ops) != len(ref.ops) and (limit is None):
-                d = Divergence(None, min(len(mode.ops), len(ref.ops)), None, float("inf"), None,
-                               False, k, (cur, nthreads))
+                d = Divergence(
+                    None,
+                    min(len(mode.ops), len(ref.ops)),
+                    None,
+                    float("inf"),
+                    None,
+                    False,
+                    k,
+                    (cur, nthreads),
+                )
             if d is not None and (divergence is None or d.position < divergence.position):
                 divergence = d
     finally:
@@ -390,6 +401,7 @@ def assert_deterministic(fn, *args, runs=3, vary_threads=False, **kwargs):
         >>> import torch, functransforms as ft
         >>> from functransforms.testing import assert_deterministic
         >>> assert_deterministic(ft.grad(lambda x: x.pow(3).sum()), torch.randn(4))   # [4] -> [4]
+        bitwise identical over 3 runs (8 ops each)
     """
     report = check_deterministic(fn, *args, runs=runs, vary_threads=vary_threads, **kwargs)
     if not report.identical:

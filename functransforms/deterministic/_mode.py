@@ -43,7 +43,12 @@ def _library_dirs():
     import functransforms.linalg
 
     dirs = {os.path.dirname(torch.__file__)}
-    for m in (functransforms, functransforms.autodiff, functransforms.batching, functransforms.linalg):
+    for m in (
+        functransforms,
+        functransforms.autodiff,
+        functransforms.batching,
+        functransforms.linalg,
+    ):
         dirs.add(os.path.dirname(os.path.abspath(m.__file__)))
     return tuple(d + os.sep for d in dirs)
 

@@ -3,19 +3,20 @@
 Note [Deterministic accumulation]
     Our derivative and batching rules accumulate with scatters: the vjp of ``x[idx]`` is
     ``index_put(zeros, idx, ct, accumulate=True)``, of ``index_select`` an ``index_add``, of
-    ``gather``/``topk``/``sort`` a ``scatter_add``, and vmap of these ops emits them again on the
-    batched values. Which kernel is nondeterministic depends on the device (measured and
-    documented by torch): on CPU ``index_put(accumulate=True)`` runs in parallel with atomic adds
-    (different bits run to run with 2 threads), while CPU ``index_add`` and ``scatter_add``
+    ``gather``/``topk``/``sort`` a ``scatter_add``, and vmap of these ops emits them again on
+    the batched values. Which kernel is nondeterministic depends on the device (measured and
+    documented by torch): on CPU ``index_put(accumulate=True)`` runs in parallel with atomic
+    adds (different bits run to run with 2 threads), while CPU ``index_add`` and ``scatter_add``
     accumulate serially in index order; on CUDA it is the other way round: ``index_put``
     accumulates with a sort and a segmented sum (deterministic), ``index_add``/``scatter_add``
-    use atomicAdd. So, when deterministic mode is on (``torch.are_deterministic_algorithms_enabled()``
-    or ``ft.deterministic.enabled()``), each accumulation is rewritten, by flat positions, onto the
-    kernel that is deterministic on its device: CPU -> ``index_add`` along one flat dim, CUDA ->
-    ``index_put(accumulate=True)`` (sort + segment sum). A fixed order of additions also makes
-    the CPU result independent of the thread count. The rewrites are ordinary ops, so they are
-    themselves batched and differentiated by the transforms (vmap of a backward pass, hessians).
-    The measured cost is in docs/performance.md (section "Determinism").
+    use atomicAdd. So, when deterministic mode is on (``ft.deterministic.enabled()``, or
+    ``torch.are_deterministic_algorithms_enabled()``), each accumulation is rewritten, by flat
+    positions, onto the kernel that is deterministic on its device: CPU -> ``index_add`` along
+    one flat dim, CUDA -> ``index_put(accumulate=True)`` (sort + segment sum). A fixed order of
+    additions also makes the CPU result independent of the thread count. The rewrites are
+    ordinary ops, so they are themselves batched and differentiated by the transforms (vmap of a
+    backward pass, hessians). The measured cost is in docs/performance.md (section
+    "Determinism").
 
 Note [Thread-count independent reductions]
     A full float reduction (``x.sum()``, ``mean``, ``dot``, a vector norm) of more than torch's
