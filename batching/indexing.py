@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from functransforms.deterministic._ops import det_call
+
 from ._registry import register_vmap_rule
 from ._tensor import raise_data_dependent
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
@@ -117,7 +119,7 @@ def _index_put(func):
         if p:
             perm = [0, *range(p + 1, p + 1 + R), *range(1, p + 1), *range(p + 1 + R, v.dim())]
             v = v.permute(perm)
-        out = func(x_phys, new, v, *args[3:], **kwargs)
+        out = det_call(func, x_phys, new, v, *args[3:], **kwargs)
         return (x if inplace else out), (bdims[0] if inplace else 0)
 
     register_vmap_rule(func)(index_put_vmap_rule)
@@ -163,10 +165,10 @@ def _scatter(func):
             a[0], a[1], a[2] = x[:, None], 1, idx.reshape(-1, 1)
             if has_src:
                 a[3] = a[3].reshape(-1, 1)
-            out = func(*a, **kwargs)
+            out = det_call(func, *a, **kwargs)
             return (args[0] if inplace else out[:, 0]), (bdims[0] if inplace else 0)
         a[0], a[1], a[2] = x, wrap_dim(args[1], n) + 1, idx
-        out = func(*a, **kwargs)
+        out = det_call(func, *a, **kwargs)
         return (args[0] if inplace else out), (bdims[0] if inplace else 0)
 
     register_vmap_rule(func)(scatter_vmap_rule)
@@ -231,7 +233,7 @@ def _index_dim_op(func, src_pos):
             d = wrap_dim(args[1], n)
         if bdims[2] is None:
             a[0], a[1] = x, d + 1
-            out = func(*a, **kwargs)
+            out = det_call(func, *a, **kwargs)
         else:
             xm = x.movedim(d + 1, 1)
             size = xm.shape[1]
@@ -241,7 +243,7 @@ def _index_dim_op(func, src_pos):
             if has_src:
                 s = a[src_pos].movedim(d + 1, 1)
                 a[src_pos] = s.reshape((-1,) + tuple(s.shape[2:]))
-            out = func(*a, **kwargs).reshape(xm.shape).movedim(1, d + 1)
+            out = det_call(func, *a, **kwargs).reshape(xm.shape).movedim(1, d + 1)
             if inplace:
                 x.copy_(out)
         if inplace:
