@@ -157,6 +157,10 @@ def grad_dtypes(op, transform, kind):
     return [want] if want in ok else []
 
 
+# Compositions (Note [Conformance compositions]): the derivative inside is always a vjp.
+COMPOSITIONS = ("vmap(vjp)", "jvp(vjp)")
+
+
 def cases(transform):
     """(op full name, kind) pairs that have at least one dtype for ``transform``."""
     out = []
@@ -164,6 +168,8 @@ def cases(transform):
         for kind in (REAL, COMPLEX):
             if transform == "vmap":
                 dts = vmap_dtypes(op, kind)
+            elif transform in COMPOSITIONS:
+                dts = grad_dtypes(op, "vjp", kind)
             else:
                 dts = grad_dtypes(op, transform, kind)
             if dts:
@@ -691,5 +697,12 @@ def run_case(transform, name, kind, expected):
         result.record(0.0)
         pytest.skip(SKIP[name])
     seed_all(name, transform, kind)
-    result = run_vmap(op, kind) if transform == "vmap" else run_ad(op, transform, kind)
+    if transform == "vmap":
+        result = run_vmap(op, kind)
+    elif transform in COMPOSITIONS:
+        from conformance_compositions import run_composition
+
+        result = run_composition(op, transform, kind)
+    else:
+        result = run_ad(op, transform, kind)
     conclude(result, expected, started)
