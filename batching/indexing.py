@@ -351,6 +351,21 @@ for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_
     _masked_fill(_op)
 
 
+@register_vmap_rule(aten.masked_select.default)
+def masked_select_vmap_rule(interp, args, bdims, kwargs):
+    """An unbatched mask selects the same number of elements from every example; a batched
+    one gives each example its own count (a data-dependent shape, as in torch.func)."""
+    x, mask = args[0], args[1]
+    if bdims[1] is not None:
+        from ._tensor import raise_data_dependent
+
+        raise_data_dependent(interp, aten.masked_select.default)
+    xf = to_front(x, bdims[0])
+    shape = torch.broadcast_shapes(tuple(xf.shape[1:]), tuple(mask.shape))
+    xf = xf.expand((xf.shape[0],) + shape)
+    return xf[:, mask.expand(shape)], 0
+
+
 @register_vmap_rule(aten.embedding.default)
 def embedding_vmap_rule(interp, args, bdims, kwargs):
     """embedding(weight, indices, ...): a batched table is flattened and indices offset."""
