@@ -186,3 +186,18 @@ def searchsorted_vmap_rule(interp, args, bdims, kwargs):
     seq = seq.expand((B, *seq.shape)) if bdims[0] is None else seq
     x = x.expand((B, *x.shape)) if bdims[1] is None else x
     return aten.searchsorted.Tensor(seq.contiguous(), x.contiguous(), *args[2:], **kw), 0
+
+
+@register_vmap_rule(aten.bucketize.Tensor)
+def bucketize_vmap_rule(interp, args, bdims, kwargs):
+    """bucketize(x, boundaries) is searchsorted(boundaries, x): with shared boundaries it is
+    elementwise in x; batched (1-d per example) boundaries search each example's own."""
+    x, boundaries = args[0], args[1]
+    if bdims[1] is None:
+        return aten.bucketize.Tensor(x, boundaries, *args[2:], **kwargs), bdims[0]
+    B = interp.batch_size
+    seq = to_front(boundaries, bdims[1])
+    xs = x.expand((B, *x.shape)) if bdims[0] is None else to_front(x, bdims[0])
+    out = aten.searchsorted.Tensor(seq.contiguous(), xs.reshape(B, -1).contiguous(), **kwargs)
+    return out.reshape(xs.shape), 0
+
