@@ -37,7 +37,9 @@ def _multilabel_margin_loss_forward(input, target, reduction):
 
 
 # Decompositions of ours that replace torch's (each says why).
-_OVERRIDES = {torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward}
+_OVERRIDES = {
+    torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+}
 
 
 def decomposition(func):
