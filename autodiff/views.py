@@ -103,7 +103,7 @@ for _op, _tr in (
         aten.index.Tensor,
         lambda ct, x, indices: aten.index_put.default(_zeros(x, ct), indices, ct, True),
     ),
-    (aten.cumsum.default, lambda ct, x, dim, **k: ct.flip(dim).cumsum(dim).flip(dim)),
+    (aten.cumsum.default, lambda ct, x, dim, **k: _cumsum_transpose(ct, dim)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
 ):
     def_linear(_op, _tr)
@@ -137,6 +137,12 @@ for _op, _f in (
     register_jvp_rule(_op)(_j)
     register_vjp_rule(_op)(_v)
     VJP_FORWARD[_op] = _f
+
+
+def _cumsum_transpose(ct, dim):
+    if ct.dim() == 0:  # a 0-d cumsum is the identity (and flip of a 0-d batched value is not)
+        return ct
+    return ct.flip(dim).cumsum(dim).flip(dim)
 
 
 def _repeat_transpose(ct, x, reps):
