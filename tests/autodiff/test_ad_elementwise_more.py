@@ -257,3 +257,61 @@ def test_masked_logaddexp_jvp_is_finite():
     assert torch.isfinite(t).all()
     torch.testing.assert_close(t[live], ref[live])
     assert (t[~live] == 0).all()
+
+
+SPECIAL = {
+    "i0": (torch.special.i0, "wide"),
+    "i0e": (torch.special.i0e, "wide"),
+    "i1": (torch.special.i1, "wide"),
+    "i1e": (torch.special.i1e, "wide"),
+    "erfcx": (torch.special.erfcx, "wide"),
+    "log_ndtr": (torch.special.log_ndtr, "wide"),
+    "ndtri": (torch.special.ndtri, "prob"),
+    "polygamma0": (lambda x: torch.polygamma(0, x), "pos"),
+    "polygamma3": (lambda x: torch.special.polygamma(3, x), "pos"),
+    "digamma": (torch.digamma, "pos"),
+    "copysign_scalar": (lambda x: torch.copysign(x, -1.0), "unit"),
+    "frexp": (lambda x: torch.frexp(x)[0], "wide"),
+    "div_floor": (lambda x: torch.div(x, 0.3, rounding_mode="floor"), "wide"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECIAL))
+def test_special_functions(name):
+    """First order against torch.func (float32 bitwise), second order against finite
+    differences (digamma and polygamma are twice differentiable)."""
+    f, kind = SPECIAL[name]
+    x = _x(kind)
+    ct = torch.randn(x.shape, generator=_gen(1))
+    assert torch.equal(ft.vjp(f, x)[1](ct)[0], tf.vjp(f, x)[1](ct)[0])
+    assert torch.equal(ft.jvp(f, (x,), (ct,))[1], tf.jvp(f, (x,), (ct,))[1])
+    x64 = _x(kind, F64, n=12, seed=5)
+    check_grads(f, (x64,), order=2)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        torch.copysign,
+        torch.fmax,
+        torch.fmin,
+        torch.nextafter,
+        lambda x, y: torch.div(x, y, rounding_mode="trunc"),
+        lambda x, y: torch.div(x, y, rounding_mode=None),
+    ],
+)
+def test_binary_special(f):
+    g = _gen(12)
+    x = torch.randn(4, 5, generator=g, dtype=F64)
+    y = torch.randn(5, generator=g, dtype=F64)
+    y[3] = float("nan")  # fmax/fmin ignore NaN operands
+    tied = x.clone()
+    tied[0, :2] = y[:2]  # at ties torch's fmax vjp picks x and its jvp y; ours picks x in both
+    for args in ((x, y), (x, y[:1].clone()), (tied, y)):
+        ct = torch.randn(x.shape, generator=g, dtype=F64)
+        for a, b in zip(ft.vjp(f, *args)[1](ct), tf.vjp(f, *args)[1](ct)):
+            torch.testing.assert_close(a, b, equal_nan=True)
+        if args[0] is tied:
+            continue
+        t = tuple(torch.randn(a.shape, generator=g, dtype=F64) for a in args)
+        torch.testing.assert_close(ft.jvp(f, args, t)[1], tf.jvp(f, args, t)[1], equal_nan=True)
