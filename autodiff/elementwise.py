@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ._registry import register_jvp_rule, register_vjp_rule
+from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
 from .reverse import NONDIFFERENTIABLE
 
@@ -40,10 +40,15 @@ class pullback:
     """Marks a table entry written as torch's backward formula ``ct * conj(f'(x))`` (a function
     of ``(ct, x, out, *params)``) instead of as ``f'(x)``: the same operations in the same order
     as torch's derivatives.yaml, so float32 results round as torch's do (Note [Rounding as
-    torch])."""
+    torch]). ``keeps``: what the formula reads, Note [What a vjp rule keeps]."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, keeps=None):
         self.fn = fn
+        self.keeps = keeps
+
+
+_OUT_ONLY = ((), True)  # the formula reads only the op's output
+_X_ONLY = (None, False)  # ... only its inputs
 
 
 # Note [Rounding as torch]
@@ -82,6 +87,8 @@ def def_unary(op, deriv):
                 len(primals) - 1
             )
 
+        if deriv.keeps is not None:
+            unary_pb_vjp_rule.keeps = deriv.keeps
         register_jvp_rule(op)(unary_pb_jvp_rule)
         register_vjp_rule(op)(unary_pb_vjp_rule)
         return
@@ -377,16 +384,16 @@ def_backward_kernel(
 # d/dx f(x), with `o` = f(x) where that is cheaper
 for _op, _d in (
     (aten.exp.default, lambda x, o: o),
-    (aten.exp2.default, pullback(lambda g, x, o: g * _cphys(o) * _LN2)),
+    (aten.exp2.default, pullback(lambda g, x, o: g * _cphys(o) * _LN2, _OUT_ONLY)),
     (aten.expm1.default, lambda x, o: o + 1),
-    (aten.log.default, pullback(lambda g, x, o: g / _cphys(x))),
+    (aten.log.default, pullback(lambda g, x, o: g / _cphys(x), _X_ONLY)),
     (aten.log2.default, pullback(lambda g, x, o: g / (_cphys(x) * _LN2))),
     (aten.log10.default, pullback(lambda g, x, o: g / (_cphys(x) * _LN10))),
     (aten.log1p.default, pullback(lambda g, x, o: g / _cphys(x + 1))),
     (aten.sin.default, lambda x, o: torch.cos(x)),
     (aten.cos.default, lambda x, o: -torch.sin(x)),
     (aten.tan.default, lambda x, o: 1 + o * o),
-    (aten.tanh.default, pullback(lambda g, x, o: aten.tanh_backward(g, o))),
+    (aten.tanh.default, pullback(lambda g, x, o: aten.tanh_backward(g, o), _OUT_ONLY)),
     (aten.sinh.default, lambda x, o: torch.cosh(x)),
     (aten.cosh.default, lambda x, o: torch.sinh(x)),
     (aten.asin.default, lambda x, o: torch.rsqrt(1 - x * x)),
@@ -395,16 +402,16 @@ for _op, _d in (
     (aten.asinh.default, lambda x, o: torch.rsqrt(x * x + 1)),
     (aten.acosh.default, lambda x, o: torch.rsqrt(x * x - 1)),
     (aten.atanh.default, pullback(lambda g, x, o: g / _cphys(1 - x.pow(2)))),
-    (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o))),
+    (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o), _OUT_ONLY)),
     (aten.relu.default, _relu_mask),
-    (aten.sqrt.default, pullback(lambda g, x, o: g / (2 * _cphys(o)))),
+    (aten.sqrt.default, pullback(lambda g, x, o: g / (2 * _cphys(o)), _OUT_ONLY)),
     (aten.rsqrt.default, lambda x, o: -0.5 * o * o * o),
     (aten.reciprocal.default, lambda x, o: -o * o),
     (aten.erf.default, lambda x, o: _TWO_OVER_SQRT_PI * torch.exp(-x * x)),
     (aten.erfc.default, lambda x, o: -_TWO_OVER_SQRT_PI * torch.exp(-x * x)),
     (aten.erfinv.default, lambda x, o: 0.5 * math.sqrt(math.pi) * torch.exp(o * o)),
-    (aten.gelu.default, pullback(_gelu_pullback)),
-    (aten.silu.default, pullback(_silu_pullback)),
+    (aten.gelu.default, pullback(_gelu_pullback, _X_ONLY)),
+    (aten.silu.default, pullback(_silu_pullback, _X_ONLY)),
     (aten.mish.default, pullback(_mish_pullback)),
     (aten.hardswish.default, pullback(lambda g, x, o: aten.hardswish_backward(g, x))),
     (aten.hardsigmoid.default, pullback(lambda g, x, o: aten.hardsigmoid_backward(g, x))),
@@ -412,8 +419,8 @@ for _op, _d in (
         aten.celu.default,
         pullback(lambda g, x, o, alpha=1.0: aten.elu_backward(g, alpha, 1, 1.0 / alpha, False, x)),
     ),
-    (aten.softplus.default, pullback(_softplus_pullback)),
-    (aten.elu.default, pullback(_elu_pullback)),
+    (aten.softplus.default, pullback(_softplus_pullback, _X_ONLY)),
+    (aten.elu.default, pullback(_elu_pullback, _X_ONLY)),
     (aten.leaky_relu.default, _leaky_deriv),
     (aten.hardtanh.default, _hardtanh_deriv),
     (aten.pow.Tensor_Scalar, _pow_scalar_deriv),
@@ -429,11 +436,14 @@ for _op, _d in (
     (aten.sinc.default, pullback(_sinc_pullback)),
     (
         aten.mul.Scalar,
-        lambda x, o, s: torch.full_like(x, s) if not isinstance(s, torch.Tensor) else s,
+        lambda x, o, s: torch.full_like(o, s) if not isinstance(s, torch.Tensor) else s,
     ),
     (aten.div.Scalar, pullback(lambda g, x, o, s: g / _conj_scalar(s))),
 ):
     def_unary(_op, _d)
+# relu's derivative reads only its output: its input (often a convolution's output) need not
+# stay alive until the backward pass (Note [What a vjp rule keeps], reverse.py)
+VJP_RULES[aten.relu.default].keeps = ((), True)
 
 def_nondifferentiable(
     aten.floor.default,
