@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (registration)
     normalization,
     pooling,
     reductions,
+    scans,
     sorting,
     special,
     spectral,
