@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from functransforms._core import Interpreter, TransformTensor
+from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
@@ -35,6 +35,10 @@ class BatchedTensor(TransformTensor):
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
+        elif func is _getitem and len(args) == 2:
+            index = _tensor_index(args[1])
+            if index is not None:
+                return torch.ops.aten.index.Tensor(args[0], index)
         elif func == _DATA_GET and args[0]._interp.alive:  # a fresh method-wrapper each time
             raise RuntimeError(
                 f"{args[0]._interp.call}: `x.data` of a batched tensor is not allowed under vmap "
@@ -42,6 +46,10 @@ class BatchedTensor(TransformTensor):
                 "x.detach() to stop gradients."
             )
         return _no_torch_function(func, types, args, kwargs or {})
+
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        v = self._value
+        return not isinstance(v, TransformTensor) and v.requires_grad
 
     def _describe(self):
         return f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, value={self._value!r})"
@@ -57,6 +65,29 @@ class BatchedTensor(TransformTensor):
 
 
 _mk = torch.Tensor._make_wrapper_subclass
+_getitem = torch.Tensor.__getitem__
+
+
+def _is_int_scalar(a):
+    return (
+        isinstance(a, BatchedTensor)
+        and a.dim() == 0
+        and not is_floating(a)
+        and a.dtype != torch.bool
+    )
+
+
+def _tensor_index(index):
+    """``v[i]`` with ``i`` a batched 0-d integer tensor: torch's indexing turns a 0-d integer
+    index into a Python int (``.item()``: one value per example, so vmap would raise), but
+    ``aten.index.Tensor(v, [i])`` is the same selection as a gather. Returns the index list
+    when every entry is a tensor (or None) and one is such an ``i``; else None (ordinary path)."""
+    entries = index if type(index) is tuple else (index,)
+    if not any(_is_int_scalar(e) for e in entries):
+        return None
+    if all(e is None or isinstance(e, torch.Tensor) for e in entries):
+        return list(entries)
+    return None
 
 
 def wrap_batched(value, bdim, interp):

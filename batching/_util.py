@@ -10,6 +10,17 @@ def to_front(x, bdim):
     return x if bdim == 0 else x.movedim(bdim, 0)
 
 
+def flat_batch(x):
+    """``x`` (batch dim in front) as ``[B, prod(rest)]``; unlike ``reshape(B, -1)`` also for
+    ``B == 0``, where -1 is ambiguous (vmap over an empty batch returns empty results)."""
+    if x.shape[0] == 0:
+        n = 1
+        for s in x.shape[1:]:
+            n *= s
+        return x.reshape(0, n)
+    return x.reshape(x.shape[0], -1)
+
+
 def logical_dim(x, bdim):
     return x.dim() - (bdim is not None)
 

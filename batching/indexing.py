@@ -26,7 +26,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._tensor import raise_data_dependent
-from ._util import expand_front, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -225,7 +225,7 @@ def _index_dim_op(func, src_pos):
         if n == 0:  # 0-d logical self: work on a unit dim
             x = x[:, None]
             if has_src:
-                a[src_pos] = a[src_pos].reshape(B, -1)
+                a[src_pos] = flat_batch(a[src_pos])
             d = 0
         else:
             d = wrap_dim(args[1], n)
@@ -235,7 +235,7 @@ def _index_dim_op(func, src_pos):
         else:
             xm = x.movedim(d + 1, 1)
             size = xm.shape[1]
-            idx = to_front(args[2], bdims[2]).reshape(B, -1)
+            idx = flat_batch(to_front(args[2], bdims[2]))
             idx = (idx + torch.arange(B, device=idx.device)[:, None] * size).reshape(-1)
             a[0], a[1], a[2] = xm.reshape((-1,) + tuple(xm.shape[2:])), 0, idx
             if has_src:
@@ -263,7 +263,7 @@ def _index_fill_batched_value(interp, func, args, bdims, inplace):
     d = wrap_dim(args[1], n) if n else 0
     size = xs.shape[d + 1]
     mask = torch.zeros((B, size), dtype=torch.bool, device=x.device)
-    idx = expand_front(args[2], bdims[2], B).reshape(B, -1)
+    idx = flat_batch(expand_front(args[2], bdims[2], B))
     mask.scatter_(1, idx % size, True)
     mask = mask.reshape((B,) + (1,) * d + (size,) + (1,) * (xs.dim() - d - 2))
     v = to_front(args[3], bdims[3]).reshape((B,) + (1,) * (xs.dim() - 1)).to(x.dtype)
@@ -390,3 +390,15 @@ for _op in (
     aten.new_empty_strided.default,
 ):
     _new_factory(_op)
+
+
+@register_vmap_rule(aten.take.default)
+def take_vmap_rule(interp, args, bdims, kwargs):
+    """``take(x, i)`` reads ``x.flatten()`` at ``i``: a gather per example (no ``.item()``)."""
+    B = interp.batch_size
+    x = flat_batch(expand_front(args[0], bdims[0], B))  # [B, N]
+    idx = expand_front(args[1], bdims[1], B)
+    n = x.shape[1]
+    flat = flat_batch(idx)
+    flat = torch.where(flat < 0, flat + n, flat)  # take accepts negative positions
+    return x.gather(1, flat).reshape(idx.shape), 0

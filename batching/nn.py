@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -23,7 +23,7 @@ def _reduce(loss, reduction):
     """Per-example mean/sum of an unreduced loss with the batch dim in front."""
     if reduction == _NONE:
         return loss
-    flat = loss.reshape(loss.shape[0], -1)
+    flat = flat_batch(loss)
     return flat.mean(1) if reduction == _MEAN else flat.sum(1)
 
 
@@ -134,3 +134,4 @@ def _softmax_backward(op):
 
 _softmax_backward(aten._softmax_backward_data.default)
 _softmax_backward(aten._log_softmax_backward_data.default)
+

@@ -103,7 +103,8 @@ def def_batch_norm(op, stats_pos, training_pos):
                             f"vmap: batch_norm in training mode updates {name} in place, but "
                             f"{name} is not batched while the input is, so every example would "
                             "write its own statistics into one buffer. Do: pass "
-                            "running_mean=None and running_var=None (track_running_stats=False), "
+                            "running_mean=None and running_var=None (track_running_stats=False; "
+                            "for a model: functransforms.replace_all_batch_norm_modules_(model)), "
                             "or batch the running statistics with the input (in_dims)."
                         )
                     a[i] = s.repeat(B)

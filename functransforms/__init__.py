@@ -15,7 +15,7 @@ from . import autodiff, batching  # noqa: E402, F401  (registers the rules)
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
-from ._module import functional_call, stack_module_state
+from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
 from ._vmap import vmap
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "jacrev",
     "jvp",
     "linearize",
+    "replace_all_batch_norm_modules_",
     "stack_module_state",
     "value_and_grad",
     "vjp",

@@ -115,13 +115,16 @@ def _vjp(func, primals, has_aux, call):
     flat = [_as_primal(x, call, forward=False) for x in flat]
     interp = GradInterpreter(call)
     leaves = []
+    given = []  # (user's tensor, the primal we wrapped, its wrapper): Note [Writes to primals]
     with interp:  # outputs are read inside: promoted buffers are restored on exit
         wrapped = []
         for x in flat:
             if isinstance(x, torch.Tensor) and is_floating(x):
                 leaf = Leaf()
                 leaves.append(leaf)
-                wrapped.append(wrap_grad(_resolved(x), leaf, 0, interp))
+                p = _resolved(x)
+                wrapped.append(wrap_grad(p, leaf, 0, interp))
+                given.append((x, p, wrapped[-1]))
             else:
                 leaves.append(None)
                 wrapped.append(x)
@@ -148,6 +151,7 @@ def _vjp(func, primals, has_aux, call):
             else:
                 roots.append(None)
                 primals_out.append(o)
+    _write_back(given, call)
 
     def vjp_fn(*cotangents):
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
@@ -194,6 +198,26 @@ def _vjp(func, primals, has_aux, call):
     if has_aux:
         return output, vjp_fn, aux
     return output, vjp_fn
+
+
+def _write_back(given, call):
+    """Note [Writes to primals]: jvp and grad/vjp are functional inside (an in-place op rebinds
+    the wrapper, autodiff/_util.py), so a write into an input would stay inside the transform;
+    torch.func writes through to the caller's tensor, and so do we, once the function has
+    returned: each input whose wrapper was rebound gets its final value copied in (an ordinary
+    ``copy_``, which outer transforms and torch's autograd see like any other write)."""
+    for x, p, w in given:
+        new = w._primal
+        if new is p:
+            continue
+        if new.shape != x.shape:
+            raise NotImplementedError(
+                f"{call}: the function changed the shape of input tensor {tuple(x.shape)} in "
+                f"place (to {tuple(new.shape)}, e.g. with `t_()` or `unsqueeze_()`); writing "
+                "that back to your tensor is not supported. Do: use the out-of-place op "
+                "(`t()`, `unsqueeze()`) and return the result."
+            )
+        x.copy_(new)
 
 
 def _unwrap_level(tree, interp):
@@ -410,13 +434,18 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
     from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
 
     interp = JvpInterpreter(call)
+    given = []  # Note [Writes to primals]
     with interp:  # outputs are read inside: promoted buffers are restored on exit
-        wrapped = [
-            wrap_dual(_resolved(p), _resolved(t.to(p.dtype) if t.dtype != p.dtype else t), interp)
-            if isinstance(p, torch.Tensor) and is_floating(p)
-            else p
-            for p, t in zip(flat_p, flat_t)
-        ]
+        wrapped = []
+        for p, t in zip(flat_p, flat_t):
+            if isinstance(p, torch.Tensor) and is_floating(p):
+                r = _resolved(p)
+                wrapped.append(
+                    wrap_dual(r, _resolved(t.to(p.dtype) if t.dtype != p.dtype else t), interp)
+                )
+                given.append((p, r, wrapped[-1]))
+            else:
+                wrapped.append(p)
         result = func(*pt.tree_unflatten(spec, wrapped))
         aux = None
         if has_aux:
@@ -431,6 +460,7 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
             else:
                 outs.append(o)
                 touts.append(torch.zeros_like(o))
+    _write_back(given, call)
     res = (pt.tree_unflatten(out_spec, outs), pt.tree_unflatten(out_spec, touts))
     if has_aux:
         return res + (aux,)

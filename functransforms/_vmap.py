@@ -129,7 +129,7 @@ def _broadcast(prefix, tree, what, call, out, path):
 
 def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
-    from functransforms.batching.random import DifferentRandomnessMode, rng_changed, rng_state
+    from functransforms.batching.random import DifferentRandomnessMode, no_random_ops
 
     if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
         raise TypeError(
@@ -205,11 +205,12 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
 
     interp = VmapInterpreter(batch_size, randomness)
     interp.call = call or _call_repr(func, in_dims, out_dims)
-    check_rng = randomness == "error"
-    if check_rng:
-        devices = {x.device.type for x in flat_args if isinstance(x, torch.Tensor)}
-        before = rng_state(devices)
-    mode = DifferentRandomnessMode() if randomness == "different" else None
+    if randomness == "error":  # Note [Random ops by their tags]
+        mode = no_random_ops()
+    elif randomness == "different":
+        mode = DifferentRandomnessMode()
+    else:
+        mode = None
     with interp:
         wrapped = [
             x if d is None else wrap_batched(x, d, interp) for x, d in zip(flat_args, norm_dims)
@@ -219,10 +220,6 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
         else:
             with mode:
                 out = func(*pt.tree_unflatten(spec, wrapped), **kwargs)
-    if check_rng and rng_changed(before, rng_state(devices)):
-        from functransforms.batching._tensor import raise_random
-
-        raise_random(interp, "a random op (detected from the global RNG state)")
     out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
     return _as_views_of_inputs(out, flat_args)
 
