@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  (registration)
     convolution,
     elementwise,
+    indexing,
     linalg,
     nn,
     normalization,

@@ -157,6 +157,8 @@ def _repeat_transpose(ct, x, reps):
 
 
 def _unfold_transpose(ct, x, dim, size, step):
+    if x.dim() == 0:  # a 0-d x unfolds to shape (1,)
+        return ct.reshape(())
     out = _zeros(x, ct)
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):
