@@ -344,3 +344,55 @@ def addbmm_vjp_rule(ct, primals, kwargs, out, needs):
     if needs[2]:
         gB = torch.matmul(_cphys(A).transpose(-1, -2), ct.unsqueeze(0)) * a
     return (gc, gA, gB) + (None,) * (len(primals) - 3)
+
+
+# -- segment_reduce -------------------------------------------------------------------------------
+_SEGMENT_AS_SCATTER = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin", "prod": "prod"}
+
+
+def _segment_as_scatter(data, reduce, kwargs):
+    """segment_reduce as scatter_reduce: (base, axis, index, scatter reduce, include_self), with
+    base the output filled with ``initial`` (reduced in when given)."""
+    axis = kwargs.get("axis", 0) % data.dim()
+    lengths, offsets = kwargs.get("lengths"), kwargs.get("offsets")
+    if lengths is not None:
+        ends = lengths.cumsum(-1)
+    elif offsets is not None:
+        ends = offsets[..., 1:] - offsets[..., :1]
+    else:
+        raise NotImplementedError("segment_reduce: a derivative needs lengths= or offsets=")
+    n = data.shape[axis]
+    pos = torch.arange(n, device=data.device)
+    seg = (ends.unsqueeze(-1) <= pos).sum(-2)  # segment of each position: how many ended before
+    index = seg.reshape(seg.shape + (1,) * (data.dim() - axis - 1)).expand(data.shape)
+    shape = list(data.shape)
+    shape[axis] = ends.shape[-1]
+    initial = kwargs.get("initial")
+    base = torch.full(
+        shape, 0 if initial is None else initial, dtype=data.dtype, device=data.device
+    )
+    # initial is reduced in as one more member, except by mean: (initial + sum) / length
+    include_self = initial is not None and reduce != "mean"
+    return base, axis, index, _SEGMENT_AS_SCATTER[reduce], include_self
+
+
+@register_jvp_rule(aten.segment_reduce.default)
+def segment_reduce_jvp_rule(primals, tangents, kwargs):
+    """Ours only (torch has no forward mode): Note [Derivatives of scatter_reduce], with each
+    segment a group."""
+    data, reduce = primals[:2]
+    out = aten.segment_reduce.default(*primals, **kwargs)
+    t = tangents[0]
+    if t is None:
+        return out, None
+    base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
+    w = _group_weights(base, axis, index, data, red, include_self)[1]
+    return out, torch.zeros_like(out).scatter_add(axis, index, t * w)
+
+
+@register_vjp_rule(aten.segment_reduce.default)
+def segment_reduce_vjp_rule(ct, primals, kwargs, out, needs):
+    data, reduce = primals[:2]
+    base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
+    w = _group_weights(base, axis, index, data, red, include_self)[1]
+    return (ct.gather(axis, index) * _cphys(w),) + (None,) * (len(primals) - 1)

@@ -7,8 +7,6 @@ to-do list, with details, is docs/conformance.md.
 """
 
 EXPECTED: dict[tuple[str, str], str] = {
-    ("_segment_reduce.lengths", "vjp"): "no vjp rule",
-    ("_segment_reduce.offsets", "vjp"): "no vjp rule",
     ("_upsample_bilinear2d_aa", "jvp"): "no jvp rule",
     ("_upsample_bilinear2d_aa", "vjp"): "no vjp rule",
     # torch.func is wrong here, not us: it gives x's cotangent at the written positions
