@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (registration)
     indexing,
     linalg,
     nn,
+    nn_more,
     normalization,
     pooling,
     reductions,
