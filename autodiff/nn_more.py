@@ -299,3 +299,38 @@ def def_upsample_aa(op, backward):
 
 def_upsample_aa(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_backward.default)
 def_upsample_aa(aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default)
+
+
+# -- grid_sampler_3d ------------------------------------------------------------------------------
+# Linear in the input (the jvp is the op on the tangent, the vjp torch's backward kernel). The
+# jvp in the grid (ours only) comes from the same kernel: with the channels moved into the batch
+# and a cotangent of ones, its grid gradient is d out[n, c, p] / d grid[n, p, :] for each channel
+# separately, which is contracted with the grid tangent: one kernel call.
+@register_jvp_rule(aten.grid_sampler_3d.default)
+def grid_sampler_3d_jvp_rule(primals, tangents, kwargs):
+    x, grid, mode, padding, align = primals
+    out = aten.grid_sampler_3d.default(*primals)
+    tx, tg = tangents[0], tangents[1]
+    t = None
+    if tx is not None:
+        t = aten.grid_sampler_3d.default(tx, grid, mode, padding, align)
+    if tg is not None:
+        N, C = x.shape[:2]
+        xs = x.reshape((N * C, 1) + tuple(x.shape[2:]))
+        gs = grid.repeat_interleave(C, 0)
+        ones = torch.ones((N * C, 1) + tuple(out.shape[2:]), dtype=out.dtype, device=out.device)
+        _, dgrid = aten.grid_sampler_3d_backward.default(
+            ones, xs, gs, mode, padding, align, [False, True]
+        )
+        t2 = (dgrid * tg.repeat_interleave(C, 0)).sum(-1).reshape(out.shape)
+        t = t2 if t is None else t + t2
+    return out, t
+
+
+@register_vjp_rule(aten.grid_sampler_3d.default)
+def grid_sampler_3d_vjp_rule(ct, primals, kwargs, out, needs):
+    x, grid, mode, padding, align = primals
+    gx, gg = aten.grid_sampler_3d_backward.default(
+        ct, x, grid, mode, padding, align, [bool(needs[0]), bool(needs[1])]
+    )
+    return (gx if needs[0] else None, gg if needs[1] else None, None, None, None)

@@ -99,3 +99,21 @@ def test_upsample_antialias(mode):
         compare_with_torch_func(
             lambda x, kw=kw: F.interpolate(x, mode=mode, antialias=True, **kw), (x,), order=2
         )
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_grid_sample_3d(mode, padding_mode, align_corners):
+    """vjp against torch.func; the jvp in the grid is ours only (finite differences)."""
+    x = _x(2, 3, 3, 4, 5)
+    grid = torch.rand(2, 2, 3, 2, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
+    grid = grid * 1.8 - 0.9
+
+    def f(x, g):
+        return F.grid_sample(
+            x, g, mode=mode, padding_mode=padding_mode, align_corners=align_corners
+        )
+
+    _ours_only(f, (x, grid), order=1, fd=mode == "bilinear")
+    _ours_only(lambda x: f(x, grid), (x,), order=1)  # torch has no forward mode at all
