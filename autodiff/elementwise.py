@@ -462,6 +462,17 @@ def_nondifferentiable(
     aten.rand_like.default,
     aten.randn_like.default,
     aten.bernoulli.default,
+    # random fills of a fresh buffer (dropout's `empty_like(x).bernoulli_(p)`): the buffer is a
+    # constant of the level (Note [Buffers held by kernels]), filled by the functional variant
+    aten.bernoulli.Tensor,
+    aten.bernoulli.p,
+    aten.normal_functional.default,
+    getattr(aten.random, "from"),
+    aten.random.to,
+    aten.random.default,
+    aten.cauchy.default,
+    aten.log_normal.default,
+    aten.geometric.default,
     aten.new_zeros.default,
     aten.new_ones.default,
     aten.new_empty.default,
