@@ -26,6 +26,12 @@ from ._registry import register_jvp_rule, register_vjp_rule
 aten = torch.ops.aten
 
 
+def _planes(t, spatial):
+    """``t`` with its last ``spatial`` dims as one (``reshape``: ``flatten`` is a composite op
+    that would reach an enclosing vmap whole)."""
+    return t.reshape(tuple(t.shape[: t.dim() - spatial]) + (-1,))
+
+
 def def_max_pool(op, spatial):
     """``op(x, ...) -> (out, indices)``, ``indices`` flat over the last ``spatial`` dims."""
 
@@ -34,7 +40,7 @@ def def_max_pool(op, spatial):
         t = tangents[0]
         if t is None:
             return (out, idx), None
-        picked = t.flatten(-spatial).gather(-1, idx.flatten(-spatial))
+        picked = _planes(t, spatial).gather(-1, _planes(idx, spatial))
         return (out, idx), (picked.reshape(out.shape), None)
 
     def max_pool_vjp_rule(cts, primals, kwargs, out, needs):
@@ -45,7 +51,7 @@ def def_max_pool(op, spatial):
         x, idx = primals[0], out[1]
         flat = x.shape[: x.dim() - spatial] + (-1,)
         g = ct.new_zeros(x.shape).reshape(flat)
-        g = g.scatter_add(-1, idx.flatten(-spatial), ct.flatten(-spatial))
+        g = g.scatter_add(-1, _planes(idx, spatial), _planes(ct, spatial))
         return (g.reshape(x.shape),) + rest
 
     register_jvp_rule(op)(max_pool_jvp_rule)

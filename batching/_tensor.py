@@ -178,7 +178,9 @@ class VmapInterpreter(Interpreter):
                     "`x = x.expand(...).clone()` per example."
                 )
         if rule is None:
-            d = decomposition(func)  # Note [Decomposition fallback]
+            # Note [Composite ops inside rules] (autodiff/_util.py), then Note [Decomposition
+            # fallback]: composite kernels batch op by op, as under jvp and vjp.
+            d = _composite(func) or decomposition(func)
             if d is not None and not written:
                 try:
                     with _lazy_conj_enabled():
@@ -252,6 +254,19 @@ def _cuda_rng():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.get_rng_state_all()
     return None
+
+
+# native_batch_norm's schema does not mark the running statistics it updates as written, so
+# its composite kernel (which hands them to _native_batch_norm_legit) is not safe to batch op
+# by op: it keeps its own rule or loop.
+_NOT_DECOMPOSED = {torch.ops.aten.native_batch_norm.default}
+
+
+def _composite(func):
+    from functransforms.autodiff._util import composite_implicit
+
+    return None if func in _NOT_DECOMPOSED else composite_implicit(func)
+
 _K = torch._C.DispatchKey
 _set_excluded = torch._C._SetExcludeDispatchKeyGuard
 

@@ -85,3 +85,16 @@ def promote_like_logical(args, bdims):
         if a.dtype not in (dtype, torch.bool):
             new[i] = a.to(dtype)
     return new
+
+
+def merge_dims(x, d):
+    """``x`` with dims ``d`` and ``d + 1`` merged, through ``reshape`` (``flatten`` and
+    ``unflatten`` are composite ops that reach an enclosing vmap whole inside a rule)."""
+    s = tuple(x.shape)
+    return x.reshape(s[:d] + (s[d] * s[d + 1],) + s[d + 2 :])
+
+
+def split_dim(x, d, n):
+    """``x`` with dim ``d`` split into ``(n, -1)``, through ``reshape`` (see ``merge_dims``)."""
+    s = tuple(x.shape)
+    return x.reshape(s[:d] + (n, s[d] // n) + s[d + 1 :])

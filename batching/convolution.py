@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import to_front
+from ._util import merge_dims, split_dim, to_front
 
 aten = torch.ops.aten
 
@@ -29,7 +29,7 @@ def convolution_vmap_rule(interp, args, bdims, kwargs):
         if xb is not None:
             x = to_front(x, xb)
             out = conv(
-                x.flatten(0, 1),
+                merge_dims(x, 0),
                 w,
                 bias if bb is None else None,
                 stride,
@@ -39,7 +39,7 @@ def convolution_vmap_rule(interp, args, bdims, kwargs):
                 output_padding,
                 groups,
             )
-            out = out.unflatten(0, (B, -1))
+            out = split_dim(out, 0, B)
         else:
             out = conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
             out = out.unsqueeze(0)
@@ -53,13 +53,13 @@ def convolution_vmap_rule(interp, args, bdims, kwargs):
         x = x.repeat((1, B) + (1,) * (x.dim() - 2))  # [N, C, ...] -> [N, B * C, ...]
     else:
         x = to_front(x, xb)  # [B, N, C, ...] -> [N, B * C, ...]
-        x = x.movedim(0, 1).flatten(1, 2)
+        x = merge_dims(x.movedim(0, 1), 1)
     if bias is not None:
-        bias = bias.repeat(B) if bb is None else to_front(bias, bb).flatten()
+        bias = bias.repeat(B) if bb is None else to_front(bias, bb).reshape(-1)
     out = conv(
-        x, w.flatten(0, 1), bias, stride, padding, dilation, transposed, output_padding, groups * B
+        x, merge_dims(w, 0), bias, stride, padding, dilation, transposed, output_padding, groups * B
     )
-    return out.unflatten(1, (B, -1)), 1
+    return split_dim(out, 1, B), 1
 
 
 # Note [Batching convolution_backward]
@@ -84,7 +84,7 @@ def _channels_fold(t, bdim, B):
         t = t.unsqueeze(0).expand((B,) + tuple(t.shape))
     else:
         t = to_front(t, bdim)
-    return t.movedim(0, 1).flatten(1, 2)
+    return merge_dims(t.movedim(0, 1), 1)
 
 
 def _weight_fold(t, bdim, B):
@@ -93,7 +93,7 @@ def _weight_fold(t, bdim, B):
         t = t.unsqueeze(0).expand((B,) + tuple(t.shape))
     else:
         t = to_front(t, bdim)
-    return t.flatten(0, 1)
+    return merge_dims(t, 0)
 
 
 @register_vmap_rule(aten.convolution_backward.default)
@@ -109,18 +109,18 @@ def convolution_backward_vmap_rule(interp, args, bdims, kwargs):
         if gb_ is None and wb is None:
             outs[0] = cb(go, _select0(x, xb), w, None, *geo, groups, [True, False, False])[0]
         elif wb is None:
-            g = to_front(go, gb_).flatten(0, 1)
+            g = merge_dims(to_front(go, gb_), 0)
             xs = _select0(x, xb)
             xs = xs.new_empty((g.shape[0],) + tuple(xs.shape[1:]))
             gi = cb(g, xs, w, None, *geo, groups, [True, False, False])[0]
-            outs[0], out_bdims[0] = gi.unflatten(0, (B, -1)), 0
+            outs[0], out_bdims[0] = split_dim(gi, 0, B), 0
         else:
             g = _channels_fold(go, gb_, B)
             ws = _weight_fold(w, wb, B)
             xs = _select0(x, xb)
             xs = xs.new_empty((xs.shape[0], B * xs.shape[1]) + tuple(xs.shape[2:]))
             gi = cb(g, xs, ws, None, *geo, groups * B, [True, False, False])[0]
-            outs[0], out_bdims[0] = gi.unflatten(1, (B, -1)), 1
+            outs[0], out_bdims[0] = split_dim(gi, 1, B), 1
     if mask[1]:
         if gb_ is None and xb is None:
             outs[1] = cb(go, x, _select0(w, wb), None, *geo, groups, [False, True, False])[1]
@@ -130,7 +130,7 @@ def convolution_backward_vmap_rule(interp, args, bdims, kwargs):
             ws = _select0(w, wb)
             ws = ws.new_empty((B * ws.shape[0],) + tuple(ws.shape[1:]))
             gw = cb(g, xs, ws, None, *geo, groups * B, [False, True, False])[1]
-            outs[1], out_bdims[1] = gw.unflatten(0, (B, -1)), 0
+            outs[1], out_bdims[1] = split_dim(gw, 0, B), 0
     if mask[2]:
         if gb_ is None:
             outs[2] = go.sum([0] + list(range(2, go.dim())))

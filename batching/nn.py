@@ -13,6 +13,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
+from .pooling import def_pool
 
 aten = torch.ops.aten
 
@@ -134,4 +135,23 @@ def _softmax_backward(op):
 
 _softmax_backward(aten._softmax_backward_data.default)
 _softmax_backward(aten._log_softmax_backward_data.default)
+
+
+def def_fold_both(op):
+    """``op(input [N, ...], grid [N, ...], ...)`` per sample of N (grid_sampler_3d): the batch
+    dim of both folds into N."""
+
+    def fold_both_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        x, g = expand_front(args[0], bdims[0], B), expand_front(args[1], bdims[1], B)
+        out = op(x.flatten(0, 1), g.flatten(0, 1), *args[2:], **kwargs)
+        return out.unflatten(0, (B, -1)), 0
+
+    register_vmap_rule(op)(fold_both_vmap_rule)
+
+
+def_fold_both(aten.grid_sampler_3d.default)
+# upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
+def_pool(aten._upsample_bilinear2d_aa.default, 2)
+def_pool(aten._upsample_bicubic2d_aa.default, 2)
 

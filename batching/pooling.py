@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, to_front
+from ._util import expand_front, merge_dims, split_dim, to_front
 
 aten = torch.ops.aten
 
@@ -19,11 +19,11 @@ def def_pool(op, spatial):
         x = to_front(args[0], bdims[0])
         fold = x.dim() - 1 == spatial + 2
         a = list(args)
-        a[0] = x.flatten(0, 1) if fold else x
+        a[0] = merge_dims(x, 0) if fold else x
         out = op(*a, **kwargs)
         if isinstance(out, torch.Tensor):
-            return (out.unflatten(0, (x.shape[0], -1)) if fold else out), 0
-        return tuple(o.unflatten(0, (x.shape[0], -1)) if fold else o for o in out), (0,) * len(out)
+            return (split_dim(out, 0, x.shape[0]) if fold else out), 0
+        return tuple(split_dim(o, 0, x.shape[0]) if fold else o for o in out), (0,) * len(out)
 
     register_vmap_rule(op)(pool_vmap_rule)
 
@@ -46,7 +46,7 @@ def _fold(x, bdim, batch_size, spatial):
     ``(value, fold)``; ``fold`` says whether the logical value had a leading N dim."""
     x = expand_front(x, bdim, batch_size)
     fold = x.dim() - 1 == spatial + 2
-    return (x.flatten(0, 1) if fold else x), fold
+    return (merge_dims(x, 0) if fold else x), fold
 
 
 def def_pool_backward(op, spatial):
@@ -57,7 +57,7 @@ def def_pool_backward(op, spatial):
         go, fold = _fold(args[0], bdims[0], B, spatial)
         x, _ = _fold(args[1], bdims[1], B, spatial)
         out = op(go, x, *args[2:], **kwargs)
-        return (out.unflatten(0, (B, -1)) if fold else out), 0
+        return (split_dim(out, 0, B) if fold else out), 0
 
     register_vmap_rule(op)(pool_backward_vmap_rule)
 
@@ -82,7 +82,7 @@ def def_fractional_max_pool(op, spatial):
         s = s.reshape((x.shape[0],) + tuple(s.shape[-2:]))
         out, idx = op(x, args[1], args[2], s, **kwargs)
         if fold:
-            out, idx = out.unflatten(0, (B, -1)), idx.unflatten(0, (B, -1))
+            out, idx = split_dim(out, 0, B), split_dim(idx, 0, B)
         return (out, idx), (0, 0)
 
     register_vmap_rule(op)(fractional_max_pool_vmap_rule)

@@ -71,8 +71,10 @@ def def_dim(op, pos, *, default=None):
             if new_dim is None:  # 0-d logical: add a unit dim, apply, drop it (torch: 0-d)
                 x, new_dim = x.unsqueeze(1), 1
         a[0] = x
-        a += [None] * (pos + 1 - len(a))
-        a[pos] = new_dim
+        if len(a) > pos:
+            a[pos] = new_dim
+        else:  # keyword (sort.stable's dim is keyword-only) or left to its default
+            kwargs = {**kwargs, "dim": new_dim}
         return _outputs(op(*a, **kwargs), squeeze=n == 0 and dim is not None)
 
     register_vmap_rule(op)(dim_vmap_rule)
@@ -128,6 +130,7 @@ for _op, _pos in (
     (aten.argsort.default, 1),
     (aten.argsort.stable, 2),
     (aten.median.dim, 1),
+    (aten.nanmedian.dim, 1),
     (aten.mode.default, 1),
     (aten.kthvalue.default, 2),
     (aten.topk.default, 2),
@@ -153,6 +156,7 @@ _full(aten.min.default, lambda x: aten.amin.default(x, [1]))
 _full(aten.any.default, lambda x: aten.any.dim(x, 1))
 _full(aten.all.default, lambda x: aten.all.dim(x, 1))
 _full(aten.median.default, lambda x: aten.median.dim(x, 1)[0])
+_full(aten.nanmedian.default, lambda x: aten.nanmedian.dim(x, 1)[0])
 
 
 @register_vmap_rule(aten.flip.default)
@@ -182,3 +186,18 @@ def searchsorted_vmap_rule(interp, args, bdims, kwargs):
     seq = seq.expand((B, *seq.shape)) if bdims[0] is None else seq
     x = x.expand((B, *x.shape)) if bdims[1] is None else x
     return aten.searchsorted.Tensor(seq.contiguous(), x.contiguous(), *args[2:], **kw), 0
+
+
+@register_vmap_rule(aten.bucketize.Tensor)
+def bucketize_vmap_rule(interp, args, bdims, kwargs):
+    """bucketize(x, boundaries) is searchsorted(boundaries, x): with shared boundaries it is
+    elementwise in x; batched (1-d per example) boundaries search each example's own."""
+    x, boundaries = args[0], args[1]
+    if bdims[1] is None:
+        return aten.bucketize.Tensor(x, boundaries, *args[2:], **kwargs), bdims[0]
+    B = interp.batch_size
+    seq = to_front(boundaries, bdims[1])
+    xs = x.expand((B, *x.shape)) if bdims[0] is None else to_front(x, bdims[0])
+    out = aten.searchsorted.Tensor(seq.contiguous(), xs.reshape(B, -1).contiguous(), **kwargs)
+    return out.reshape(xs.shape), 0
+

@@ -104,7 +104,9 @@ def slice_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
     a = list(args)
     a[0] = x
-    a[1] = wrap_dim(args[1] if len(args) > 1 else 0, n) + 1
+    kwargs = dict(kwargs)  # dim may come positionally, by keyword (torch.ops.aten.slice), or not
+    dim = a[1] if len(a) > 1 else kwargs.pop("dim", 0)
+    a[1:2] = [wrap_dim(dim, n) + 1]
     return aten.slice.Tensor(*a, **kwargs), 0
 
 

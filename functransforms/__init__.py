@@ -12,6 +12,11 @@ if not _os.path.isdir(_os.path.join(_here, "autodiff")):
     __path__.append(_os.path.dirname(_here))
 
 from . import autodiff, batching  # noqa: E402, F401  (registers the rules)
+from ._autograd_function import install as _install_autograd_function
+
+_install_autograd_function()  # Note [autograd.Function under transforms]
+
+from . import deterministic  # noqa: E402, F401
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
@@ -22,6 +27,7 @@ __all__ = [
     "checkpoint",
     "linear_transpose",
     "custom_jvp",
+    "deterministic",
     "custom_vjp",
     "custom_vmap",
     "debug_unwrap",

@@ -40,6 +40,9 @@ class _CustomFunction:
         self.bwd = None
         self.jvp_rule = None
         self.vmap_rule = None
+        # (fn, fwd, bwd, jvp_rule) for the generic batching, when they differ from the rules
+        # other levels use (Note [autograd.Function under transforms])
+        self.generic_vmap = None
         self.nondiff_argnums = _check_nondiff(fn, nondiff_argnums)
 
     def defvjp(self, fwd, bwd):
@@ -382,13 +385,15 @@ def _process_vmap(cf, interp, args):
     if cf.vmap_rule is not None:
         return _user_vmap_rule(cf, interp, vals, dims, spec)
     in_dims = tuple(pt.tree_unflatten(spec, dims))
-    batched = _CustomFunction(vmap(cf.fn, in_dims=in_dims, randomness=interp.randomness))
-    if cf.bwd is not None:
-        fwd = vmap(cf.fwd, in_dims=in_dims, randomness=interp.randomness)
-        bwd = vmap(cf.bwd, in_dims=(0, 0), randomness=interp.randomness)
-        batched.defvjp(fwd, bwd)
-    if cf.jvp_rule is not None:
-        batched.defjvp(vmap(cf.jvp_rule, in_dims=(in_dims, in_dims), randomness=interp.randomness))
+    fn, fwd, bwd, jvp_rule = cf.generic_vmap or (cf.fn, cf.fwd, cf.bwd, cf.jvp_rule)
+    batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=interp.randomness))
+    if bwd is not None:
+        batched.defvjp(
+            vmap(fwd, in_dims=in_dims, randomness=interp.randomness),
+            vmap(bwd, in_dims=(0, 0), randomness=interp.randomness),
+        )
+    if jvp_rule is not None:
+        batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=interp.randomness))
     out = batched(*pt.tree_unflatten(spec, vals))
     return pt.tree_map(lambda o: wrap_batched(o, 0, interp), out)
 

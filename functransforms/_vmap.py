@@ -161,6 +161,13 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
                 f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
                 "None as its in_dim."
             )
+        if x.is_nested:
+            raise NotImplementedError(
+                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) is a nested tensor; "
+                "vmap maps over strided tensors only. Do: map over its components "
+                "(`[f(t) for t in x.unbind()]`) or pad it first "
+                "(`torch.nested.to_padded_tensor(x, 0.0)`)."
+            )
         n = x.dim()
         if not -n <= d < n:
             raise ValueError(

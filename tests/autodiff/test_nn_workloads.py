@@ -112,3 +112,23 @@ def test_resnet_basic_block(training):
     )
     # running statistics moved exactly as torch's (training) or not at all (eval)
     assert_trees_close(dict(block.named_buffers()), dict(ref_block.named_buffers()))
+
+
+def test_conv_output_is_not_kept_for_the_backward_pass():
+    """Note [What a vjp rule keeps]: neither the convolution's node nor relu's keeps the
+    convolution's output alive until the backward pass (torch's autograd does not either)."""
+    import weakref
+
+    refs = []
+    x = torch.randn(2, 3, 8, 8, dtype=F64)
+    w = torch.randn(4, 3, 3, 3, dtype=F64)
+
+    def f(x, w):
+        y = F.conv2d(x, w)
+        refs.append(weakref.ref(y._primal))
+        return F.relu(y).sum()
+
+    out, vjp_fn = ft.vjp(f, x, w)
+    assert refs[0]() is None
+    ref = torch.func.vjp(lambda x, w: F.relu(F.conv2d(x, w)).sum(), x, w)[1]
+    assert_trees_close(vjp_fn(torch.ones_like(out)), ref(torch.ones_like(out)))
