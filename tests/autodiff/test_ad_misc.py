@@ -117,3 +117,16 @@ def test_grid_sample_3d(mode, padding_mode, align_corners):
 
     _ours_only(f, (x, grid), order=1, fd=mode == "bilinear")
     _ours_only(lambda x: f(x, grid), (x,), order=1)  # torch has no forward mode at all
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_scaled_dot_product_attention_forward_mode(causal):
+    """jvp and jvp-of-vjp on CPU (torch has no forward mode there): ours only."""
+    q, k, v = _x(2, 3, 4), _x(2, 5, 4, seed=1), _x(2, 5, 4, seed=2)
+    if causal:
+        k, v = k[:, :3], v[:, :3]
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    _ours_only(f, (q, k, v), order=2)
