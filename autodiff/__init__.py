@@ -3,12 +3,16 @@
 from . import (  # noqa: F401  (registration)
     convolution,
     elementwise,
+    indexing,
     linalg,
     nn,
+    nn_more,
     normalization,
     pooling,
     reductions,
+    scans,
     sorting,
+    special,
     spectral,
     views,
 )

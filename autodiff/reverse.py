@@ -155,7 +155,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
             raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
             if f.fresh_like:
-                self._note_fresh(out)
+                out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
