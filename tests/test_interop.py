@@ -757,3 +757,43 @@ def test_training_page_examples():
     namespace = {"__name__": "training_md"}
     for block in blocks:
         exec(compile(block, str(page), "exec"), namespace)  # noqa: S102
+
+
+# -- 5. torch.compile ---------------------------------------------------------------------------
+def _f(x):
+    return (x.sin() * x).sum()
+
+
+def _g(x):
+    return x.sin() * 2
+
+
+_X = torch.randn(4, 3, dtype=torch.float64)
+_COMPILED = {
+    "vmap(grad(f))": (lambda lib: lib.vmap(lib.grad(_f)), _X),
+    "jacrev(g)": (lambda lib: lib.jacrev(_g), _X[0]),
+    "jacfwd(g)": (lambda lib: lib.jacfwd(_g), _X[0]),
+    "hessian(f)": (lambda lib: lib.hessian(_f), _X[0]),
+    "grad(f)": (lambda lib: lib.grad(_f), _X[0]),
+    "vmap(g)": (lambda lib: lib.vmap(_g), _X),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_COMPILED))
+def test_torch_compile_of_our_transforms(case):
+    """Used to raise an internal ValueError (a tree structure built by dynamo's traced optree,
+    without our namespace, compared with ours) for vmap(grad) and jacrev."""
+    import torch._dynamo
+
+    make, x = _COMPILED[case]
+    torch._dynamo.reset()
+    out = torch.compile(make(ft), backend="eager")(x)
+    _close(out, make(tf)(x))
+
+
+def test_our_transforms_of_compiled_functions():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    _close(ft.grad(torch.compile(_f, backend="eager"))(_X[0]), tf.grad(_f)(_X[0]))
+    _close(ft.vmap(torch.compile(_g, backend="eager"))(_X), tf.vmap(_g)(_X))
