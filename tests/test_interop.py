@@ -797,3 +797,43 @@ def test_our_transforms_of_compiled_functions():
     torch._dynamo.reset()
     _close(ft.grad(torch.compile(_f, backend="eager"))(_X[0]), tf.grad(_f)(_X[0]))
     _close(ft.vmap(torch.compile(_g, backend="eager"))(_X), tf.vmap(_g)(_X))
+
+
+# -- devices: every transform on `meta` (no values: no host reads on the way) -------------------
+def _meta_cases():
+    x = torch.empty(4, 3, device="meta", dtype=torch.float64)
+    ones = torch.empty(3, 3, device="meta", dtype=torch.float64)
+    f = lambda v: (v.sin() * v).sum()  # noqa: E731
+    g = lambda v: v.exp() @ ones  # noqa: E731
+    return {
+        "vmap": lambda: ft.vmap(g)(x),
+        "vmap_chunked": lambda: ft.vmap(g, chunk_size=2)(x),
+        "vmap_randomness_different": lambda: ft.vmap(
+            lambda v: v + torch.randn(3, device="meta", dtype=v.dtype), randomness="different"
+        )(x),
+        "grad": lambda: ft.grad(f)(x[0]),
+        "value_and_grad": lambda: ft.value_and_grad(f)(x[0]),
+        "vjp": lambda: ft.vjp(g, x)[1](x),
+        "jvp": lambda: ft.jvp(g, (x,), (x,)),
+        "linearize": lambda: ft.linearize(g, x)[1](x),
+        "jacrev": lambda: ft.jacrev(g)(x[0]),
+        "jacfwd": lambda: ft.jacfwd(g)(x[0]),
+        "hessian": lambda: ft.hessian(f)(x[0]),
+        "vmap_grad": lambda: ft.vmap(ft.grad(f))(x),
+        "linear_transpose": lambda: ft.linear_transpose(lambda v: v * 2, x)(x),
+        "checkpoint": lambda: ft.grad(ft.checkpoint(f))(x[0]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_meta_cases()))
+def test_every_transform_on_meta(case):
+    out = _meta_cases()[case]()
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    assert leaves and all(t.device.type == "meta" for t in leaves)
+
+
+def test_permutation_operator_norm_on_operator_device():
+    from functransforms.linalg import PermutationOperator
+
+    P = PermutationOperator(torch.tensor([2, 0, 1], device="meta"))
+    assert P._frobenius_sq().device.type == "meta"
