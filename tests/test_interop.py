@@ -675,7 +675,9 @@ def test_batch_norm_under_vmap_matches_torch_func(mode):
         def loss(p, x, bn=bn, b=b, lib=lib):
             return lib.functional_call(bn, (p, b), (x,)).pow(2).sum()
 
-        out = lib.vmap(lambda x, bn=bn, b=b, lib=lib: lib.functional_call(bn, (p, b), (x,)))(xs)
+        out = lib.vmap(lambda x, bn=bn, p=p, b=b, lib=lib: lib.functional_call(bn, (p, b), (x,)))(
+            xs
+        )
         g = lib.vmap(lib.grad(loss), in_dims=(None, 0))(p, xs)
         results[name] = (out, g["weight"], g["bias"])
     for a, b in zip(results["ft"], results["torch.func"]):
