@@ -839,3 +839,35 @@ def test_permutation_operator_norm_on_operator_device():
 
     P = PermutationOperator(torch.tensor([2, 0, 1], device="meta"))
     assert P._frobenius_sq().device.type == "meta"
+
+
+# -- packaging: Python started next to a clone named functransforms -----------------------------
+def _run_beside_clone(tmp_path, code, pythonpath=None):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "functransforms").symlink_to(
+        root, target_is_directory=True
+    )  # `git clone` gives this
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = str(root)  # what `editable_mode=compat` writes into its .pth
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+
+
+def test_clone_shadowing_the_package_is_detected(tmp_path):
+    r = _run_beside_clone(tmp_path, "import functransforms.batching")
+    assert r.returncode != 0
+    assert "shadows the installed package" in r.stderr and "editable_mode=compat" in r.stderr
+
+
+def test_clone_root_on_sys_path_imports_the_real_package(tmp_path):
+    code = "import torch, functransforms as ft; print(ft.vmap(torch.sin)(torch.zeros(2, 1)).shape)"
+    r = _run_beside_clone(tmp_path, code, pythonpath=True)
+    assert r.returncode == 0, r.stderr
+    assert "torch.Size([2, 1])" in r.stdout
