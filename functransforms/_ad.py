@@ -8,7 +8,7 @@ import functools
 import torch
 
 from . import _pytree as pt
-from ._core import is_floating
+from ._core import eager_under_compile, is_floating
 
 
 def _name(func):
@@ -101,6 +101,7 @@ def _split_aux(result, call):
     return result
 
 
+@eager_under_compile
 def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
     from functransforms.autodiff.reverse import (
@@ -429,6 +430,7 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
     return _jvp(func, flat_p, flat_t, spec, has_aux, call)
 
 
+@eager_under_compile
 def _jvp(func, flat_p, flat_t, spec, has_aux, call):
     """jvp on flattened, validated inputs, with ``call`` (jvp, jacfwd, hessian) named in errors."""
     from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual

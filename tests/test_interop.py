@@ -791,6 +791,9 @@ def test_torch_compile_of_our_transforms(case):
     torch._dynamo.reset()
     out = torch.compile(make(ft), backend="eager")(x)
     _close(out, make(tf)(x))
+    # the transform runs as one eager region (Note [torch.compile around our transforms])
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(make(ft))(x).graph_break_count <= 1
 
 
 def test_our_transforms_of_compiled_functions():
