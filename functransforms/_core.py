@@ -252,14 +252,15 @@ def eager_under_compile(fn):
     which a third-party library cannot have. Run eagerly, the transform costs what it costs
     outside compile, the code around it still compiles, and a function compiled *inside* a
     transform (``ft.grad(torch.compile(f))``) works as usual. Without dynamo imported nothing
-    can be compiling, so the common path only checks ``sys.modules``.
+    can be compiling, so the common path only checks ``sys.modules`` (and, with dynamo
+    imported, ``torch.compiler.is_compiling()``, which is True only in a frame being traced).
     """
     disabled = []
 
     @functools.wraps(fn)
     def entry(*args, **kwargs):
         dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:
+        if dynamo is None or not torch.compiler.is_compiling():  # True only while tracing
             return fn(*args, **kwargs)
         if not disabled:
             disabled.append(dynamo.disable(fn, recursive=True))
