@@ -586,3 +586,16 @@ def test_debug_unwrap_as_torch_func():
     ref = {}
     tf.vmap(lambda a: ref.setdefault("r", tf.debug_unwrap(a)) * 0 + a)(xb)
     assert ref["r"].shape == seen["ours"].shape
+
+
+def test_out_argument_under_autodiff():
+    def f(a):
+        return torch.sin(a, out=torch.empty(3, dtype=torch.float64)).sum()
+
+    both_raise(RuntimeError, lambda L: L.grad(f)(x), match="out= arguments do not support")
+    both_raise(
+        RuntimeError,
+        lambda L: L.jvp(f, (x,), (x,)),
+        match="out= arguments do not support",
+    )
+    both_raise(RuntimeError, lambda L: L.vmap(lambda a: torch.sin(a, out=torch.empty(3)))(xb))
