@@ -26,7 +26,7 @@ import itertools
 
 import torch
 
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -221,6 +221,7 @@ def _prune(primals, out, keeps):
     return primals, out if reads_out else _standin(out)
 
 
+@eager_under_compile  # Note [torch.compile around our transforms]
 def backward(roots, leaves):
     """The cotangents of ``leaves`` given ``roots``: a list of (node, idx, cotangent).
 

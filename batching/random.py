@@ -52,6 +52,7 @@ aten = torch.ops.aten
 _RANDOM_KEY = "TESTING_ONLY_GenericMode"
 _libs: list = []  # keeps the registrations alive
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _dropout_p_position(op):
@@ -65,8 +66,10 @@ def _random_op_kernel(op):
     p_at = _dropout_p_position(op)  # attention ops draw only when dropout_p > 0
 
     def random_op_in_error_vmap(*args, **kwargs):
-        draws = True
-        if p_at is not None:
+        # under a tracing/fake dispatch mode (torch.compile's pattern tracing, FakeTensor) the
+        # call records a graph, it does not draw
+        draws = not _dispatch_modes()
+        if draws and p_at is not None:
             p = args[p_at] if len(args) > p_at else kwargs.get("dropout_p", 0.0)
             draws = p > 0
         for interp in reversed(interpreter_stack()) if draws else ():
