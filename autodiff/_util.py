@@ -284,6 +284,26 @@ def _swap(a, b):
     torch._C._swap_tensor_impl(a, b)
 
 
+def _give_back(obj, holder):
+    """Give promoted ``obj`` back its original memory, held by ``holder`` (a plain tensor again).
+
+    ``obj`` becomes a new tensor on the same storage, not a view of ``holder``: once the holder
+    is gone (the usual case) ``obj`` owns its memory alone and can be promoted again by a later
+    call; while someone keeps the holder (``out = buf.add_(x)``), both see the same memory."""
+    alias = holder.new_empty(0).set_(
+        holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
+    )
+    _swap(obj, alias)
+
+
+def _restore(obj, holder):
+    """Give ``obj`` back its original implementation, kept by ``holder`` since promotion (its
+    data untouched: the promoted wrapper worked on a copy)."""
+    holder.__class__ = torch.Tensor
+    holder.__dict__.pop("_target", None)
+    _give_back(obj, holder)
+
+
 class InplaceMixin:
     """In-place ops, views and promotion for the jvp and grad interpreters (Note [In-place ops
     and views under jvp and grad]). The interpreter supplies ``_rebind(w, value)`` (make wrapper
@@ -481,10 +501,18 @@ class InplaceMixin:
             plain = type(final) is torch.Tensor
             if plain and is_root and final.shape == holder.shape and final.dtype == holder.dtype:
                 holder.copy_(final)
-                _swap(obj, holder.view(holder.shape))  # obj and holder share the original memory
+                _give_back(obj, holder)
             elif plain and not is_root:
                 _swap(obj, holder.view(holder.shape))  # written through its root above
             else:  # the value belongs to an outer transform: obj becomes that value
                 _swap(obj, torch.ops.aten.alias.default(final))
                 holder.__class__ = _Redirect
                 holder.__dict__["_target"] = obj
+                # ... until that transform exits too: never leave a user's tensor a wrapper
+                outer = final._interp
+                if isinstance(outer, InplaceMixin):  # it writes the final value back, as we do
+                    if outer._promoted is None:
+                        outer._promoted = []
+                    outer._promoted.append((obj, holder, is_root))
+                else:  # vmap: one value per example, none for the tensor: restore the original
+                    outer.on_exit(lambda obj=obj, holder=holder: _restore(obj, holder))

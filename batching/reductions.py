@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import to_front, wrap_dim
+from ._util import flat_batch, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -64,7 +64,7 @@ def def_dim(op, pos, *, default=None):
         a = list(args)
         dim = args[pos] if len(args) > pos else kwargs.get("dim", default)
         if dim is None:
-            x = x.reshape(x.shape[0], -1)
+            x = flat_batch(x)
             new_dim = 1
         else:
             new_dim = _shift(dim, n) if n > 0 else None
@@ -143,7 +143,7 @@ def _full(op, via):
 
     def full_vmap_rule(interp, args, bdims, kwargs):
         x = to_front(args[0], bdims[0])
-        return via(x.reshape(x.shape[0], -1), **kwargs), 0
+        return via(flat_batch(x), **kwargs), 0
 
     register_vmap_rule(op)(full_vmap_rule)
 
@@ -181,7 +181,7 @@ def searchsorted_vmap_rule(interp, args, bdims, kwargs):
             return aten.searchsorted.Tensor(seq, x, *args[2:], **kw), 0
         xs = x.expand((B, *x.shape)) if bdims[1] is None else x
         shape = xs.shape
-        out = aten.searchsorted.Tensor(seq, xs.reshape(B, -1), *args[2:], **kw)
+        out = aten.searchsorted.Tensor(seq, flat_batch(xs), *args[2:], **kw)
         return out.reshape(shape), 0
     seq = seq.expand((B, *seq.shape)) if bdims[0] is None else seq
     x = x.expand((B, *x.shape)) if bdims[1] is None else x
