@@ -412,5 +412,11 @@ def _new_factory(func):
     register_vmap_rule(func)(new_factory_vmap_rule)
 
 
-for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default):
+for _op in (
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+):
     _new_factory(_op)
