@@ -181,7 +181,9 @@ def _prims_elementwise(func):
         ]
         full = (B, *torch.broadcast_shapes(*shapes))
         new = [
-            expand_front(a, b, B).expand(full) if isinstance(a, torch.Tensor) else a
+            pad_to(expand_front(a, b, B), len(full) - 1).expand(full)
+            if isinstance(a, torch.Tensor)
+            else a
             for a, b in zip(args, bdims)
         ]
         return func(*new, **kwargs), 0
