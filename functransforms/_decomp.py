@@ -20,7 +20,7 @@ def _multilabel_margin_loss_forward(input, target, reduction):
     Replaces torch's decomposition, which (torch 2.13) also counts the slots after the -1 as
     class 0: the kernel's loss is ``sum_{j < end} sum_{i not a target} max(0, 1 - x[y_j] +
     x[i]) / C`` per row."""
-    C = input.shape[-1]
+    C = input.shape[-1] if input.dim() else 1
     rows, trows = input.reshape(-1, C), target.reshape(-1, C)
     idx = torch.arange(C, device=input.device)
     end = torch.where(trows == -1, idx, C).amin(-1, keepdim=True)

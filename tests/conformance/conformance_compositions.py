@@ -29,9 +29,12 @@ import warnings
 import torch
 import torch.utils._pytree as tpt
 from conformance_harness import (
+    ALLOWED_LOOPS,
+    LOOP,
     B,
     Result,
     _call,
+    _CatchFallbacks,
     _clone,
     _differentiable_outputs,
     _is_diff,
@@ -164,19 +167,33 @@ def _vmap_vjp(f, primals, out0, diff, layout, others, gen, j, result, what):
             cs = batched_c if cdim == 0 else shared_c
             return [x.clone() for x in (*ps, *cs)]
 
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
         try:
-            ref = torch.func.vmap(_composed(torch.func.vjp, f, n), in_dims=in_dims)(*args())
+            with warnings.catch_warnings(record=True) as tf_warned:
+                warnings.simplefilter("always")
+                ref = torch.func.vmap(_composed(torch.func.vjp, f, n), in_dims=in_dims)(*args())
         except Exception:
             result.skip_sample("torch.func.vmap(vjp) raises")
             continue
-        try:
-            ours = ft.vmap(_composed(ft.vjp, f, n), in_dims=in_dims)(*args())
-        except Exception as e:
-            result.fail(classify_exception(e), f"{what}, {label}: {_short(e)}")
+        finally:
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+        with _CatchFallbacks() as fb:
+            try:
+                ours = ft.vmap(_composed(ft.vjp, f, n), in_dims=in_dims)(*args())
+            except Exception as e:
+                ours = e
+        if isinstance(ours, Exception):
+            result.fail(classify_exception(ours), f"{what}, {label}: {_short(ours)}")
             continue
         bad = compare(ours, ref, f"{what}, {label}: vmap(vjp)")
         if bad:
             result.fail(*bad)
+            continue
+        # Note [No loop where torch.func batches] (conformance_harness.py)
+        loops = sorted(op for op in fb.ops() if op not in ALLOWED_LOOPS)
+        result.fallback_ops |= set(loops)
+        if loops and not any("performance drop" in str(w.message) for w in tf_warned):
+            result.fail(LOOP, f"{what}, {label}: {', '.join(loops)}")
             continue
         result.compared += 1
 
