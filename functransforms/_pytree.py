@@ -6,6 +6,8 @@ flatten in our transforms without leaking into other libraries' optree registrie
 
 from __future__ import annotations
 
+import re
+
 import optree
 
 NAMESPACE = "functransforms"
@@ -37,11 +39,14 @@ def tree_structure(tree):
 def same_structure(a, b) -> bool:
     """``a == b`` for two tree structures, also when one was built by torch.compile's traced
     version of optree, which drops the namespace (``PyTreeSpec(*)`` vs ``PyTreeSpec(*,
-    namespace='functransforms')``): the structures are compared without it."""
+    namespace='functransforms')``, or ``namespace=''`` on torch 2.15): the structures are
+    compared without it."""
     if a == b:
         return True
-    tag = f", namespace='{NAMESPACE}'"
-    return repr(a).replace(tag, "") == repr(b).replace(tag, "")
+    return _NAMESPACE_TAG.sub("", repr(a)) == _NAMESPACE_TAG.sub("", repr(b))
+
+
+_NAMESPACE_TAG = re.compile(r", namespace='[^']*'")
 
 
 def one_level(node):
