@@ -39,8 +39,11 @@ def masked_select_vjp_rule(ct, primals, kwargs, out, needs):
     """The transpose scatters ct into the (broadcast) mask's positions."""
     x, mask = primals
     shape = torch.broadcast_shapes(x.shape, mask.shape)
-    g = torch.zeros(shape, dtype=ct.dtype, device=ct.device)
-    g = aten.masked_scatter.default(g, mask.expand(shape), ct)
+    # flat positions of the (constant) mask, so the vjp batches as an index_put under vmap
+    pos = mask.expand(shape).reshape(-1).nonzero().squeeze(-1)
+    g = torch.zeros(max(x.numel(), 1) if shape == x.shape else torch.Size(shape).numel(),
+                    dtype=ct.dtype, device=ct.device)  # fmt: skip
+    g = g.index_put((pos,), ct).reshape(shape)
     return unbroadcast(g, x.shape), None
 
 
