@@ -78,14 +78,14 @@ def _solver(spec, n_leaves):
 
     def fwd(B, *leaves):
         X = S(B, *leaves)  # enclosing levels see the custom rule too
-        return X, (leaves, X, B.shape)
+        return X, (leaves, X, B)  # B only for its shape (a Size is no vmap output)
 
     def bwd(res, ct):
-        leaves, X, b_shape = res
+        leaves, X, B = res
         A = op(leaves)
         AH = A if A.symmetric and not A.is_complex else A._adjoint()
         gX = implicit_solve(AH, ct)
-        gB = _sum_to(gX, b_shape)
+        gB = _sum_to(gX, B.shape)
         idx = floats(leaves)
         cts = [None] * len(leaves)
         if idx:
