@@ -137,3 +137,25 @@ def test_dense_solve_forward_over_forward_is_right():
     torch.testing.assert_close(got, exact)
     h = 1e-4
     torch.testing.assert_close(got, (f(x + h) - 2 * f(x) + f(x - h)) / h**2, rtol=1e-5, atol=1e-6)
+
+
+def test_logdet_second_order_matches_dense():
+    n = 12
+    x = torch.linspace(0, 1, n, dtype=DT)
+    s = ARGS[1]
+
+    def rbf(ls):
+        return torch.exp(-0.5 * (x[:, None] - x[None, :]) ** 2 / ls**2)
+
+    def ours(ls):
+        K = KroneckerOperator(rbf(ls[0]), rbf(ls[1]), symmetric=True, positive_definite=True)
+        return torch.logdet(K + ScaledIdentityOperator(s, n * n))
+
+    def dense(ls):
+        return torch.logdet(torch.kron(rbf(ls[0]), rbf(ls[1])) + s * torch.eye(n * n, dtype=DT))
+
+    torch.testing.assert_close(ft.hessian(ours)(ARGS[0]), torch.func.hessian(dense)(ARGS[0]))
+    t = (torch.tensor([1.0, 2.0], dtype=DT),)
+    torch.testing.assert_close(
+        ft.jvp(ours, (ARGS[0],), t)[1], torch.func.jvp(dense, (ARGS[0],), t)[1]
+    )
