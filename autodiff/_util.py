@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from functransforms._core import TransformTensor
-from functransforms._ops import op_name
+from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import InplaceError
 
 from ._registry import missing_rule
@@ -284,6 +284,26 @@ def _swap(a, b):
     torch._C._swap_tensor_impl(a, b)
 
 
+def _give_back(obj, holder):
+    """Give promoted ``obj`` back its original memory, held by ``holder`` (a plain tensor again).
+
+    ``obj`` becomes a new tensor on the same storage, not a view of ``holder``: once the holder
+    is gone (the usual case) ``obj`` owns its memory alone and can be promoted again by a later
+    call; while someone keeps the holder (``out = buf.add_(x)``), both see the same memory."""
+    alias = holder.new_empty(0).set_(
+        holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
+    )
+    _swap(obj, alias)
+
+
+def _restore(obj, holder):
+    """Give ``obj`` back its original implementation, kept by ``holder`` since promotion (its
+    data untouched: the promoted wrapper worked on a copy)."""
+    holder.__class__ = torch.Tensor
+    holder.__dict__.pop("_target", None)
+    _give_back(obj, holder)
+
+
 class InplaceMixin:
     """In-place ops, views and promotion for the jvp and grad interpreters (Note [In-place ops
     and views under jvp and grad]). The interpreter supplies ``_rebind(w, value)`` (make wrapper
@@ -293,6 +313,16 @@ class InplaceMixin:
     _replaying = False
     _promoted = None
     _fresh = None  # plain buffers made at this level by *_like ops (Note [Buffers held by kernels])
+
+    def _fresh_buffer(self, out):
+        """A floating buffer a *_like / new_* op made at this level from a tracked value: a
+        constant of the level (Note [Buffers held by kernels]), so that a composite kernel
+        writing into it and reading it back in C++ (diff(n=0), circular pad,
+        hinge_embedding_loss) writes into a wrapper, whose in-place rule it then sees."""
+        if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()):
+            return self._constant(out)  # also an outer level's value: one constant per level
+        self._note_fresh(out)
+        return out
 
     def _note_fresh(self, out):
         if type(out) is torch.Tensor:
@@ -358,7 +388,7 @@ class InplaceMixin:
             if self_._base is not None and getattr(new, "_interp", None) is self:
                 self_._chain = new._chain  # still a view of the same root, one step further
             return self_
-        new = self.process(functional, args, kwargs)
+        new = self.process(functional, positional_with_defaults(func, args), kwargs)
         base = self_._base
         if base is None and (
             self_._views is None or not any(r() is not None for r in self_._views)
@@ -442,7 +472,7 @@ class InplaceMixin:
             positions = store.as_strided(
                 target.shape, target.stride(), target.storage_offset()
             ).clone()
-            if bool((positions < 0).any()):
+            if positions.device.type != "meta" and bool((positions < 0).any()):
                 raise InplaceError(
                     f"{self.call}: {name}: the target view reaches outside its base."
                 )
@@ -481,10 +511,18 @@ class InplaceMixin:
             plain = type(final) is torch.Tensor
             if plain and is_root and final.shape == holder.shape and final.dtype == holder.dtype:
                 holder.copy_(final)
-                _swap(obj, holder.view(holder.shape))  # obj and holder share the original memory
+                _give_back(obj, holder)
             elif plain and not is_root:
                 _swap(obj, holder.view(holder.shape))  # written through its root above
             else:  # the value belongs to an outer transform: obj becomes that value
                 _swap(obj, torch.ops.aten.alias.default(final))
                 holder.__class__ = _Redirect
                 holder.__dict__["_target"] = obj
+                # ... until that transform exits too: never leave a user's tensor a wrapper
+                outer = final._interp
+                if isinstance(outer, InplaceMixin):  # it writes the final value back, as we do
+                    if outer._promoted is None:
+                        outer._promoted = []
+                    outer._promoted.append((obj, holder, is_root))
+                else:  # vmap: one value per example, none for the tensor: restore the original
+                    outer.on_exit(lambda obj=obj, holder=holder: _restore(obj, holder))

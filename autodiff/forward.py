@@ -18,6 +18,8 @@ from ._util import (
 )
 
 _mk = torch.Tensor._make_wrapper_subclass
+_fwd_enabled = torch._C._is_fwd_grad_enabled
+_set_fwd = torch._C._set_fwd_grad_enabled
 
 
 class DualTensor(TransformTensor):
@@ -28,6 +30,12 @@ class DualTensor(TransformTensor):
     _base = None  # Note [In-place ops and views under jvp and grad]
     _chain = ()
     _views = None
+
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        p, t = self._primal, self._tangent
+        return (not isinstance(p, TransformTensor) and p.requires_grad) or (
+            not isinstance(t, TransformTensor) and t.requires_grad
+        )
 
     def _describe(self):
         return (
@@ -57,6 +65,22 @@ class JvpInterpreter(InplaceMixin, Interpreter):
     def __init__(self, call="jvp(f)"):
         super().__init__()
         self.call = call  # the public call, for error messages
+        self.prev_fwd = True  # forward-grad mode when the level was entered
+
+    def __enter__(self):
+        # Note [Grad mode] (autodiff/reverse.py), for forward mode: torch's forward-grad switch
+        # (`torch.autograd.forward_ad._set_fwd_grad_enabled(False)`) inside the function stops
+        # this level; the caller's setting does not, and is restored on exit.
+        self.prev_fwd = _fwd_enabled()
+        super().__enter__()
+        _set_fwd(True)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _set_fwd(self.prev_fwd)
 
     def _wrap(self, out, t):
         if t is None:
@@ -80,6 +104,8 @@ class JvpInterpreter(InplaceMixin, Interpreter):
             return self._inplace(func, f, args, kwargs)
         rule = JVP_RULES.get(func)
         primals, tangents = unwrap_level(self, args, _tangent_of)
+        if not _fwd_enabled():  # forward grad off inside the function: a constant
+            return func(*primals, **kwargs)
         if rule is None:
             d = composite_implicit(func) or decomposition(func)
             if d is not None:
@@ -88,10 +114,17 @@ class JvpInterpreter(InplaceMixin, Interpreter):
             if not any_floating(out):
                 return out
             raise missing_rule(func, self.call, "jvp", "register_jvp_rule")
-        out, t_out = rule(primals, tangents, kwargs)
+        if self.prev_fwd:
+            out, t_out = rule(primals, tangents, kwargs)
+        else:  # lowered under the caller's setting (Note [Grad mode])
+            _set_fwd(False)
+            try:
+                out, t_out = rule(primals, tangents, kwargs)
+            finally:
+                _set_fwd(True)
         out = self._wrap(out, t_out)
         if f.fresh_like:
-            self._note_fresh(out)
+            out = self._fresh_buffer(out)
         if f.view:
             self._note_views(func, args, kwargs, out)
         return out
@@ -99,6 +132,8 @@ class JvpInterpreter(InplaceMixin, Interpreter):
     def _rebind(self, w, value):
         if isinstance(value, DualTensor) and value._interp is self:
             w._primal, w._tangent = value._primal, value._tangent
+        elif not _fwd_enabled() and value.shape == w._primal.shape:
+            w._primal = value  # written with forward grad off: the tangent is kept
         else:  # the new value carries no tangent at this level
             w._primal, w._tangent = value, torch.zeros_like(value)
         restride(w)

@@ -7,6 +7,16 @@ Note [The tape]
     all its consumers. The sweep runs ordinary torch ops on cotangents after level L has exited:
     the values it touches are plain tensors or wrappers of *lower* levels, so an enclosing vmap
     batches the backward pass and an enclosing grad/jvp differentiates it.
+
+Note [Grad mode]
+    torch.func's semantics, which follow torch's autograd: ``torch.no_grad()``,
+    ``set_grad_enabled(False)`` or ``inference_mode()`` *inside* the transformed function stops
+    recording at every grad level (what it computes is a constant), while a no_grad around the
+    *call* does not stop the transform (a level enables grad mode for the function it runs, and
+    restores the caller's mode on exit). A level entered under no_grad runs the ops it hands
+    down (on unwrapped values: to outer levels and to torch's autograd) under no_grad, so the
+    results of ``grad`` called under no_grad do not require grad in torch's sense. functorch
+    does the same (``prevGradMode`` in its grad interpreter).
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import itertools
 
 import torch
 
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -33,6 +43,7 @@ from ._util import (
 
 _mk = torch.Tensor._make_wrapper_subclass
 _ids = itertools.count()
+_grad_enabled = torch.is_grad_enabled
 
 
 class Node:
@@ -71,6 +82,10 @@ class GradTensor(TransformTensor):
     _chain = ()
     _views = None
 
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        p = self._primal
+        return not isinstance(p, TransformTensor) and p.requires_grad
+
     def _describe(self):
         return f"GradTensor(lvl={self._interp.level}, primal={self._primal!r})"
 
@@ -97,18 +112,40 @@ class GradInterpreter(InplaceMixin, Interpreter):
     def __init__(self, call="vjp(f)"):
         super().__init__()
         self.call = call  # the public call (grad, vjp, jacrev, hessian, ...), for error messages
+        self.prev_grad = True  # grad mode when the level was entered (Note [Grad mode])
+
+    def __enter__(self):
+        # Note [Grad mode]: as torch.func, recording is on inside the function whatever the
+        # caller's grad mode, and the caller's mode is restored on exit.
+        self.prev_grad = torch.is_grad_enabled()
+        super().__enter__()
+        torch._C._set_grad_enabled(True)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch._C._set_grad_enabled(self.prev_grad)
 
     def process(self, func, args, kwargs):
         f = facts(func)
         if f.inplace or f.inplace_view:
             return self._inplace(func, f, args, kwargs)
+        if not _grad_enabled():  # Note [Grad mode]: no_grad inside the function: a constant
+            return func(*unwrap_level(self, args, _entry_of)[0], **kwargs)
         rule = VJP_RULES.get(func)
         if rule is None:
             d = composite_implicit(func) or decomposition(func)
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
         primals, inputs = unwrap_level(self, args, _entry_of)
-        if f.view and func in VJP_FORWARD:
+        if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
+            with torch.no_grad():
+                out = (VJP_FORWARD[func] if f.view and func in VJP_FORWARD else func)(
+                    *primals, **kwargs
+                )
+        elif f.view and func in VJP_FORWARD:
             out = VJP_FORWARD[func](*primals, **kwargs)
         else:
             out = func(*primals, **kwargs)
@@ -118,14 +155,18 @@ class GradInterpreter(InplaceMixin, Interpreter):
             raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
             if f.fresh_like:
-                self._note_fresh(out)
+                out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
                 return out
             if out.is_conj():  # Note [No lazy conjugate inside wrappers]
                 out = out.resolve_conj()
-            node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
+            saved = out
+            keeps = getattr(rule, "keeps", None)
+            if keeps is not None:  # Note [What a vjp rule keeps]
+                primals, saved = _prune(primals, out, keeps)
+            node = Node(rule, primals, kwargs, saved, inputs, [i is not None for i in inputs])
             w = wrap_grad(out, node, 0, self)
         else:
             out = type(out)(resolve_lazy(o) for o in out)
@@ -141,6 +182,10 @@ class GradInterpreter(InplaceMixin, Interpreter):
     def _rebind(self, w, value):
         if isinstance(value, GradTensor) and value._interp is self:
             w._primal, w._node, w._idx = value._primal, value._node, value._idx
+        elif not _grad_enabled() and value.shape == w._primal.shape:
+            # Note [Grad mode]: written under no_grad (`with torch.no_grad(): w.mul_(2)`): as in
+            # torch's autograd, the value changes and its history does not
+            w._primal = value
         else:  # the new value no longer depends on this level (e.g. x.zero_())
             w._primal, w._node, w._idx = value, Leaf(), 0
         restride(w)
@@ -152,6 +197,31 @@ class GradInterpreter(InplaceMixin, Interpreter):
 NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no derivative
 
 
+# Note [What a vjp rule keeps]
+#     A node keeps its op's inputs and output for the backward pass, so every activation stays
+#     alive until the sweep reaches it, also the ones its rule never reads (torch's autograd
+#     saves only what each formula needs). A rule may declare ``rule.keeps = (read, out)``:
+#     ``read`` the positional inputs it reads (None: all), ``out`` whether it reads the
+#     output. The others are replaced in the node by data-free stand-ins (meta tensors with
+#     the same shape and dtype, which is all a rule may ask of them), so e.g. a convolution's
+#     output, read by the following relu only through that relu's output, is freed as in
+#     torch (peak memory of per-sample gradients of a CNN: benchmarks/bench_surface.py).
+
+
+def _standin(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _prune(primals, out, keeps):
+    read, reads_out = keeps
+    if read is not None:
+        primals = [p if i in read else _standin(p) for i, p in enumerate(primals)]
+    return primals, out if reads_out else _standin(out)
+
+
+@eager_under_compile  # Note [torch.compile around our transforms]
 def backward(roots, leaves):
     """The cotangents of ``leaves`` given ``roots``: a list of (node, idx, cotangent).
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from functransforms.deterministic import _ops as _det
+
 from ._registry import register_jvp_rule, register_vjp_rule
 
 aten = torch.ops.aten
@@ -48,7 +50,7 @@ def def_selection(op, dim_of, keepdim_of=lambda *a, **k: True, permutation=False
         if permutation:
             return (ct.gather(d, torch.argsort(idx, d)),) + rest
         zeros = torch.zeros(x.shape, dtype=ct.dtype, device=ct.device)
-        return (zeros.scatter_add(d, idx, ct),) + rest
+        return (_det.det_call(aten.scatter_add.default, zeros, d, idx, ct),) + rest
 
     register_jvp_rule(op)(selection_jvp_rule)
     register_vjp_rule(op)(selection_vjp_rule)

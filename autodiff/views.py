@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from functransforms.deterministic import _ops as _det
+
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
 
@@ -97,13 +99,13 @@ for _op, _tr in (
     (aten.imag.default, lambda ct, x: ct * 1j),
     (aten.view_as_real.default, lambda ct, x: torch.view_as_complex(ct.contiguous())),
     (aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct)),
-    (aten.index_select.default, lambda ct, x, dim, idx: _zeros(x, ct).index_add(dim, idx, ct)),
-    (aten.gather.default, lambda ct, x, dim, idx, **k: _zeros(x, ct).scatter_add(dim, idx, ct)),
+    (aten.index_select.default, lambda ct, x, dim, idx: _det.det_call(aten.index_add.default, _zeros(x, ct), dim, idx, ct)),
+    (aten.gather.default, lambda ct, x, dim, idx, **k: _det.det_call(aten.scatter_add.default, _zeros(x, ct), dim, idx, ct)),
     (
         aten.index.Tensor,
-        lambda ct, x, indices: aten.index_put.default(_zeros(x, ct), indices, ct, True),
+        lambda ct, x, indices: _det.det_call(aten.index_put.default, _zeros(x, ct), indices, ct, True),
     ),
-    (aten.cumsum.default, lambda ct, x, dim, **k: ct.flip(dim).cumsum(dim).flip(dim)),
+    (aten.cumsum.default, lambda ct, x, dim, **k: _cumsum_transpose(ct, dim)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
 ):
     def_linear(_op, _tr)
@@ -139,6 +141,12 @@ for _op, _f in (
     VJP_FORWARD[_op] = _f
 
 
+def _cumsum_transpose(ct, dim):
+    if ct.dim() == 0:  # a 0-d cumsum is the identity (and flip of a 0-d batched value is not)
+        return ct
+    return ct.flip(dim).cumsum(dim).flip(dim)
+
+
 def _repeat_transpose(ct, x, reps):
     lead = len(reps) - x.dim()
     shape = list(x.shape)
@@ -151,6 +159,8 @@ def _repeat_transpose(ct, x, reps):
 
 
 def _unfold_transpose(ct, x, dim, size, step):
+    if x.dim() == 0:  # a 0-d x unfolds to shape (1,)
+        return ct.reshape(())
     out = _zeros(x, ct)
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):
@@ -323,7 +333,7 @@ def index_put_jvp_rule(primals, tangents, kwargs):
         return out, None
     tx = tx if tx is not None else torch.zeros_like(out)
     tv = tv if tv is not None else torch.zeros(v.shape, dtype=out.dtype, device=out.device)
-    return out, aten.index_put.default(tx, indices, tv, *primals[3:], **kwargs)
+    return out, _det.det_call(aten.index_put.default, tx, indices, tv, *primals[3:], **kwargs)
 
 
 @register_vjp_rule(aten.index_put.default)
@@ -350,7 +360,7 @@ def def_scatter_src(op, accumulate):
             return out, None
         tx = tx if tx is not None else torch.zeros_like(out)
         ts = ts if ts is not None else torch.zeros(src.shape, dtype=out.dtype, device=out.device)
-        return out, op(tx, dim, index, ts, *primals[4:], **kwargs)
+        return out, _det.det_call(op, tx, dim, index, ts, *primals[4:], **kwargs)
 
     def scatter_src_vjp_rule(ct, primals, kwargs, out, needs):
         x, dim, index, src = primals[:4]

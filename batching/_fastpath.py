@@ -16,6 +16,12 @@ mismatches, ``out=``, in-place) takes the ordinary path through ``__torch_dispat
 stays the single source of semantics; the fast path is a shortcut to the same answer, tested
 against it (tests/batching/test_fastpath.py).
 
+Note [Fast path below torch's autograd]: at top level the function runs above the Autograd
+keys, so torch records it on values that require grad. Called from inside a rule (a rule of
+another level applying ``x * y`` to this level's wrappers), it runs below them, where nothing
+is recorded: then, if a value requires grad, the ordinary path is taken, whose dispatch
+re-enables torch's autograd (Note [Torch autograd through our transforms], ``_core.py``).
+
 The price is that metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) now pass through
 a Python ``__torch_function__`` too; they return at its first line.
 """
@@ -27,7 +33,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from functransforms._core import TransformTensor
+from functransforms._core import TransformTensor, below_torch_autograd
 
 _aten = torch.ops.aten
 
@@ -133,12 +139,18 @@ def pointwise_fast(func, inplace_at, args, kwargs, batched_cls, wrap):
         if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
             a = args[0]
             if type(a) is batched_cls and a._interp.alive:
-                return wrap(func(a._value, *args[1:]), a._bdim, a._interp)
+                v = a._value
+                if type(v) is not batched_cls and v.requires_grad and below_torch_autograd():
+                    return None  # Note [Fast path below torch's autograd]
+                return wrap(func(v, *args[1:]), a._bdim, a._interp)
             return None
         if n == 2 and type(args[0]) in _NUMBERS:
             b = args[1]
             if type(b) is batched_cls and b._interp.alive:
-                return wrap(func(args[0], b._value), b._bdim, b._interp)
+                v = b._value
+                if type(v) is not batched_cls and v.requires_grad and below_torch_autograd():
+                    return None
+                return wrap(func(args[0], v), b._bdim, b._interp)
             return None
     return _pointwise_general(func, args, kwargs, batched_cls, wrap)
 
@@ -156,6 +168,7 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     nd = -1
     n_tensors = 0
     plain_nd = -1
+    requires_grad = False
     for a in (*args, *values):
         if isinstance(a, TransformTensor):
             if type(a) is not batched_cls:
@@ -164,7 +177,10 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
                 interp = a._interp
             elif a._interp is not interp:
                 return None
-            d = a._value.dim() - 1
+            v = a._value
+            if not requires_grad and type(v) is not batched_cls:
+                requires_grad = v.requires_grad
+            d = v.dim() - 1
             if nd == -1:
                 nd = d
             elif d != nd:
@@ -174,6 +190,7 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
             n_tensors += 1
         elif isinstance(a, torch.Tensor):
             n_tensors += 1
+            requires_grad = requires_grad or a.requires_grad
             d = a.dim()
             if d > plain_nd:
                 plain_nd = d
@@ -181,6 +198,8 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
             return None
     if interp is None or not interp.alive:
         return None
+    if requires_grad and below_torch_autograd():
+        return None  # Note [Fast path below torch's autograd]
     if n_tensors > 1:
         # Several tensors broadcast against each other: batch dims must all be in front, and a
         # plain tensor must not reach the batch dim (nor, for 0-d logical values, change the

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from functransforms._core import Interpreter, TransformTensor
+from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
@@ -15,6 +15,7 @@ from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
 from ._registry import VMAP_RULES
 
 _no_torch_function = torch._C._disabled_torch_function_impl
+_DATA_GET = torch.Tensor.data.__get__
 
 
 class BatchedTensor(TransformTensor):
@@ -34,13 +35,59 @@ class BatchedTensor(TransformTensor):
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
+        elif func is _getitem and len(args) == 2:
+            index = _tensor_index(args[1])
+            if index is not None:
+                return torch.ops.aten.index.Tensor(args[0], index)
+        elif func == _DATA_GET and args[0]._interp.alive:  # a fresh method-wrapper each time
+            raise RuntimeError(
+                f"{args[0]._interp.call}: `x.data` of a batched tensor is not allowed under vmap "
+                "(as in torch.func): it would bypass the batching. Expected: use x itself, or "
+                "x.detach() to stop gradients."
+            )
         return _no_torch_function(func, types, args, kwargs or {})
+
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        v = self._value
+        return not isinstance(v, TransformTensor) and v.requires_grad
 
     def _describe(self):
         return f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, value={self._value!r})"
 
+    def _escape_value(self, method):  # Note [Escaping to Python]
+        from functransforms.errors import DataDependentError
+
+        raise DataDependentError(
+            f"{self._interp.call}: `.{method}()` reads a batched tensor as Python data, which "
+            "would need one value per example. Expected: keep the computation in tensor ops "
+            "(torch.where instead of if/else), or move it out of vmap."
+        )
+
 
 _mk = torch.Tensor._make_wrapper_subclass
+_getitem = torch.Tensor.__getitem__
+
+
+def _is_int_scalar(a):
+    return (
+        isinstance(a, BatchedTensor)
+        and a.dim() == 0
+        and not is_floating(a)
+        and a.dtype != torch.bool
+    )
+
+
+def _tensor_index(index):
+    """``v[i]`` with ``i`` a batched 0-d integer tensor: torch's indexing turns a 0-d integer
+    index into a Python int (``.item()``: one value per example, so vmap would raise), but
+    ``aten.index.Tensor(v, [i])`` is the same selection as a gather. Returns the index list
+    when every entry is a tensor (or None) and one is such an ``i``; else None (ordinary path)."""
+    entries = index if type(index) is tuple else (index,)
+    if not any(_is_int_scalar(e) for e in entries):
+        return None
+    if all(e is None or isinstance(e, torch.Tensor) for e in entries):
+        return list(entries)
+    return None
 
 
 def wrap_batched(value, bdim, interp):
@@ -131,7 +178,9 @@ class VmapInterpreter(Interpreter):
                     "`x = x.expand(...).clone()` per example."
                 )
         if rule is None:
-            d = decomposition(func)  # Note [Decomposition fallback]
+            # Note [Composite ops inside rules] (autodiff/_util.py), then Note [Decomposition
+            # fallback]: composite kernels batch op by op, as under jvp and vjp.
+            d = _composite(func) or decomposition(func)
             if d is not None and not written:
                 try:
                     with _lazy_conj_enabled():
@@ -151,6 +200,11 @@ class VmapInterpreter(Interpreter):
         f = facts(func)
         if f.random and self.randomness == "error":
             raise_random(self, func)
+        same_draw = f.random and self.randomness == "same"
+        if same_draw and any(
+            _is_batched_at(a, self) for i, a in enumerate(args) if i not in f.written
+        ):
+            raise_same_with_batched_parameters(self, func)
         if func not in _WARNED:
             _WARNED.add(func)
             warnings.warn(
@@ -162,8 +216,14 @@ class VmapInterpreter(Interpreter):
             )
         B = self.batch_size
         results = []
+        # 'same': every example draws from the same generator state, so the draws agree
+        rng = (torch.random.get_rng_state(), _cuda_rng()) if same_draw else None
         with _lazy_conj_enabled():
             for i in range(B):
+                if rng is not None:
+                    torch.random.set_rng_state(rng[0])
+                    if rng[1] is not None:
+                        torch.cuda.set_rng_state_all(rng[1])
                 a_i = [_select(a, self, i) for a in args]
                 k_i = {k: _select(v, self, i) for k, v in kwargs.items()}
                 results.append(func(*a_i, **k_i))
@@ -182,6 +242,31 @@ class VmapInterpreter(Interpreter):
 
 
 _WARNED: set = set()
+
+
+def _is_batched_at(a, interp):
+    if isinstance(a, BatchedTensor):
+        return a._interp is interp
+    return (type(a) is list or type(a) is tuple) and any(_is_batched_at(b, interp) for b in a)
+
+
+def _cuda_rng():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state_all()
+    return None
+
+
+# native_batch_norm's schema does not mark the running statistics it updates as written, so
+# its composite kernel (which hands them to _native_batch_norm_legit) is not safe to batch op
+# by op: it keeps its own rule or loop.
+_NOT_DECOMPOSED = {torch.ops.aten.native_batch_norm.default}
+
+
+def _composite(func):
+    from functransforms.autodiff._util import composite_implicit
+
+    return None if func in _NOT_DECOMPOSED else composite_implicit(func)
+
 _K = torch._C.DispatchKey
 _set_excluded = torch._C._SetExcludeDispatchKeyGuard
 
@@ -247,6 +332,18 @@ def raise_random(interp, func):
         "randomness='error' (the default). Expected: no random ops, or an explicit choice. Do: "
         "pass randomness='different' (independent draws per example) or randomness='same' "
         "(one draw shared by the batch)."
+    )
+
+
+def raise_same_with_batched_parameters(interp, func):
+    """Note [randomness='same' with batched parameters]: one draw for the whole batch cannot
+    follow per-example distribution parameters (a batched mean, probability or rate); torch.func
+    refuses it, and so do we, rather than draw per example and call it 'same'."""
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers from a batched tensor argument "
+        "(per-example distribution parameters), but vmap was called with randomness='same' (one "
+        "draw shared by the batch). Expected: unbatched parameters under 'same'. Do: pass "
+        "randomness='different', or make the parameters the same for every example."
     )
 
 

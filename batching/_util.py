@@ -10,20 +10,30 @@ def to_front(x, bdim):
     return x if bdim == 0 else x.movedim(bdim, 0)
 
 
+def flat_batch(x):
+    """``x`` (batch dim in front) as ``[B, prod(rest)]``; unlike ``reshape(B, -1)`` also for
+    ``B == 0``, where -1 is ambiguous (vmap over an empty batch returns empty results)."""
+    if x.shape[0] == 0:
+        n = 1
+        for s in x.shape[1:]:
+            n *= s
+        return x.reshape(0, n)
+    return x.reshape(x.shape[0], -1)
+
+
 def logical_dim(x, bdim):
     return x.dim() - (bdim is not None)
 
 
 def wrap_dim(d, n):
-    """Normalize a possibly negative logical dim against logical rank ``n``."""
-    if d < 0:
-        d += n
-    if not 0 <= d < max(n, 1):
+    """Normalize a possibly negative logical dim against logical rank ``n``. As in torch, a 0-d
+    tensor accepts dims 0 and -1."""
+    m = max(n, 1)
+    if not -m <= d < m:
         raise IndexError(
-            "Dimension out of range (expected to be in range of "
-            f"[{-max(n, 1)}, {max(n, 1) - 1}], but got {d})"
+            f"Dimension out of range (expected to be in range of [{-m}, {m - 1}], but got {d})"
         )
-    return d
+    return d % m
 
 
 def pad_to(x, nd):
@@ -75,3 +85,16 @@ def promote_like_logical(args, bdims):
         if a.dtype not in (dtype, torch.bool):
             new[i] = a.to(dtype)
     return new
+
+
+def merge_dims(x, d):
+    """``x`` with dims ``d`` and ``d + 1`` merged, through ``reshape`` (``flatten`` and
+    ``unflatten`` are composite ops that reach an enclosing vmap whole inside a rule)."""
+    s = tuple(x.shape)
+    return x.reshape(s[:d] + (s[d] * s[d + 1],) + s[d + 2 :])
+
+
+def split_dim(x, d, n):
+    """``x`` with dim ``d`` split into ``(n, -1)``, through ``reshape`` (see ``merge_dims``)."""
+    s = tuple(x.shape)
+    return x.reshape(s[:d] + (n, s[d] // n) + s[d + 1 :])

@@ -166,3 +166,34 @@ def broadcast_tensors_vmap_rule(interp, args, bdims, kwargs):
         for t, b in zip(tensors, bds)
     ]
     return tuple(outs), tuple(None if b is None else 0 for b in bds)
+
+
+def _prims_elementwise(func):
+    """Elementwise prims (what torch._refs decompositions emit) want operands of one shape:
+    every tensor gets the batch dim in front and is expanded to ``[B, *logical shape]``."""
+
+    def prims_elementwise_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        shapes = [
+            a.shape[:b] + a.shape[b + 1 :] if b is not None else a.shape
+            for a, b in zip(args, bdims)
+            if isinstance(a, torch.Tensor)
+        ]
+        full = (B, *torch.broadcast_shapes(*shapes))
+        new = [
+            pad_to(expand_front(a, b, B), len(full) - 1).expand(full)
+            if isinstance(a, torch.Tensor)
+            else a
+            for a, b in zip(args, bdims)
+        ]
+        return func(*new, **kwargs), 0
+
+    register_vmap_rule(func)(prims_elementwise_vmap_rule)
+
+
+for _name in (
+    "add atan2 bitwise_and bitwise_or bitwise_xor div eq fmax fmin fmod gcd ge gt hypot igamma "
+    "igammac le lt maximum minimum mul ne nextafter pow remainder shift_left "
+    "shift_right_arithmetic sub zeta where"
+).split():
+    _prims_elementwise(getattr(torch.ops.prims, _name).default)

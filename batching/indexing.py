@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from functransforms.deterministic._ops import det_call
+
 from ._registry import register_vmap_rule
 from ._tensor import raise_data_dependent
-from ._util import expand_front, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -117,7 +119,7 @@ def _index_put(func):
         if p:
             perm = [0, *range(p + 1, p + 1 + R), *range(1, p + 1), *range(p + 1 + R, v.dim())]
             v = v.permute(perm)
-        out = func(x_phys, new, v, *args[3:], **kwargs)
+        out = det_call(func, x_phys, new, v, *args[3:], **kwargs)
         return (x if inplace else out), (bdims[0] if inplace else 0)
 
     register_vmap_rule(func)(index_put_vmap_rule)
@@ -137,13 +139,14 @@ def _both_front(interp, args, bdims, k):
 
 @register_vmap_rule(aten.gather.default)
 def gather_vmap_rule(interp, args, bdims, kwargs):
+    """torch treats a 0-d self or index as 1-d of size 1, and the result has the index's shape:
+    give 0-d logical values a unit dim, and drop it from the result if the index had none."""
     x, idx = _both_front(interp, args, bdims, 2)
-    n = x.dim() - 1
-    if n == 0:  # 0-d logical self: gather along a unit dim
-        return aten.gather.default(x[:, None], 1, idx.reshape(-1, 1), *args[3:], **kwargs)[:, 0], 0
-    if idx.dim() == 1:
-        idx = idx.reshape((-1,) + (1,) * n)
-    return aten.gather.default(x, wrap_dim(args[1], n) + 1, idx, *args[3:], **kwargs), 0
+    n, m = x.dim() - 1, idx.dim() - 1
+    x = x[:, None] if n == 0 else x
+    idx = idx[:, None] if m == 0 else idx
+    out = aten.gather.default(x, wrap_dim(args[1], max(n, 1)) + 1, idx, *args[3:], **kwargs)
+    return (out[:, 0] if m == 0 else out), 0
 
 
 def _scatter(func):
@@ -163,10 +166,10 @@ def _scatter(func):
             a[0], a[1], a[2] = x[:, None], 1, idx.reshape(-1, 1)
             if has_src:
                 a[3] = a[3].reshape(-1, 1)
-            out = func(*a, **kwargs)
+            out = det_call(func, *a, **kwargs)
             return (args[0] if inplace else out[:, 0]), (bdims[0] if inplace else 0)
         a[0], a[1], a[2] = x, wrap_dim(args[1], n) + 1, idx
-        out = func(*a, **kwargs)
+        out = det_call(func, *a, **kwargs)
         return (args[0] if inplace else out), (bdims[0] if inplace else 0)
 
     register_vmap_rule(func)(scatter_vmap_rule)
@@ -225,23 +228,23 @@ def _index_dim_op(func, src_pos):
         if n == 0:  # 0-d logical self: work on a unit dim
             x = x[:, None]
             if has_src:
-                a[src_pos] = a[src_pos].reshape(B, -1)
+                a[src_pos] = flat_batch(a[src_pos])
             d = 0
         else:
             d = wrap_dim(args[1], n)
         if bdims[2] is None:
             a[0], a[1] = x, d + 1
-            out = func(*a, **kwargs)
+            out = det_call(func, *a, **kwargs)
         else:
             xm = x.movedim(d + 1, 1)
             size = xm.shape[1]
-            idx = to_front(args[2], bdims[2]).reshape(B, -1)
+            idx = flat_batch(to_front(args[2], bdims[2]))
             idx = (idx + torch.arange(B, device=idx.device)[:, None] * size).reshape(-1)
             a[0], a[1], a[2] = xm.reshape((-1,) + tuple(xm.shape[2:])), 0, idx
             if has_src:
                 s = a[src_pos].movedim(d + 1, 1)
                 a[src_pos] = s.reshape((-1,) + tuple(s.shape[2:]))
-            out = func(*a, **kwargs).reshape(xm.shape).movedim(1, d + 1)
+            out = det_call(func, *a, **kwargs).reshape(xm.shape).movedim(1, d + 1)
             if inplace:
                 x.copy_(out)
         if inplace:
@@ -263,7 +266,7 @@ def _index_fill_batched_value(interp, func, args, bdims, inplace):
     d = wrap_dim(args[1], n) if n else 0
     size = xs.shape[d + 1]
     mask = torch.zeros((B, size), dtype=torch.bool, device=x.device)
-    idx = expand_front(args[2], bdims[2], B).reshape(B, -1)
+    idx = flat_batch(expand_front(args[2], bdims[2], B))
     mask.scatter_(1, idx % size, True)
     mask = mask.reshape((B,) + (1,) * d + (size,) + (1,) * (xs.dim() - d - 2))
     v = to_front(args[3], bdims[3]).reshape((B,) + (1,) * (xs.dim() - 1)).to(x.dtype)
@@ -351,6 +354,33 @@ for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_
     _masked_fill(_op)
 
 
+@register_vmap_rule(aten.take.default)
+def take_vmap_rule(interp, args, bdims, kwargs):
+    """take(x, idx) reads the flattened x: a gather along the flattened dims (negative indices
+    count from the end, as in take); batched indices are values, not control flow."""
+    B = interp.batch_size
+    x = expand_front(args[0], bdims[0], B).reshape(B, -1)
+    idx = expand_front(args[1], bdims[1], B)
+    flat = idx.reshape(B, -1)
+    flat = torch.where(flat < 0, flat + x.shape[1], flat)
+    return torch.gather(x, 1, flat).reshape(idx.shape), 0
+
+
+@register_vmap_rule(aten.masked_select.default)
+def masked_select_vmap_rule(interp, args, bdims, kwargs):
+    """An unbatched mask selects the same number of elements from every example; a batched
+    one gives each example its own count (a data-dependent shape, as in torch.func)."""
+    x, mask = args[0], args[1]
+    if bdims[1] is not None:
+        from ._tensor import raise_data_dependent
+
+        raise_data_dependent(interp, aten.masked_select.default)
+    xf = to_front(x, bdims[0])
+    shape = torch.broadcast_shapes(tuple(xf.shape[1:]), tuple(mask.shape))
+    xf = xf.expand((xf.shape[0],) + shape)
+    return xf[:, mask.expand(shape)], 0
+
+
 @register_vmap_rule(aten.embedding.default)
 def embedding_vmap_rule(interp, args, bdims, kwargs):
     """embedding(weight, indices, ...): a batched table is flattened and indices offset."""
@@ -366,10 +396,18 @@ def embedding_vmap_rule(interp, args, bdims, kwargs):
 
 
 def _new_factory(func):
-    """x.new_zeros(size) and friends: the result does not depend on x's values (unbatched)."""
+    """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
+    as torch.func makes it (code writes per-example values into it, or draws into it under
+    randomness='different')."""
 
     def new_factory_vmap_rule(interp, args, bdims, kwargs):
-        return func(*args, **kwargs), None
+        a = list(args)
+        size = [int(s) for s in a[1]]
+        a[1] = [interp.batch_size, *size]
+        if func is aten.new_empty_strided.default:
+            span = 1 + sum((s - 1) * st for s, st in zip(size, a[2])) if all(size) else 1
+            a[2] = [span, *a[2]]
+        return func(*a, **kwargs), 0
 
     register_vmap_rule(func)(new_factory_vmap_rule)
 
@@ -378,7 +416,7 @@ for _op in (
     aten.new_zeros.default,
     aten.new_ones.default,
     aten.new_full.default,
-    aten.new_empty.default,
+    aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
     aten.new_empty_strided.default,
 ):
     _new_factory(_op)

@@ -71,6 +71,18 @@ def_add_product(aten.addmv.default, mv_vmap_rule, 1)
 def_add_product(aten.baddbmm.default, mm_vmap_rule, 3)
 
 
+def _bmm_sum_vmap_rule(interp, args, bdims, kwargs):
+    """The product of addbmm: ``sum_i a[i] @ b[i]``, batch dim in front."""
+    a, b, ba, bb = _fronts(args, bdims)
+    out = torch.matmul(a, b).sum(-3)
+    if ba is None and bb is None:  # only the bias is batched
+        out = out.expand((interp.batch_size,) + tuple(out.shape))
+    return out, 0
+
+
+def_add_product(aten.addbmm.default, _bmm_sum_vmap_rule, 2)
+
+
 @register_vmap_rule(aten.matmul.default)
 def matmul_vmap_rule(interp, args, bdims, kwargs):
     """torch.matmul semantics: 1-D operands are promoted to matrices and the added dim removed."""

@@ -4,9 +4,8 @@ Note [Batching random ops]
     randomness='error' (the default): any random draw inside vmap is an error. Ops with a batched
     tensor argument are caught when they reach the vmap interpreter (they carry the
     ``nondeterministic_seeded`` tag); factory ops with no tensor argument (``torch.randn(3)``)
-    never reach a tensor subclass, so vmap compares the global RNG state before and after the
-    call: a change means something drew random numbers, and that is an error too. No dispatch
-    mode is needed, so the default pays no per-op cost for it.
+    never reach a tensor subclass, so they are caught by what they are, at a dispatch key:
+    Note [Random ops by their tags].
     randomness='same': one draw shared by the batch: a factory op runs as is; an op on a batched
     tensor draws for one example's shape and is broadcast.
     randomness='different': independent draws per example. Factory ops must be seen, so only this
@@ -21,24 +20,108 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from functransforms._core import interpreter_stack
+from functransforms._ops import facts, op_name
+from functransforms.errors import RandomnessError
 
 from ._registry import register_vmap_rule
-from ._tensor import VmapInterpreter, raise_random, wrap_batched
-from ._util import to_front
+from ._tensor import (
+    VmapInterpreter,
+    raise_random,
+    raise_same_with_batched_parameters,
+    wrap_batched,
+)
+from ._util import pad_to, to_front
 
 aten = torch.ops.aten
 
 
-def rng_state(device_types):
-    """A cheap snapshot of the generators a function could draw from."""
-    states = [torch.default_generator.get_state()]
-    if "cuda" in device_types and torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.extend(torch.cuda.get_rng_state_all())
-    return states
+# Note [Random ops by their tags]
+#     A draw with no tensor argument (``torch.randn(3)``, ``torch.randn(3, generator=g)``, on
+#     any device, ``meta`` included) never reaches a tensor subclass. Comparing the global RNG
+#     state before and after the call (the first design) missed user generators, other devices
+#     and meta, and fired when another *thread* drew. A ``TorchDispatchMode`` sees every op but
+#     costs ~10 us on each. Instead, every ATen op tagged ``nondeterministic_seeded`` gets a
+#     Python kernel at a dispatch key that no tensor carries and that is included in the
+#     thread-local dispatch state only while a ``randomness='error'`` vmap runs on this thread;
+#     every other op has a fallthrough at that key, which the dispatcher skips at no cost. The
+#     kernel raises ``RandomnessError`` naming the op and the vmap call. Rules and the
+#     per-example fallback run inside ``__torch_dispatch__``, where the dispatcher excludes the
+#     key, so only the user's draws are seen. The key is ``TESTING_ONLY_GenericMode`` (torch
+#     registers nothing there; checked on torch 2.13): torch has no key reserved for
+#     third-party modes. Registration scans the op tags once, at the first such vmap.
+_RANDOM_KEY = "TESTING_ONLY_GenericMode"
+_libs: list = []  # keeps the registrations alive
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def rng_changed(before, after):
-    return any(not torch.equal(a, b) for a, b in zip(before, after))
+def _dropout_p_position(op):
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == "dropout_p":
+            return i
+    return None
+
+
+def _random_op_kernel(op):
+    p_at = _dropout_p_position(op)  # attention ops draw only when dropout_p > 0
+
+    def random_op_in_error_vmap(*args, **kwargs):
+        # under a tracing/fake dispatch mode (torch.compile's pattern tracing, FakeTensor) the
+        # call records a graph, it does not draw
+        draws = not _dispatch_modes()
+        if draws and p_at is not None:
+            p = args[p_at] if len(args) > p_at else kwargs.get("dropout_p", 0.0)
+            draws = p > 0
+        for interp in reversed(interpreter_stack()) if draws else ():
+            if isinstance(interp, VmapInterpreter) and interp.randomness == "error":
+                raise_random(interp, op)
+        # included but no 'error' level on this thread's stack (e.g. a grad level's backward
+        # run later): draw as usual, past this key
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, True)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, False)
+
+    return random_op_in_error_vmap
+
+
+def _register_random_kernels():
+    everything = torch.library.Library("_", "IMPL")
+    everything.fallback(torch.library.fallthrough_kernel, _RANDOM_KEY)
+    _libs.append(everything)
+    for ns in ("aten",):
+        lib = torch.library.Library(ns, "IMPL")
+        _libs.append(lib)
+        namespace = getattr(torch.ops, ns)
+        for name in dir(namespace):
+            packet = getattr(namespace, name, None)
+            if not isinstance(packet, torch._ops.OpOverloadPacket):
+                continue
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                # composite ops are skipped: what they decompose into draws (or not: dropout
+                # with train=False), and is caught there
+                if torch.Tag.nondeterministic_seeded not in op.tags:
+                    continue
+                if not op.has_kernel_for_dispatch_key(_COMPOSITE):
+                    lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
+
+
+class no_random_ops:
+    """While active on this thread, any random ATen op raises (Note [Random ops by their
+    tags]); nests, and restores the previous state on exit."""
+
+    def __enter__(self):
+        if not _libs:
+            _register_random_kernels()
+        self.prev = torch._C._dispatch_tls_is_dispatch_key_included(_RANDOM_KEY)
+        torch._C._dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, True)
+        return self
+
+    def __exit__(self, *exc):
+        torch._C._dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, self.prev)
+        return False
 
 
 def _has_tensor(args, kwargs):
@@ -61,6 +144,13 @@ class DifferentRandomnessMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if _drawing.active:  # the draw of an inner mode, already batched for every level
             return func(*args, **kwargs)
+        if (
+            args
+            and type(args[0]) is torch.Tensor
+            and torch.Tag.nondeterministic_seeded in func.tags
+            and facts(func).inplace
+        ):
+            _raise_different_inplace(func)
         if torch.Tag.nondeterministic_seeded in func.tags and not _has_tensor(args, kwargs):
             levels = [i for i in interpreter_stack() if isinstance(i, VmapInterpreter) and i.alive]
             for interp in levels:
@@ -76,6 +166,21 @@ class DifferentRandomnessMode(TorchDispatchMode):
                 out = wrap_batched(out, 0, interp)
             return out
         return func(*args, **kwargs)
+
+
+def _raise_different_inplace(func):
+    """torch.func's rule: an in-place draw into a tensor that is not batched would have to hold
+    one value per example."""
+    interp = next(
+        i for i in reversed(interpreter_stack()) if isinstance(i, VmapInterpreter) and i.alive
+    )
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers in place into a tensor that is not "
+        "batched, but vmap was called with randomness='different' (one draw per example), which "
+        "that tensor cannot hold. Expected: the tensor written to is batched. Do: draw out of "
+        "place (`torch.randn(shape)`), or make the target batched (`x.expand(...).clone()` per "
+        "example)."
+    )
 
 
 def _draw_with_batch_dims(func, args, kwargs, sizes):
@@ -99,12 +204,18 @@ def _draw_with_batch_dims(func, args, kwargs, sizes):
     return out
 
 
+# ops whose tensor arguments are distribution parameters, not only a shape to fill
+_PARAMETRIZED = frozenset((aten.bernoulli.default, aten.normal.Tensor_float))
+
+
 def _random_like_rule(func):
     """rand_like(x), randn_like(x), bernoulli(x), dropout-style ops on a batched tensor."""
 
     def random_vmap_rule(interp, args, bdims, kwargs):
         if interp.randomness == "error":
             raise_random(interp, func)
+        if interp.randomness == "same" and func in _PARAMETRIZED:
+            raise_same_with_batched_parameters(interp, func)
         x = to_front(args[0], bdims[0])
         if interp.randomness == "different":
             a = list(args)
@@ -131,10 +242,22 @@ for _op in (
     aten.native_dropout.default,
     aten.randint_like.default,
     aten.randint_like.low_dtype,
-    aten.multinomial.default,
     aten.normal.Tensor_float,
 ):
     register_vmap_rule(_op)(_random_like_rule(_op))
+
+
+@register_vmap_rule(aten.multinomial.default)
+def multinomial_vmap_rule(interp, args, bdims, kwargs):
+    """multinomial(probs [C] or [N, C], k) -> [k] or [N, k]: the rows of every example are
+    drawn together ('different'); under 'same' batched probabilities raise, as in torch.func."""
+    if interp.randomness == "error":
+        raise_random(interp, aten.multinomial.default)
+    if interp.randomness == "same":  # batched probabilities: per-example parameters
+        raise_same_with_batched_parameters(interp, aten.multinomial.default)
+    p = to_front(args[0], bdims[0])
+    out = aten.multinomial.default(p.reshape(-1, p.shape[-1]), *args[1:], **kwargs)
+    return out.reshape((*p.shape[:-1], out.shape[-1])), 0
 
 
 def _random_inplace_rule(func):
@@ -143,9 +266,15 @@ def _random_inplace_rule(func):
     def random_inplace_vmap_rule(interp, args, bdims, kwargs):
         if interp.randomness == "error":
             raise_random(interp, func)
+        if interp.randomness == "same" and any(b is not None for b in bdims[1:]):
+            raise_same_with_batched_parameters(interp, func)
         x = to_front(args[0], bdims[0])
         if interp.randomness == "different":
-            func(x, *args[1:], **kwargs)
+            rest = [  # tensor parameters (bernoulli_'s p) line up with x's batch dim
+                a if b is None else pad_to(to_front(a, b), x.dim() - 1)
+                for a, b in zip(args[1:], bdims[1:])
+            ]
+            func(x, *rest, **kwargs)
         else:
             func(x[0], *args[1:], **kwargs)
             x[1:].copy_(x[0].expand(x[1:].shape))
@@ -158,6 +287,7 @@ for _op in (
     aten.uniform_.default,
     aten.normal_.default,
     aten.bernoulli_.float,
+    aten.bernoulli_.Tensor,
     aten.exponential_.default,
     aten.random_.default,
     getattr(aten.random_, "from"),

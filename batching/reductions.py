@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import to_front, wrap_dim
+from ._util import flat_batch, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -64,15 +64,17 @@ def def_dim(op, pos, *, default=None):
         a = list(args)
         dim = args[pos] if len(args) > pos else kwargs.get("dim", default)
         if dim is None:
-            x = x.reshape(x.shape[0], -1)
+            x = flat_batch(x)
             new_dim = 1
         else:
             new_dim = _shift(dim, n) if n > 0 else None
             if new_dim is None:  # 0-d logical: add a unit dim, apply, drop it (torch: 0-d)
                 x, new_dim = x.unsqueeze(1), 1
         a[0] = x
-        a += [None] * (pos + 1 - len(a))
-        a[pos] = new_dim
+        if len(a) > pos:
+            a[pos] = new_dim
+        else:  # keyword (sort.stable's dim is keyword-only) or left to its default
+            kwargs = {**kwargs, "dim": new_dim}
         return _outputs(op(*a, **kwargs), squeeze=n == 0 and dim is not None)
 
     register_vmap_rule(op)(dim_vmap_rule)
@@ -128,6 +130,7 @@ for _op, _pos in (
     (aten.argsort.default, 1),
     (aten.argsort.stable, 2),
     (aten.median.dim, 1),
+    (aten.nanmedian.dim, 1),
     (aten.mode.default, 1),
     (aten.kthvalue.default, 2),
     (aten.topk.default, 2),
@@ -140,7 +143,7 @@ def _full(op, via):
 
     def full_vmap_rule(interp, args, bdims, kwargs):
         x = to_front(args[0], bdims[0])
-        return via(x.reshape(x.shape[0], -1), **kwargs), 0
+        return via(flat_batch(x), **kwargs), 0
 
     register_vmap_rule(op)(full_vmap_rule)
 
@@ -153,6 +156,7 @@ _full(aten.min.default, lambda x: aten.amin.default(x, [1]))
 _full(aten.any.default, lambda x: aten.any.dim(x, 1))
 _full(aten.all.default, lambda x: aten.all.dim(x, 1))
 _full(aten.median.default, lambda x: aten.median.dim(x, 1)[0])
+_full(aten.nanmedian.default, lambda x: aten.nanmedian.dim(x, 1)[0])
 
 
 @register_vmap_rule(aten.flip.default)
@@ -177,8 +181,23 @@ def searchsorted_vmap_rule(interp, args, bdims, kwargs):
             return aten.searchsorted.Tensor(seq, x, *args[2:], **kw), 0
         xs = x.expand((B, *x.shape)) if bdims[1] is None else x
         shape = xs.shape
-        out = aten.searchsorted.Tensor(seq, xs.reshape(B, -1), *args[2:], **kw)
+        out = aten.searchsorted.Tensor(seq, flat_batch(xs), *args[2:], **kw)
         return out.reshape(shape), 0
     seq = seq.expand((B, *seq.shape)) if bdims[0] is None else seq
     x = x.expand((B, *x.shape)) if bdims[1] is None else x
     return aten.searchsorted.Tensor(seq.contiguous(), x.contiguous(), *args[2:], **kw), 0
+
+
+@register_vmap_rule(aten.bucketize.Tensor)
+def bucketize_vmap_rule(interp, args, bdims, kwargs):
+    """bucketize(x, boundaries) is searchsorted(boundaries, x): with shared boundaries it is
+    elementwise in x; batched (1-d per example) boundaries search each example's own."""
+    x, boundaries = args[0], args[1]
+    if bdims[1] is None:
+        return aten.bucketize.Tensor(x, boundaries, *args[2:], **kwargs), bdims[0]
+    B = interp.batch_size
+    seq = to_front(boundaries, bdims[1])
+    xs = x.expand((B, *x.shape)) if bdims[0] is None else to_front(x, bdims[0])
+    out = aten.searchsorted.Tensor(seq.contiguous(), xs.reshape(B, -1).contiguous(), **kwargs)
+    return out.reshape(xs.shape), 0
+

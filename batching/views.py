@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, to_front, wrap_dim
+from ._util import expand_front, flat_batch, to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -66,6 +66,8 @@ def transpose_vmap_rule(interp, args, bdims, kwargs):
 @register_vmap_rule(aten.t.default, aten.t_.default)
 def t_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
+    if n > 2:  # the check torch.t makes on one example
+        raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {n}D")
     return (x.transpose(1, 2) if n == 2 else x), 0
 
 
@@ -102,7 +104,9 @@ def slice_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
     a = list(args)
     a[0] = x
-    a[1] = wrap_dim(args[1] if len(args) > 1 else 0, n) + 1
+    kwargs = dict(kwargs)  # dim may come positionally, by keyword (torch.ops.aten.slice), or not
+    dim = a[1] if len(a) > 1 else kwargs.pop("dim", 0)
+    a[1:2] = [wrap_dim(dim, n) + 1]
     return aten.slice.Tensor(*a, **kwargs), 0
 
 
@@ -183,7 +187,7 @@ def roll_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
     dims = args[2] if len(args) > 2 else []
     if not dims:
-        flat = x.reshape(x.shape[0], -1)
+        flat = flat_batch(x)
         return flat.roll(args[1], 1).reshape(x.shape), 0
     return x.roll(args[1], [wrap_dim(d, n) + 1 for d in dims]), 0
 

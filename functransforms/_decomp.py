@@ -9,8 +9,37 @@ Note [Decomposition fallback]
 
 from __future__ import annotations
 
+import torch
+
 _TABLE = None
 _CACHE: dict = {}
+
+
+def _multilabel_margin_loss_forward(input, target, reduction):
+    """Rows ``[C]`` of input and target; a target row lists class indices up to the first -1.
+    Replaces torch's decomposition, which (torch 2.13) also counts the slots after the -1 as
+    class 0: the kernel's loss is ``sum_{j < end} sum_{i not a target} max(0, 1 - x[y_j] +
+    x[i]) / C`` per row."""
+    C = input.shape[-1] if input.dim() else 1
+    rows, trows = input.reshape(-1, C), target.reshape(-1, C)
+    idx = torch.arange(C, device=input.device)
+    end = torch.where(trows == -1, idx, C).amin(-1, keepdim=True)
+    slot = idx < end  # [R, C]: the target slots before the terminator
+    y = torch.where(slot, trows, 0)
+    is_target = (idx == torch.where(slot, trows, -1).unsqueeze(-1)).any(1)  # [R, C] by class
+    margins = (1 - rows.gather(1, y).unsqueeze(-1) + rows.unsqueeze(1)).clamp_min(0) / C
+    keep = slot.unsqueeze(-1) & ~is_target.unsqueeze(1)  # [R, slot, class]
+    loss = torch.where(keep, margins, 0).sum((1, 2))
+    loss = loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+    return loss.reshape(input.shape[:-1]) if reduction == 0 else loss, is_target.to(
+        input.dtype
+    ).reshape(input.shape)
+
+
+# Decompositions of ours that replace torch's (each says why).
+_OVERRIDES = {
+    torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+}
 
 
 def decomposition(func):
@@ -22,5 +51,5 @@ def decomposition(func):
             from torch._decomp import decomposition_table
 
             _TABLE = decomposition_table
-        d = _CACHE[func] = _TABLE.get(func)
+        d = _CACHE[func] = _OVERRIDES.get(func) or _TABLE.get(func)
     return d

@@ -138,3 +138,30 @@ def stack_module_state(models):
     }
     buffers = {k: torch.stack([dict(m.named_buffers())[k] for m in models]) for k, _ in models[0].named_buffers()}
     return params, buffers
+
+
+def replace_all_batch_norm_modules_(root):
+    """Make every batch norm module in ``root`` use batch statistics only, in place (as
+    torch.func's): ``running_mean``/``running_var``/``num_batches_tracked`` become None and
+    ``track_running_stats`` False, so that ``vmap`` over a model in training mode normalizes
+    each example with its own statistics instead of writing one update per example into
+    shared buffers (which raises).
+
+    Returns:
+        ``root``.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> net = ft.replace_all_batch_norm_modules_(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+        >>> net[0].running_mean is None
+        True
+        >>> ft.vmap(net)(torch.randn(4, 5, 3)).shape                # [4, 5, 3]
+        torch.Size([4, 5, 3])
+    """
+    for m in root.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            m.running_mean = None
+            m.running_var = None
+            m.num_batches_tracked = None
+            m.track_running_stats = False
+    return root

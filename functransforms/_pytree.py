@@ -6,6 +6,8 @@ flatten in our transforms without leaking into other libraries' optree registrie
 
 from __future__ import annotations
 
+import re
+
 import optree
 
 NAMESPACE = "functransforms"
@@ -32,6 +34,19 @@ def tree_map(fn, tree, *rest):
 
 def tree_structure(tree):
     return optree.tree_structure(tree, **_KW)
+
+
+def same_structure(a, b) -> bool:
+    """``a == b`` for two tree structures, also when one was built by torch.compile's traced
+    version of optree, which drops the namespace (``PyTreeSpec(*)`` vs ``PyTreeSpec(*,
+    namespace='functransforms')``, or ``namespace=''`` on torch 2.15): the structures are
+    compared without it."""
+    if a == b:
+        return True
+    return _NAMESPACE_TAG.sub("", repr(a)) == _NAMESPACE_TAG.sub("", repr(b))
+
+
+_NAMESPACE_TAG = re.compile(r", namespace='[^']*'")
 
 
 def one_level(node):

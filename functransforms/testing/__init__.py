@@ -4,6 +4,8 @@
 ``functransforms.testing.strategies``, which imports hypothesis (a test extra) on use.
 """
 
+from functransforms.deterministic._check import assert_deterministic
+
 from ._checks import check_grads, check_vmap
 
-__all__ = ["check_grads", "check_vmap"]
+__all__ = ["assert_deterministic", "check_grads", "check_vmap"]

@@ -6,7 +6,7 @@ Note [Conformance suite]
     oracle, and classifies the result:
 
     * ``pass``      every compared sample agrees (values, shapes, dtypes);
-    * ``fallback``  (vmap only) agrees, but vmap ran at least one op through its per-example
+    * ``fallback``  (vmap, vmap(vjp)) agrees, but vmap ran at least one op through its per-example
                     loop (a ``FallbackWarning``): allowed, counted, listed in docs/conformance.md;
     * ``fail``      with one category: ``wrong value`` / ``wrong shape`` / ``wrong dtype`` /
                     ``wrong structure`` (silent wrong results, the worst class), ``no vmap rule``
@@ -157,6 +157,10 @@ def grad_dtypes(op, transform, kind):
     return [want] if want in ok else []
 
 
+# Compositions (Note [Conformance compositions]): the derivative inside is always a vjp.
+COMPOSITIONS = ("vmap(vjp)", "jvp(vjp)")
+
+
 def cases(transform):
     """(op full name, kind) pairs that have at least one dtype for ``transform``."""
     out = []
@@ -164,6 +168,8 @@ def cases(transform):
         for kind in (REAL, COMPLEX):
             if transform == "vmap":
                 dts = vmap_dtypes(op, kind)
+            elif transform in COMPOSITIONS:
+                dts = grad_dtypes(op, "vjp", kind)
             else:
                 dts = grad_dtypes(op, transform, kind)
             if dts:
@@ -182,6 +188,27 @@ _PRIORITY = [
     "no jvp rule",
     "no vjp rule",
 ]
+# Note [No loop where torch.func batches]
+#     vmap's per-example loop is correct but slow. Where torch.func.vmap batches a sample
+#     without its own fallback (its "performance drop" warning, switched on for the call), a
+#     FallbackWarning of ours fails the case as LOOP, unless every looping op is allowed below
+#     (with the reason; the lead prunes the list as rules land). Where torch.func loops too,
+#     ours may loop: the outcome stays ``fallback``.
+LOOP = "loop where torch.func batches"
+_LINALG = "linalgrules helper in progress"
+ALLOWED_LOOPS: dict[str, str] = {
+    "aten.linalg_lstsq.default": _LINALG,
+    "aten.linalg_pinv.atol_rtol_tensor": _LINALG,
+    "aten.cholesky.default": _LINALG,
+    "aten.cholesky_inverse.default": _LINALG,
+    "aten.linalg_solve.default": _LINALG,
+    "aten._linalg_solve_ex.default": _LINALG,
+    "aten.geqrf.default": _LINALG,
+    "aten.ormqr.default": _LINALG,
+    "aten.lu_unpack.default": _LINALG,
+    "aten.linalg_ldl_factor_ex.default": _LINALG,
+    "aten.linalg_ldl_solve.default": _LINALG,
+}
 
 
 def _rank(category):
@@ -544,12 +571,16 @@ def _vmap_case(op, spec, examples, tpos, batched, result, what):
         ]
 
     tf_out = tf_err = None
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as tf_warned:
+            warnings.simplefilter("always")
             tf_out = torch.func.vmap(f, in_dims=in_dims)(*args())
     except Exception as e:
         tf_err = e
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    tf_loops = any("performance drop" in str(w.message) for w in tf_warned)
     with _CatchFallbacks() as fb:
         try:
             ours = ft.vmap(f, in_dims=in_dims)(*args())
@@ -566,6 +597,10 @@ def _vmap_case(op, spec, examples, tpos, batched, result, what):
     bad = compare(ours, expected, f"{what}: vmap vs loop")
     if bad:
         result.fail(*bad)
+        return
+    loops = sorted(op for op in fb.ops() if op not in ALLOWED_LOOPS)
+    if loops and tf_err is None and not tf_loops:  # Note [No loop where torch.func batches]
+        result.fail(LOOP, f"{what}: {', '.join(loops)}")
         return
     result.compared += 1
     if tf_err is not None:
@@ -691,5 +726,12 @@ def run_case(transform, name, kind, expected):
         result.record(0.0)
         pytest.skip(SKIP[name])
     seed_all(name, transform, kind)
-    result = run_vmap(op, kind) if transform == "vmap" else run_ad(op, transform, kind)
+    if transform == "vmap":
+        result = run_vmap(op, kind)
+    elif transform in COMPOSITIONS:
+        from conformance_compositions import run_composition
+
+        result = run_composition(op, transform, kind)
+    else:
+        result = run_ad(op, transform, kind)
     conclude(result, expected, started)

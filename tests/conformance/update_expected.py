@@ -3,6 +3,9 @@
     python tests/conformance/update_expected.py                 # run (pytest -n 2), rewrite both
     python tests/conformance/update_expected.py --check-flaky   # run twice; refuse if they differ
     python tests/conformance/update_expected.py --from DIR      # rewrite from recorded results
+    python tests/conformance/update_expected.py --merge "vmap(vjp)" "jvp(vjp)" -- -k vjp
+        # run, then replace only those transforms' entries (with their [complex] keys) in the
+        # table, leaving every other line as it is; docs/conformance.md is left alone
 
 Each test records its raw result (Note [Conformance suite] in conformance_harness.py) whatever
 the current table says, so one run is enough to refresh the table after other rules landed.
@@ -46,7 +49,38 @@ Outcome per op: *pass* (every compared sample agrees with the oracle), *fallback
 but ran some op through its per-example loop), *fail: category*, *skip* (nothing comparable:
 random op, or torch.func itself rejects every sample).
 """
-TRANSFORMS = ["vmap", "vmap[complex]", "vjp", "vjp[complex]", "jvp", "jvp[complex]"]
+TRANSFORMS = [
+    "vmap",
+    "vmap[complex]",
+    "vjp",
+    "vjp[complex]",
+    "jvp",
+    "jvp[complex]",
+    "vmap(vjp)",
+    "vmap(vjp)[complex]",
+    "jvp(vjp)",
+    "jvp(vjp)[complex]",
+]
+COMPOSED_MARK = "    # compositions: Note [Conformance compositions] (conformance_compositions.py)"
+
+
+def _base(transform: str) -> str:
+    return transform.split("[")[0]
+
+
+def _entry_lines(fails) -> list[str]:
+    """Table lines, single transforms first, then compositions (a block of their own, so that
+    --merge can replace it without touching other lines)."""
+    from conformance_harness import COMPOSITIONS
+
+    q = json.dumps  # double quotes, as ruff format wants
+    single = [(k, c) for k, c in fails if _base(k[1]) not in COMPOSITIONS]
+    composed = [(k, c) for k, c in fails if _base(k[1]) in COMPOSITIONS]
+    lines = [f"    ({q(op)}, {q(t)}): {q(cat)}," for (op, t), cat in sorted(single)]
+    if composed:
+        lines.append(COMPOSED_MARK)
+        lines += [f"    ({q(op)}, {q(t)}): {q(cat)}," for (op, t), cat in sorted(composed)]
+    return lines
 
 
 def run_suite(folder: str, workers: str, extra: list[str]) -> float:
@@ -79,9 +113,35 @@ def write_table(rows: dict) -> int:
         "",
         "EXPECTED: dict[tuple[str, str], str] = {",
     ]
-    q = json.dumps  # double quotes, as ruff format wants
-    lines += [f"    ({q(op)}, {q(t)}): {q(cat)}," for (op, t), cat in fails]
+    lines += _entry_lines(fails)
     lines.append("}")
+    TABLE.write_text("\n".join(lines) + "\n")
+    return len(fails)
+
+
+def merge_table(rows: dict, transforms: list[str]) -> int:
+    """Replace the entries of ``transforms`` (with their [complex] keys) by the recorded
+    failures. Every other entry line stays byte for byte where it was (others edit the table
+    concurrently): the lines are re-emitted in the order write_table gives them."""
+    import re
+
+    entry = re.compile(r'^    \(("(?:[^"\\]|\\.)*"), "([^"]+)"\): ("[^"]*"),$')
+    lines = TABLE.read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("EXPECTED"))
+    end = len(lines) - 1 - lines[::-1].index("}")
+    table = {}
+    for ln in lines[start + 1 : end]:
+        m = entry.match(ln)
+        if m and _base(m.group(2)) not in transforms:
+            table[(json.loads(m.group(1)), m.group(2))] = json.loads(m.group(3))
+        elif not m and ln != COMPOSED_MARK:
+            sys.exit(f"cannot merge into {TABLE.name}: unexpected line {ln!r}")
+    fails = {
+        k: r["category"]
+        for k, r in rows.items()
+        if r["outcome"] == "fail" and _base(k[1]) in transforms
+    }
+    lines[start + 1 : end] = _entry_lines(list({**table, **fails}.items()))
     TABLE.write_text("\n".join(lines) + "\n")
     return len(fails)
 
@@ -103,14 +163,16 @@ def render_doc(rows: dict) -> str:
         "",
     ]
     cats = sorted({r["category"] for rs in by_t.values() for r in rs if r["category"]}, key=_order)
-    out.append("| transform | pass | fallback | skip | fail | " + " | ".join(cats) + " |")
-    out.append("|---" * (5 + len(cats)) + "|")
+    out.append(
+        "| transform | pass rate | pass | fallback | skip | fail | " + " | ".join(cats) + " |"
+    )
+    out.append("|---" * (6 + len(cats)) + "|")
     for t in TRANSFORMS:
         rs = by_t.get(t, [])
         c = collections.Counter(r["outcome"] for r in rs)
         cc = collections.Counter(r["category"] for r in rs if r["category"])
         out.append(
-            f"| {t} | {c['pass']} | {c['fallback']} | {c['skip']} | {c['fail']} | "
+            f"| {t} | {pass_rate(c)} | {c['pass']} | {c['fallback']} | {c['skip']} | {c['fail']} | "
             + " | ".join(str(cc.get(cat, "")) for cat in cats)
             + " |"
         )
@@ -154,6 +216,12 @@ def render_doc(rows: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def pass_rate(counts) -> str:
+    """Percent of the ops on which torch.func passes (a skipped op is one where it does not)."""
+    ran = counts["pass"] + counts["fallback"] + counts["fail"]
+    return f"{100 * (counts['pass'] + counts['fallback']) / ran:.1f}%" if ran else ""
+
+
 def outcomes(rows):
     return {k: (r["outcome"], r["category"]) for k, r in rows.items()}
 
@@ -164,6 +232,12 @@ def main(argv=None):
         "--check-flaky", action="store_true", help="run twice, refuse if results differ"
     )
     ap.add_argument("--from", dest="source", help="read results recorded in this directory")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="TRANSFORM",
+        help="replace only these transforms' entries of the table (no doc)",
+    )
     ap.add_argument("-n", dest="workers", default="2", help="pytest-xdist workers (default 2)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
     args = ap.parse_args(argv)
@@ -188,6 +262,14 @@ def main(argv=None):
     print(
         "slowest tests:", ", ".join(f"{r['op']} {r['transform']} {r['seconds']:.1f}s" for r in slow)
     )
+    rates = collections.defaultdict(collections.Counter)
+    for (_, t), r in rows.items():
+        rates[t][r["outcome"]] += 1
+    print("pass rates:", ", ".join(f"{t} {pass_rate(rates[t])}" for t in TRANSFORMS if t in rates))
+    if args.merge:
+        n = merge_table(rows, [_base(t) for t in args.merge])
+        print(f"merged {n} expected failures of {args.merge} into {TABLE.relative_to(ROOT)}")
+        return
     n = write_table(rows)
     DOC.write_text(render_doc(rows))
     print(f"wrote {TABLE.relative_to(ROOT)} ({n} expected failures) and {DOC.relative_to(ROOT)}")

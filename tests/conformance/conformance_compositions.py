@@ -1,0 +1,226 @@
+"""Composed transforms in the conformance suite: vmap(vjp) and jvp(vjp) against torch.func.
+
+Note [Conformance compositions]
+    Users rarely call vjp alone: per-sample gradients and jacrev are ``vmap(vjp)``, Hessian-vector
+    products are ``jvp(vjp)`` (forward over reverse). Each is checked on the same OpInfo samples
+    as vjp (float64 and complex128, ops with ``supports_autograd``), against torch.func's same
+    composition with the same inputs; classification is Note [Conformance suite]'s.
+
+    * ``vmap(vjp)``: ``g(*primals, *cotangents) = vjp(f, *primals)`` then the pullback of the
+      cotangents, returning (outputs, input cotangents), vmapped with ``B`` examples. The batch
+      elements differ from each other: example ``i`` takes the differentiable inputs of the
+      op's ``i``-th draw of the same sample (an independent seed; a generator that does not
+      repeat its layout gets example 0 scaled elementwise by ``1 + 0.01 N(0, 1)``), and every
+      example has its own random cotangents. Sample 0 runs three cases: primals and cotangents
+      batched, primals alone (one cotangent shared: per-sample gradients), cotangents alone
+      (one primal: the rows of jacrev); later samples run the first only (run time).
+    * ``jvp(vjp)``: ``jvp(g, (*primals, *cotangents), (*tangents, *cotangent_tangents))`` with
+      ``g`` returning the input cotangents: the Hessian-vector product when the cotangent
+      tangents are zero, plus the derivative of the (linear) pullback in its cotangent.
+
+    Non-differentiable inputs (indices, masks, ...) are shared by every example: they are
+    constants of ``f``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.utils._pytree as tpt
+from conformance_harness import (
+    ALLOWED_LOOPS,
+    LOOP,
+    B,
+    Result,
+    _call,
+    _CatchFallbacks,
+    _clone,
+    _differentiable_outputs,
+    _is_diff,
+    _leaves,
+    _randn_like,
+    _same_layout,
+    _seed_of,
+    _short,
+    _strided,
+    classify_exception,
+    compare,
+    describe,
+    full_name,
+    grad_dtypes,
+    take_samples,
+    transform_key,
+)
+
+
+def _function(op, spec, leaves, sample):
+    """(f, diff): the op as a function of its differentiable inputs (positions ``diff``) that
+    returns the floating outputs torch differentiates (as run_ad in conformance_harness)."""
+    diff = [k for k, x in enumerate(leaves) if _is_diff(x) and x.requires_grad]
+    consts = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+    process = sample.output_process_fn_grad
+    keep = _differentiable_outputs(op, spec, leaves, process)
+
+    def f(*primals):
+        ls = _clone(consts)
+        for k, p in zip(diff, primals):
+            ls[k] = p
+        out = process(_call(op, spec, ls))
+        floats = [o for o in tpt.tree_leaves(out) if _is_diff(o)]
+        return tuple(o for o, k in zip(floats, keep or [True] * len(floats)) if k)
+
+    return f, diff
+
+
+def _composed(vjp, f, n):
+    """g(*primals, *cotangents) -> (outputs, input cotangents), through the given vjp."""
+
+    def g(*args):
+        out, pullback = vjp(f, *args[:n])
+        return out, pullback(args[n:])
+
+    return g
+
+
+def _pullback_only(vjp, f, n):
+    def g(*args):
+        return vjp(f, *args[:n])[1](args[n:])
+
+    return g
+
+
+def run_composition(op, transform, kind) -> Result:
+    """Note [Conformance compositions]."""
+    name = full_name(op)
+    result = Result(name, transform_key(transform, kind))
+    for dtype in grad_dtypes(op, "vjp", kind):
+        draws = B if transform == "vmap(vjp)" else 1
+        gens = [
+            take_samples(op, dtype, (name, transform, str(dtype), g), requires_grad=True)
+            for g in range(draws)
+        ]
+        for j, sample in enumerate(gens[0]):
+            what = f"sample {j} {describe(sample)}"
+            leaves, spec = _leaves(sample)
+            if not all(_strided(x) for x in leaves):
+                result.skip_sample("sparse input")
+                continue
+            f, diff = _function(op, spec, leaves, sample)
+            if not diff:
+                result.skip_sample("no differentiable input")
+                continue
+            primals = [leaves[k].detach() for k in diff]
+            gen = torch.Generator().manual_seed(_seed_of(name, transform, str(dtype), j))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    out0 = torch.func.vjp(f, *[p.clone() for p in primals])[0]
+                except Exception:
+                    result.skip_sample("torch.func.vjp raises")
+                    continue
+                if not out0:
+                    result.skip_sample("no floating output")
+                    continue
+                if transform == "vmap(vjp)":
+                    others = [gens[g][j] if j < len(gens[g]) else None for g in range(1, draws)]
+                    _vmap_vjp(f, primals, out0, diff, (leaves, spec), others, gen, j, result, what)
+                else:
+                    _jvp_vjp(f, primals, out0, gen, result, what)
+    return result
+
+
+def _examples(primals, diff, layout, others, gen):
+    """B lists of differentiable inputs that differ from each other (Note [Conformance
+    compositions])."""
+    examples = [primals]
+    for other in others:
+        ol = _leaves(other) if other is not None else None
+        if ol is not None and _same_layout(layout, ol):
+            examples.append([ol[0][k].detach() for k in diff])
+        else:
+            examples.append(
+                [
+                    p * (1 + 0.01 * torch.randn(p.shape, dtype=p.dtype, generator=gen))
+                    for p in primals
+                ]
+            )
+    return examples
+
+
+def _vmap_vjp(f, primals, out0, diff, layout, others, gen, j, result, what):
+    import functransforms as ft
+
+    n = len(primals)
+    examples = _examples(primals, diff, layout, others, gen)
+    batched_p = [torch.stack([ex[i] for ex in examples]) for i in range(n)]
+    batched_c = [torch.stack([_randn_like(o, gen) for _ in range(B)]) for o in out0]
+    shared_c = [_randn_like(o, gen) for o in out0]
+    cases = [("primals and cotangents batched", 0, 0)]
+    if j == 0:
+        cases += [("primals batched", 0, None), ("cotangents batched", None, 0)]
+    for label, pdim, cdim in cases:
+        in_dims = (pdim,) * n + (cdim,) * len(out0)
+
+        def args(pdim=pdim, cdim=cdim):
+            ps = batched_p if pdim == 0 else primals
+            cs = batched_c if cdim == 0 else shared_c
+            return [x.clone() for x in (*ps, *cs)]
+
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+        try:
+            with warnings.catch_warnings(record=True) as tf_warned:
+                warnings.simplefilter("always")
+                ref = torch.func.vmap(_composed(torch.func.vjp, f, n), in_dims=in_dims)(*args())
+        except Exception:
+            result.skip_sample("torch.func.vmap(vjp) raises")
+            continue
+        finally:
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+        with _CatchFallbacks() as fb:
+            try:
+                ours = ft.vmap(_composed(ft.vjp, f, n), in_dims=in_dims)(*args())
+            except Exception as e:
+                ours = e
+        if isinstance(ours, Exception):
+            result.fail(classify_exception(ours), f"{what}, {label}: {_short(ours)}")
+            continue
+        bad = compare(ours, ref, f"{what}, {label}: vmap(vjp)")
+        if bad:
+            result.fail(*bad)
+            continue
+        # Note [No loop where torch.func batches] (conformance_harness.py)
+        loops = sorted(op for op in fb.ops() if op not in ALLOWED_LOOPS)
+        result.fallback_ops |= set(loops)
+        if loops and not any("performance drop" in str(w.message) for w in tf_warned):
+            result.fail(LOOP, f"{what}, {label}: {', '.join(loops)}")
+            continue
+        result.compared += 1
+
+
+def _jvp_vjp(f, primals, out0, gen, result, what):
+    import functransforms as ft
+
+    n = len(primals)
+    cts = [_randn_like(o, gen) for o in out0]
+    tangents = [_randn_like(x, gen) for x in (*primals, *cts)]
+
+    def args():
+        return tuple(x.clone() for x in (*primals, *cts))
+
+    try:
+        ref = torch.func.jvp(_pullback_only(torch.func.vjp, f, n), args(), tuple(tangents))
+    except Exception:
+        result.skip_sample("torch.func.jvp(vjp) raises")
+        return
+    try:
+        ours = ft.jvp(_pullback_only(ft.vjp, f, n), args(), tuple(tangents))
+    except Exception as e:
+        result.fail(classify_exception(e), f"{what}: {_short(e)}")
+        return
+    for part, a, b in zip(("cotangents", "their tangents"), ours, ref):
+        bad = compare(tuple(a), tuple(b), f"{what}: jvp(vjp) {part}")
+        if bad:
+            result.fail(*bad)
+            return
+    result.compared += 1
