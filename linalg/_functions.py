@@ -13,7 +13,15 @@ import torch
 
 from ._base import LinearOperator
 from ._composite import ProductOperator, SumOperator
+from ._dense import DenseOperator
+from ._implicit import implicit_solve
 from ._iterative import resolve_method
+
+
+def _IMPLICIT_SOLVE(A) -> bool:
+    # Dense solves are differentiated by torch.linalg.solve's own rules; structured ones as a
+    # whole (Note [Implicit differentiation of structured solves]).
+    return type(A) is not DenseOperator
 
 
 def _name(x) -> str:
@@ -167,7 +175,7 @@ def solve(A, B, *, left: bool = True, method: str | None = None, **options):
         )
     method, options = resolve_method("solve", method, options)
     if method is None:
-        X = A._solve(Bm)
+        X = implicit_solve(A, Bm) if _IMPLICIT_SOLVE(A) else A._solve(Bm)
     else:
         from ._iterative import iterative_solve
 

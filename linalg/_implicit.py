@@ -1,0 +1,114 @@
+"""Implicit derivatives of exact structured solves.
+
+# Note [Implicit differentiation of structured solves]
+``X = A^{-1} B`` for a structured A (a Kronecker product plus noise, say) is computed through A's
+factorizations (the factors' eigendecompositions). Differentiating those op by op is right in
+exact arithmetic but unstable: near-equal eigenvalues of a factor make its eigenvector tangents
+explode, and forward mode through ``K1 ⊗ K2 + 0.01 I`` on a 64x64 RBF grid gave 23898 where the
+answer is 6292.5 (issue 8). We differentiate the solve as a whole instead, in every mode:
+
+* jvp: ``dX = A^{-1} (dB - dA X)``, where ``dA X`` is the jvp of ``leaves -> A(leaves) @ X``: dA
+  is applied as a structured operator (the tangents of A's tensors through A's own matmul), never
+  formed densely;
+* vjp: ``B_bar = A^{-H} X_bar`` and ``A_bar`` = the pullback of ``leaves -> A(leaves) @ X`` at
+  ``-B_bar`` (that is ``-B_bar X^H`` expressed on A's tensors), torch's convention for solve.
+
+Both rules call the same custom function again for their solves (with A's tensors as they come,
+possibly wrapped by enclosing transforms), so higher orders (hessian, jvp of grad) differentiate
+the rule again and never the factorizations. The rule is used only when one of our transforms
+is active (plain calls, and torch's own transforms used as test oracles, run ``A._solve``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from functransforms._ad import jvp as _jvp
+from functransforms._ad import vjp as _vjp
+from functransforms._core import TransformTensor, is_floating
+from functransforms._custom import custom_vjp
+from functransforms._pytree import tree_flatten, tree_unflatten
+
+
+def _under_our_transforms(tensors) -> bool:
+    return any(isinstance(t, TransformTensor) for t in tensors)
+
+
+def implicit_solve(A, B: torch.Tensor) -> torch.Tensor:
+    """``A._solve(B)`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note
+    [Implicit differentiation of structured solves])."""
+    leaves, spec = tree_flatten(A)
+    if not _under_our_transforms([B, *leaves]):
+        return A._solve(B)
+    return _solver(spec, len(leaves))(B, *leaves)
+
+
+def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
+    # B broadcasts against A's batch: its cotangent sums over the broadcast batch dimensions
+    if g.shape == shape:
+        return g
+    lead = g.dim() - len(shape)
+    g = g.sum(tuple(range(lead))) if lead else g
+    dims = tuple(i for i, (a, b) in enumerate(zip(g.shape, shape)) if b == 1 and a != 1)
+    return g.sum(dims, keepdim=True) if dims else g
+
+
+def _solver(spec, n_leaves):
+    """The custom function ``(B, *leaves) -> A(leaves)^{-1} B`` for operators of this spec."""
+
+    def op(leaves):
+        return tree_unflatten(spec, list(leaves))
+
+    def apply_fn(leaves, X, float_idx):
+        # leaves[i] for i in float_idx -> A(leaves) @ X: linear in A, so its jvp is dA X
+        def f(*fl):
+            full = list(leaves)
+            for i, t in zip(float_idx, fl):
+                full[i] = t
+            return op(full)._matmul(X)
+
+        return f
+
+    def floats(leaves):
+        return [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and is_floating(t)]
+
+    @custom_vjp
+    def S(B, *leaves):
+        return op(leaves)._solve(B)
+
+    def fwd(B, *leaves):
+        X = S(B, *leaves)  # enclosing levels see the custom rule too
+        return X, (leaves, X, B)  # B only for its shape (a Size is no vmap output)
+
+    def bwd(res, ct):
+        leaves, X, B = res
+        A = op(leaves)
+        AH = A if A.symmetric and not A.is_complex else A._adjoint()
+        gX = implicit_solve(AH, ct)
+        gB = _sum_to(gX, B.shape)
+        idx = floats(leaves)
+        cts = [None] * len(leaves)
+        if idx:
+            _, pull = _vjp(apply_fn(leaves, X, idx), *[leaves[i] for i in idx])
+            for i, g in zip(idx, pull(-gX)):
+                cts[i] = g
+        return (gB, *cts)
+
+    def jvp_rule(primals, tangents):
+        B, leaves = primals[0], primals[1:]
+        dB, dleaves = tangents[0], tangents[1:]
+        X = S(B, *leaves)
+        idx = floats(leaves)
+        rhs = dB
+        if idx:
+            _, dAX = _jvp(
+                apply_fn(leaves, X, idx),
+                tuple(leaves[i] for i in idx),
+                tuple(dleaves[i] for i in idx),
+            )
+            rhs = rhs - dAX
+        return X, S(rhs, *leaves)
+
+    S.defvjp(fwd, bwd)
+    S.defjvp(jvp_rule)
+    return S
