@@ -249,13 +249,12 @@ for _op in (
 @register_vmap_rule(aten.multinomial.default)
 def multinomial_vmap_rule(interp, args, bdims, kwargs):
     """multinomial(probs [C] or [N, C], k) -> [k] or [N, k]: the rows of every example are
-    drawn together ('different'), or one example's draw is shared ('same')."""
+    drawn together ('different'); 'same' refuses batched probabilities, as torch.func."""
     if interp.randomness == "error":
         raise_random(interp, aten.multinomial.default)
-    p = to_front(args[0], bdims[0])
     if interp.randomness == "same":
-        out = aten.multinomial.default(p[0], *args[1:], **kwargs)
-        return out.unsqueeze(0).expand((p.shape[0], *out.shape)), 0
+        raise_same_with_batched_parameters(interp, aten.multinomial.default)
+    p = to_front(args[0], bdims[0])
     out = aten.multinomial.default(p.reshape(-1, p.shape[-1]), *args[1:], **kwargs)
     return out.reshape((*p.shape[:-1], out.shape[-1])), 0
 
