@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from functransforms._core import TransformTensor
-from functransforms._ops import op_name
+from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import InplaceError
 
 from ._registry import missing_rule
@@ -314,6 +314,16 @@ class InplaceMixin:
     _promoted = None
     _fresh = None  # plain buffers made at this level by *_like ops (Note [Buffers held by kernels])
 
+    def _fresh_buffer(self, out):
+        """A floating buffer a *_like / new_* op made at this level from a tracked value: a
+        constant of the level (Note [Buffers held by kernels]), so that a composite kernel
+        writing into it and reading it back in C++ (diff(n=0), circular pad,
+        hinge_embedding_loss) writes into a wrapper, whose in-place rule it then sees."""
+        if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()):
+            return self._constant(out)  # also an outer level's value: one constant per level
+        self._note_fresh(out)
+        return out
+
     def _note_fresh(self, out):
         if type(out) is torch.Tensor:
             if self._fresh is None:
@@ -378,7 +388,7 @@ class InplaceMixin:
             if self_._base is not None and getattr(new, "_interp", None) is self:
                 self_._chain = new._chain  # still a view of the same root, one step further
             return self_
-        new = self.process(functional, args, kwargs)
+        new = self.process(functional, positional_with_defaults(func, args), kwargs)
         base = self_._base
         if base is None and (
             self_._views is None or not any(r() is not None for r in self_._views)
@@ -462,7 +472,7 @@ class InplaceMixin:
             positions = store.as_strided(
                 target.shape, target.stride(), target.storage_offset()
             ).clone()
-            if bool((positions < 0).any()):
+            if positions.device.type != "meta" and bool((positions < 0).any()):
                 raise InplaceError(
                     f"{self.call}: {name}: the target view reaches outside its base."
                 )

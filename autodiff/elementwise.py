@@ -20,6 +20,14 @@ def _conj(d):
     return d.conjugate() if isinstance(d, complex) else d
 
 
+def _cphys(t):
+    # jvp rules run inside __torch_dispatch__, where a lazy conj bit would be ignored
+    # (Note [No lazy conjugate inside wrappers])
+    if not isinstance(t, torch.Tensor):
+        return _conj_scalar(t)
+    return torch.conj_physical(t) if t.is_complex() else t
+
+
 def _logit_deriv(x, o, eps=None):
     d = (x * (1 - x)).reciprocal()
     if eps is None:
@@ -28,8 +36,62 @@ def _logit_deriv(x, o, eps=None):
     return torch.where((x < eps) | (x > 1 - eps), torch.zeros_like(d), d)
 
 
+class pullback:
+    """Marks a table entry written as torch's backward formula ``ct * conj(f'(x))`` (a function
+    of ``(ct, x, out, *params)``) instead of as ``f'(x)``: the same operations in the same order
+    as torch's derivatives.yaml, so float32 results round as torch's do (Note [Rounding as
+    torch]). ``keeps``: what the formula reads, Note [What a vjp rule keeps]."""
+
+    def __init__(self, fn, keeps=None):
+        self.fn = fn
+        self.keeps = keeps
+
+
+_OUT_ONLY = ((), True)  # the formula reads only the op's output
+_X_ONLY = (None, False)  # ... only its inputs
+
+
+# Note [Rounding as torch]
+#     ``ct * conj(f'(x))`` and torch's ``grad / (2 * result)`` (sqrt) are the same number in exact
+#     arithmetic but not in float32: the product rounds differently, by one ulp, which fails the
+#     allclose checks users copy from torch.func tutorials. So where torch writes a pointwise
+#     backward formula differently from ``ct * f'``, the table gives that formula (``pullback``),
+#     in torch's order, and uses torch's fused backward kernels (``tanh_backward``,
+#     ``sigmoid_backward``, ``gelu_backward``, ...) where torch does. The jvp is the formula
+#     applied to the tangent, as torch's ``auto_element_wise`` forward formulas are:
+#     ``t f'(x) = conj(pullback(conj t))`` (``pullback(t)`` for real x). The fused kernels get
+#     their own rules (``def_backward_kernel``) so that second derivatives go through them.
+#     tests/autodiff/test_ad_elementwise_more.py checks float32 results bitwise.
+
+
 def def_unary(op, deriv):
-    """``op(x, *params)`` with d/dx op = ``deriv(x, out, *params)``."""
+    """``op(x, *params)`` with d/dx op = ``deriv(x, out, *params)``, or ``deriv`` a
+    ``pullback(fn)``: fn(ct, x, out, *params) = ``ct * conj(d/dx op)``, Note [Rounding as
+    torch]."""
+    if isinstance(deriv, pullback):
+        pb = deriv.fn
+
+        def unary_pb_jvp_rule(primals, tangents, kwargs):
+            out = op(*primals, **kwargs)
+            t = tangents[0]
+            if t is None:
+                return out, None
+            x = primals[0]
+            if x.is_complex():
+                t = _cphys(pb(_cphys(t), x, out, *primals[1:], **kwargs))
+                return out, t
+            return out, pb(t, x, out, *primals[1:], **kwargs)
+
+        def unary_pb_vjp_rule(ct, primals, kwargs, out, needs):
+            return (pb(ct, primals[0], out, *primals[1:], **kwargs),) + (None,) * (
+                len(primals) - 1
+            )
+
+        if deriv.keeps is not None:
+            unary_pb_vjp_rule.keeps = deriv.keeps
+        register_jvp_rule(op)(unary_pb_jvp_rule)
+        register_vjp_rule(op)(unary_pb_vjp_rule)
+        return
 
     def unary_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
@@ -45,8 +107,25 @@ def def_unary(op, deriv):
     register_vjp_rule(op)(unary_vjp_rule)
 
 
+def _partial(d):
+    """A binary table entry as (pullback, pushforward): ``ct -> ct * conj(partial)`` and
+    ``t -> t * partial``."""
+    if isinstance(d, pullback):
+        pb = d.fn
+
+        def push(t, x, y, o):
+            if o.is_complex():
+                return _cphys(pb(_cphys(t), x, y, o))
+            return pb(t, x, y, o)
+
+        return pb, push
+    return (lambda ct, x, y, o: ct * _conj(d(x, y, o))), (lambda t, x, y, o: t * d(x, y, o))
+
+
 def def_binary(op, dx, dy):
-    """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)``."""
+    """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)`` (or
+    ``pullback``s ``(ct, x, y, out) -> ct * conj(partial)``, Note [Rounding as torch])."""
+    (pbx, pushx), (pby, pushy) = _partial(dx), _partial(dy)
 
     def binary_jvp_rule(primals, tangents, kwargs):
         x, y = primals[0], primals[1]
@@ -54,9 +133,9 @@ def def_binary(op, dx, dy):
         tx, ty = tangents[0], tangents[1]
         t = None
         if tx is not None:
-            t = tx * dx(x, y, out)
+            t = pushx(tx, x, y, out)
         if ty is not None:
-            t2 = ty * dy(x, y, out)
+            t2 = pushy(ty, x, y, out)
             t = t2 if t is None else t + t2
         if t is not None and t.shape != out.shape:
             t = t.expand(out.shape)
@@ -64,8 +143,8 @@ def def_binary(op, dx, dy):
 
     def binary_vjp_rule(ct, primals, kwargs, out, needs):
         x, y = primals[0], primals[1]
-        gx = unbroadcast(ct * _conj(dx(x, y, out)), x.shape) if needs[0] else None
-        gy = unbroadcast(ct * _conj(dy(x, y, out)), y.shape) if needs[1] else None
+        gx = unbroadcast(pbx(ct, x, y, out), x.shape) if needs[0] else None
+        gy = unbroadcast(pby(ct, x, y, out), y.shape) if needs[1] else None
         return (gx, gy) + (None,) * (len(primals) - 2)
 
     register_jvp_rule(op)(binary_jvp_rule)
@@ -100,11 +179,6 @@ def _gelu_deriv(x, out, approximate="none"):
 def _softplus_deriv(x, out, beta=1, threshold=20):
     z = torch.sigmoid(x * beta)
     return torch.where(x * beta > threshold, torch.ones_like(z), z)
-
-
-def _silu_deriv(x, out):
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
 
 
 def _relu_mask(x, out):
@@ -154,39 +228,199 @@ def _angle_deriv(x, o):
     return torch.where(x == 0, torch.zeros_like(d), d)
 
 
+_LN2 = math.log(2.0)
+_LN10 = math.log(10.0)
+
+
+def _gelu_pullback(g, x, o, approximate="none"):
+    return aten.gelu_backward(g, x, approximate=approximate)
+
+
+def _softplus_pullback(g, x, o, beta=1, threshold=20):
+    return aten.softplus_backward(g, x, beta, threshold)
+
+
+def _elu_pullback(g, x, o, alpha=1, scale=1, input_scale=1):
+    return aten.elu_backward(g, alpha, scale, input_scale, False, x)
+
+
+def _silu_pullback(g, x, o):
+    s = torch.sigmoid(x)  # torch's infinitely_differentiable_silu_backward
+    return g * s * (1.0 + x * (1.0 - s))
+
+
+def _logit_pullback(g, x, o, eps=None):
+    r = g / (x * (1.0 - x))
+    if eps is None:  # outside [0, 1] logit is NaN, and so is its derivative (torch's choice)
+        return torch.where((x >= 0) & (x <= 1), r, torch.full_like(r, math.nan))
+    return torch.where((x >= eps) & (x <= 1 - eps), r, torch.zeros_like(r))
+
+
+def _sinc_pullback(g, x, o):
+    xp = x * math.pi
+    den = x * x * math.pi
+    num = xp * torch.cos(xp) - torch.sin(xp)
+    out = g * _cphys(num / den)
+    return torch.where(den == 0, torch.zeros_like(out), out)
+
+
+def _gelu_deriv2(x, approximate="none"):
+    if approximate == "tanh":
+        k, c = _SQRT_2_OVER_PI, 0.044715
+        th = torch.tanh(k * (x + c * x**3))
+        sech2 = 1 - th * th
+        du = k * (1 + 3 * c * x * x)
+        return sech2 * du + 0.5 * x * sech2 * (6 * k * c * x - 2 * th * du * du)
+    return _INV_SQRT_2PI * torch.exp(-0.5 * x * x) * (2 - x * x)
+
+
+def _softplus_deriv2(x, beta=1, threshold=20):
+    z = torch.sigmoid(x * beta)
+    return torch.where(x * beta > threshold, torch.zeros_like(z), beta * z * (1 - z))
+
+
+def _elu_derivs(s, alpha, scale, input_scale, is_result):
+    """(d, d2) of elu at x (``is_result`` False) or as functions of its output (True)."""
+    pos = s > 0
+    if is_result:
+        d = torch.where(pos, torch.full_like(s, scale), input_scale * (s + alpha * scale))
+        return d, torch.where(pos, torch.zeros_like(s), torch.full_like(s, input_scale))
+    neg = alpha * scale * input_scale * torch.exp(s * input_scale)
+    return (
+        torch.where(pos, torch.full_like(s, scale), neg),
+        torch.where(pos, torch.zeros_like(s), neg * input_scale),
+    )
+
+
+def _logit_deriv2(x, eps=None):
+    d = (2 * x - 1) / (x * (1 - x)).pow(2)
+    if eps is None:
+        return d
+    return torch.where((x < eps) | (x > 1 - eps), torch.zeros_like(d), d)
+
+
+def def_backward_kernel(op, d, d2, spos=1):
+    """torch's fused pointwise backward kernels ``op(g, ..., s, ...) = g * conj(d(s, *params))``
+    (``tanh_backward(g, y)``: d = 1 - y^2), with ``d2 = d/ds d``: linear in g, and what the
+    second derivative of the forward op goes through (Note [Rounding as torch])."""
+
+    def split(primals):
+        params = [p for i, p in enumerate(primals) if i not in (0, spos)]
+        return primals[0], primals[spos], params
+
+    def backward_kernel_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        g, s, params = split(primals)
+        tg, ts = tangents[0], tangents[spos]
+        t = None
+        if tg is not None:
+            t = op(tg, *primals[1:], **kwargs)
+        if ts is not None:  # g conj(d(s)) is antiholomorphic in s
+            t2 = g * _cphys(d2(s, *params, **kwargs) * ts)
+            t = t2 if t is None else t + t2
+        return out, None if t is None else t.expand(out.shape)
+
+    def backward_kernel_vjp_rule(ct, primals, kwargs, out, needs):
+        g, s, params = split(primals)
+        res = [None] * len(primals)
+        if needs[0]:
+            res[0] = unbroadcast(ct * d(s, *params, **kwargs), g.shape)
+        if needs[spos]:
+            a = g * _cphys(d2(s, *params, **kwargs))
+            res[spos] = unbroadcast(_cphys(ct) * a, s.shape)
+        return tuple(res)
+
+    register_jvp_rule(op)(backward_kernel_jvp_rule)
+    register_vjp_rule(op)(backward_kernel_vjp_rule)
+
+
+def_backward_kernel(aten.tanh_backward.default, lambda y: 1 - y * y, lambda y: -2 * y)
+def_backward_kernel(aten.sigmoid_backward.default, lambda y: y * (1 - y), lambda y: 1 - 2 * y)
+def_backward_kernel(
+    aten.gelu_backward.default,
+    lambda x, approximate="none": _gelu_deriv(x, None, approximate),
+    _gelu_deriv2,
+)
+def_backward_kernel(
+    aten.softplus_backward.default, lambda x, b, th: _softplus_deriv(x, None, b, th),
+    _softplus_deriv2,
+)
+def_backward_kernel(
+    aten.elu_backward.default,
+    lambda s, *p: _elu_derivs(s, *p)[0],
+    lambda s, *p: _elu_derivs(s, *p)[1],
+    spos=5,
+)
+def_backward_kernel(
+    aten.logit_backward.default, lambda x, eps=None: _logit_deriv(x, None, eps), _logit_deriv2
+)
+
+
+def _mish_pullback(g, x, o):
+    s = torch.sigmoid(x)  # torch's infinitely_differentiable_mish_backward
+    th = torch.tanh(torch.nn.functional.softplus(x))
+    return g * (th + x * s * (1.0 - th * th))
+
+
+def _hardswish_derivs(x):
+    inner = (x > -3) & (x < 3)
+    d = torch.where(x <= 3, x / 3 + 0.5, torch.ones_like(x))
+    d = torch.where(x < -3, torch.zeros_like(x), d)
+    return d, torch.where(inner, torch.full_like(x, 1 / 3), torch.zeros_like(x))
+
+
+def_backward_kernel(
+    aten.hardswish_backward.default,
+    lambda x: _hardswish_derivs(x)[0],
+    lambda x: _hardswish_derivs(x)[1],
+)
+def_backward_kernel(
+    aten.hardsigmoid_backward.default,
+    lambda x: torch.where((x > -3) & (x < 3), torch.full_like(x, 1 / 6), torch.zeros_like(x)),
+    torch.zeros_like,
+)
+
+
 # d/dx f(x), with `o` = f(x) where that is cheaper
 for _op, _d in (
     (aten.exp.default, lambda x, o: o),
-    (aten.exp2.default, lambda x, o: o * math.log(2.0)),
+    (aten.exp2.default, pullback(lambda g, x, o: g * _cphys(o) * _LN2, _OUT_ONLY)),
     (aten.expm1.default, lambda x, o: o + 1),
-    (aten.log.default, lambda x, o: x.reciprocal()),
-    (aten.log2.default, lambda x, o: (x * math.log(2.0)).reciprocal()),
-    (aten.log10.default, lambda x, o: (x * math.log(10.0)).reciprocal()),
-    (aten.log1p.default, lambda x, o: (x + 1).reciprocal()),
+    (aten.log.default, pullback(lambda g, x, o: g / _cphys(x), _X_ONLY)),
+    (aten.log2.default, pullback(lambda g, x, o: g / (_cphys(x) * _LN2))),
+    (aten.log10.default, pullback(lambda g, x, o: g / (_cphys(x) * _LN10))),
+    (aten.log1p.default, pullback(lambda g, x, o: g / _cphys(x + 1))),
     (aten.sin.default, lambda x, o: torch.cos(x)),
     (aten.cos.default, lambda x, o: -torch.sin(x)),
     (aten.tan.default, lambda x, o: 1 + o * o),
-    (aten.tanh.default, lambda x, o: 1 - o * o),
+    (aten.tanh.default, pullback(lambda g, x, o: aten.tanh_backward(g, o), _OUT_ONLY)),
     (aten.sinh.default, lambda x, o: torch.cosh(x)),
     (aten.cosh.default, lambda x, o: torch.sinh(x)),
     (aten.asin.default, lambda x, o: torch.rsqrt(1 - x * x)),
     (aten.acos.default, lambda x, o: -torch.rsqrt(1 - x * x)),
-    (aten.atan.default, lambda x, o: (1 + x * x).reciprocal()),
+    (aten.atan.default, pullback(lambda g, x, o: g / _cphys(x.pow(2) + 1))),
     (aten.asinh.default, lambda x, o: torch.rsqrt(x * x + 1)),
     (aten.acosh.default, lambda x, o: torch.rsqrt(x * x - 1)),
-    (aten.atanh.default, lambda x, o: (1 - x * x).reciprocal()),
-    (aten.sigmoid.default, lambda x, o: o * (1 - o)),
+    (aten.atanh.default, pullback(lambda g, x, o: g / _cphys(1 - x.pow(2)))),
+    (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o), _OUT_ONLY)),
     (aten.relu.default, _relu_mask),
-    (aten.sqrt.default, lambda x, o: 0.5 / o),
+    (aten.sqrt.default, pullback(lambda g, x, o: g / (2 * _cphys(o)), _OUT_ONLY)),
     (aten.rsqrt.default, lambda x, o: -0.5 * o * o * o),
     (aten.reciprocal.default, lambda x, o: -o * o),
     (aten.erf.default, lambda x, o: _TWO_OVER_SQRT_PI * torch.exp(-x * x)),
     (aten.erfc.default, lambda x, o: -_TWO_OVER_SQRT_PI * torch.exp(-x * x)),
     (aten.erfinv.default, lambda x, o: 0.5 * math.sqrt(math.pi) * torch.exp(o * o)),
-    (aten.gelu.default, _gelu_deriv),
-    (aten.silu.default, _silu_deriv),
-    (aten.softplus.default, _softplus_deriv),
-    (aten.elu.default, _elu_deriv),
+    (aten.gelu.default, pullback(_gelu_pullback, _X_ONLY)),
+    (aten.silu.default, pullback(_silu_pullback, _X_ONLY)),
+    (aten.mish.default, pullback(_mish_pullback)),
+    (aten.hardswish.default, pullback(lambda g, x, o: aten.hardswish_backward(g, x))),
+    (aten.hardsigmoid.default, pullback(lambda g, x, o: aten.hardsigmoid_backward(g, x))),
+    (
+        aten.celu.default,
+        pullback(lambda g, x, o, alpha=1.0: aten.elu_backward(g, alpha, 1, 1.0 / alpha, False, x)),
+    ),
+    (aten.softplus.default, pullback(_softplus_pullback, _X_ONLY)),
+    (aten.elu.default, pullback(_elu_pullback, _X_ONLY)),
     (aten.leaky_relu.default, _leaky_deriv),
     (aten.hardtanh.default, _hardtanh_deriv),
     (aten.pow.Tensor_Scalar, _pow_scalar_deriv),
@@ -198,16 +432,13 @@ for _op, _d in (
     (aten.neg.default, lambda x, o: -torch.ones_like(x)),
     (aten.abs.default, _abs_deriv),
     (aten.angle.default, _angle_deriv),
-    (aten.logit.default, _logit_deriv),
-    (
-        aten.sinc.default,
-        lambda x, o: torch.where(x == 0, torch.zeros_like(x), (torch.cos(math.pi * x) - o) / x),
-    ),
+    (aten.logit.default, pullback(_logit_pullback)),
+    (aten.sinc.default, pullback(_sinc_pullback)),
     (
         aten.mul.Scalar,
         lambda x, o, s: torch.full_like(o, s) if not isinstance(s, torch.Tensor) else s,
     ),
-    (aten.div.Scalar, lambda x, o, s: torch.full_like(o, 1.0 / s)),
+    (aten.div.Scalar, pullback(lambda g, x, o, s: g / _conj_scalar(s))),
 ):
     def_unary(_op, _d)
 # relu's derivative reads only its output: its input (often a convolution's output) need not
@@ -231,6 +462,17 @@ def_nondifferentiable(
     aten.rand_like.default,
     aten.randn_like.default,
     aten.bernoulli.default,
+    # random fills of a fresh buffer (dropout's `empty_like(x).bernoulli_(p)`): the buffer is a
+    # constant of the level (Note [Buffers held by kernels]), filled by the functional variant
+    aten.bernoulli.Tensor,
+    aten.bernoulli.p,
+    aten.normal_functional.default,
+    getattr(aten.random, "from"),
+    aten.random.to,
+    aten.random.default,
+    aten.cauchy.default,
+    aten.log_normal.default,
+    aten.geometric.default,
     aten.new_zeros.default,
     aten.new_ones.default,
     aten.new_empty.default,
@@ -247,7 +489,11 @@ def _pow_dy(x, y, o):
 
 for _op, _dx, _dy in (
     (aten.mul.Tensor, lambda x, y, o: y, lambda x, y, o: x),
-    (aten.div.Tensor, lambda x, y, o: 1 / y, lambda x, y, o: -o / y),
+    (
+        aten.div.Tensor,
+        pullback(lambda g, x, y, o: g / _cphys(y)),
+        pullback(lambda g, x, y, o: -g * _cphys(o / y)),
+    ),
     (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
     (
         aten.maximum.default,
@@ -259,12 +505,21 @@ for _op, _dx, _dy in (
         lambda x, y, o: _tie(x < y, x == y, o),
         lambda x, y, o: _tie(y < x, x == y, o),
     ),
-    (aten.atan2.default, lambda x, y, o: y / (x * x + y * y), lambda x, y, o: -x / (x * x + y * y)),
-    (aten.hypot.default, lambda x, y, o: x / o, lambda x, y, o: y / o),
+    (
+        aten.atan2.default,
+        pullback(lambda g, x, y, o: g * y * (x * x + y * y).reciprocal()),
+        pullback(lambda g, x, y, o: g * -x * (x * x + y * y).reciprocal()),
+    ),
+    (
+        aten.hypot.default,
+        pullback(lambda g, x, y, o: g * x / o),
+        pullback(lambda g, x, y, o: g * y / o),
+    ),
     (
         aten.xlogy.Tensor,
-        lambda x, y, o: torch.where(x == 0, torch.zeros_like(o), torch.log(y)),
-        lambda x, y, o: x / y,
+        # d/dx x log y = log y, also at x = 0; torch zeroes it only where log y is not finite
+        pullback(lambda g, x, y, o: torch.xlogy(g, y).masked_fill((x == 0) & (y <= 0), 0.0)),
+        pullback(lambda g, x, y, o: g * x / y),
     ),
     (aten.fmod.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.trunc(x / y)),
     (

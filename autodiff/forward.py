@@ -124,7 +124,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
                 _set_fwd(True)
         out = self._wrap(out, t_out)
         if f.fresh_like:
-            self._note_fresh(out)
+            out = self._fresh_buffer(out)
         if f.view:
             self._note_views(func, args, kwargs, out)
         return out

@@ -135,9 +135,11 @@ def _norm_weight(x, o, dim, primals, kwargs):
     # at a zero norm torch picks the zero subgradient: divide by 1 there (x is 0 too)
     safe = torch.where(o == 0, torch.ones_like(o), o)
     if p == 2:
-        return (
-            torch.conj_physical(x / safe) if x.is_complex() else x / safe
-        )  # Note [No lazy conjugate inside wrappers]
+        # masked, not only divided by 1: x / 1 would make the second derivative at 0 the
+        # identity, where torch's (x / norm).masked_fill(norm == 0, 0) gives 0
+        # Note [No lazy conjugate inside wrappers]
+        w = torch.conj_physical(x / safe) if x.is_complex() else x / safe
+        return torch.where(o == 0, torch.zeros_like(w), w)
     s = torch.conj_physical(x.sgn()) if x.is_complex() else x.sgn()  # d|z| = Re(conj(sgn z) dz)
     if p == float("inf") or p == -float("inf"):
         return _argext_weight(x.abs(), o, dim, primals, kwargs) * s

@@ -26,7 +26,7 @@ import itertools
 
 import torch
 
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -155,7 +155,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
             raise missing_rule(func, self.call, "vjp", "register_vjp_rule")
         if rule is NONDIFFERENTIABLE:
             if f.fresh_like:
-                self._note_fresh(out)
+                out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
             if not is_floating(out):
@@ -221,6 +221,7 @@ def _prune(primals, out, keeps):
     return primals, out if reads_out else _standin(out)
 
 
+@eager_under_compile  # Note [torch.compile around our transforms]
 def backward(roots, leaves):
     """The cotangents of ``leaves`` given ``roots``: a list of (node, idx, cotangent).
 

@@ -105,7 +105,7 @@ for _op, _tr in (
         aten.index.Tensor,
         lambda ct, x, indices: _det.det_call(aten.index_put.default, _zeros(x, ct), indices, ct, True),
     ),
-    (aten.cumsum.default, lambda ct, x, dim, **k: ct.flip(dim).cumsum(dim).flip(dim)),
+    (aten.cumsum.default, lambda ct, x, dim, **k: _cumsum_transpose(ct, dim)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
 ):
     def_linear(_op, _tr)
@@ -141,6 +141,12 @@ for _op, _f in (
     VJP_FORWARD[_op] = _f
 
 
+def _cumsum_transpose(ct, dim):
+    if ct.dim() == 0:  # a 0-d cumsum is the identity (and flip of a 0-d batched value is not)
+        return ct
+    return ct.flip(dim).cumsum(dim).flip(dim)
+
+
 def _repeat_transpose(ct, x, reps):
     lead = len(reps) - x.dim()
     shape = list(x.shape)
@@ -153,6 +159,8 @@ def _repeat_transpose(ct, x, reps):
 
 
 def _unfold_transpose(ct, x, dim, size, step):
+    if x.dim() == 0:  # a 0-d x unfolds to shape (1,)
+        return ct.reshape(())
     out = _zeros(x, ct)
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):

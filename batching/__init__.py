@@ -1,5 +1,18 @@
 """vmap's batching rules, by op family. Importing this package registers them all."""
 
+import sys as _sys
+
+# Note [A clone shadowing the package]: Python started in the folder that *contains* a clone
+# named functransforms/ imports that folder (no __init__.py) as a namespace package ahead of an
+# editable install's finder; then this subpackage loads without the real functransforms.
+if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
+    raise ImportError(
+        "functransforms: the folder functransforms/ in the current directory (a clone of the "
+        "repository) shadows the installed package. Do: start Python from another directory, or "
+        "reinstall with `pip install -e <clone> --config-settings editable_mode=compat` (the "
+        "clone's root goes on sys.path and the real package wins), or `pip install <clone>`."
+    )
+
 from . import (  # noqa: F401  (registration)
     convolution,
     elementwise,

@@ -416,7 +416,7 @@ for _op in (
     aten.new_zeros.default,
     aten.new_ones.default,
     aten.new_full.default,
-    aten.new_empty.default,
+    aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
     aten.new_empty_strided.default,
 ):
     _new_factory(_op)

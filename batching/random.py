@@ -52,6 +52,7 @@ aten = torch.ops.aten
 _RANDOM_KEY = "TESTING_ONLY_GenericMode"
 _libs: list = []  # keeps the registrations alive
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _dropout_p_position(op):
@@ -65,8 +66,10 @@ def _random_op_kernel(op):
     p_at = _dropout_p_position(op)  # attention ops draw only when dropout_p > 0
 
     def random_op_in_error_vmap(*args, **kwargs):
-        draws = True
-        if p_at is not None:
+        # under a tracing/fake dispatch mode (torch.compile's pattern tracing, FakeTensor) the
+        # call records a graph, it does not draw
+        draws = not _dispatch_modes()
+        if draws and p_at is not None:
             p = args[p_at] if len(args) > p_at else kwargs.get("dropout_p", 0.0)
             draws = p > 0
         for interp in reversed(interpreter_stack()) if draws else ():
@@ -202,9 +205,7 @@ def _draw_with_batch_dims(func, args, kwargs, sizes):
 
 
 # ops whose tensor arguments are distribution parameters, not only a shape to fill
-_PARAMETRIZED = frozenset(
-    (aten.bernoulli.default, aten.multinomial.default, aten.normal.Tensor_float)
-)
+_PARAMETRIZED = frozenset((aten.bernoulli.default, aten.normal.Tensor_float))
 
 
 def _random_like_rule(func):
@@ -249,10 +250,10 @@ for _op in (
 @register_vmap_rule(aten.multinomial.default)
 def multinomial_vmap_rule(interp, args, bdims, kwargs):
     """multinomial(probs [C] or [N, C], k) -> [k] or [N, k]: the rows of every example are
-    drawn together ('different'); 'same' refuses batched probabilities, as torch.func."""
+    drawn together ('different'); under 'same' batched probabilities raise, as in torch.func."""
     if interp.randomness == "error":
         raise_random(interp, aten.multinomial.default)
-    if interp.randomness == "same":
+    if interp.randomness == "same":  # batched probabilities: per-example parameters
         raise_same_with_batched_parameters(interp, aten.multinomial.default)
     p = to_front(args[0], bdims[0])
     out = aten.multinomial.default(p.reshape(-1, p.shape[-1]), *args[1:], **kwargs)

@@ -11,17 +11,19 @@ _here = _os.path.dirname(__file__)
 if not _os.path.isdir(_os.path.join(_here, "autodiff")):
     __path__.append(_os.path.dirname(_here))
 
-from . import autodiff, batching  # noqa: E402, F401  (registers the rules)
-from ._autograd_function import install as _install_autograd_function
-
-_install_autograd_function()  # Note [autograd.Function under transforms]
-
-from . import deterministic  # noqa: E402, F401
+from . import (  # noqa: E402, F401  (registers the rules)
+    autodiff,
+    batching,
+    deterministic,  # noqa: E402, F401
+)
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
+from ._autograd_function import install as _install_autograd_function  # noqa: E402
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
 from ._vmap import vmap
+
+_install_autograd_function()  # Note [autograd.Function under transforms]
 
 __all__ = [
     "checkpoint",

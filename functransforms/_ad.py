@@ -8,7 +8,7 @@ import functools
 import torch
 
 from . import _pytree as pt
-from ._core import is_floating
+from ._core import eager_under_compile, is_floating
 
 
 def _name(func):
@@ -101,6 +101,7 @@ def _split_aux(result, call):
     return result
 
 
+@eager_under_compile
 def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
     from functransforms.autodiff.reverse import (
@@ -156,7 +157,7 @@ def _vjp(func, primals, has_aux, call):
     def vjp_fn(*cotangents):
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
         flat_ct, ct_spec = pt.tree_flatten(cts)
-        if ct_spec != out_spec:
+        if not pt.same_structure(ct_spec, out_spec):
             raise RuntimeError(
                 f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
                 f"the output, {out_spec}; got {ct_spec}."
@@ -411,7 +412,7 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
         )
     flat_p, spec = pt.tree_flatten(primals)
     flat_t, tspec = pt.tree_flatten(tangents)
-    if spec != tspec:
+    if not pt.same_structure(spec, tspec):
         raise RuntimeError(
             f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
         )
@@ -429,6 +430,7 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
     return _jvp(func, flat_p, flat_t, spec, has_aux, call)
 
 
+@eager_under_compile
 def _jvp(func, flat_p, flat_t, spec, has_aux, call):
     """jvp on flattened, validated inputs, with ``call`` (jvp, jacfwd, hessian) named in errors."""
     from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
@@ -512,7 +514,7 @@ def linearize(func, *primals, has_aux=False):
 
     def jvp_fn(*tangents):
         flat_t, spec = pt.tree_flatten(tangents)
-        if spec != primal_spec:
+        if not pt.same_structure(spec, primal_spec):
             raise ValueError(
                 f"jvp_fn(*tangents) of {call}: expected tangents with the structure of the "
                 f"primals, {primal_spec}; got {spec}."

@@ -27,7 +27,15 @@ from ._core import TransformTensor, _state
 from ._custom import _CustomFunction
 
 _Function = torch.autograd.Function
-_original_apply = _Function.__dict__["apply"].__func__  # the classmethod's function
+_APPLY = _Function.__dict__["apply"]
+
+
+def _original_apply(cls, *args, **kwargs):
+    """torch's own ``Function.apply`` for ``cls``: a Python classmethod up to torch 2.14, a C
+    ``classmethod_descriptor`` in 2.15 (checked on 2.13.0 and 2.15.0)."""
+    if isinstance(_APPLY, classmethod):
+        return _APPLY.__func__(cls, *args, **kwargs)
+    return _APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 class _Ctx:
@@ -248,5 +256,5 @@ def _no_vmap_rule(cls):
 
 def install():
     """Route ``torch.autograd.Function.apply`` through :func:`_apply` (idempotent)."""
-    if _Function.__dict__["apply"].__func__ is not _apply:
+    if getattr(_Function.__dict__["apply"], "__func__", None) is not _apply:
         _Function.apply = classmethod(_apply)

@@ -54,8 +54,26 @@ class OpFacts:
         self.fresh_like = func in _FRESH_LIKE  # Note [Buffers held by kernels]
 
 
+# in-place ops whose functional form has another overload name
+_FUNCTIONAL_OVERRIDES = {
+    aten.bernoulli_.float: aten.bernoulli.p,
+    aten.normal_.default: aten.normal_functional.default,
+}
+
+
+def positional_with_defaults(func, args):
+    """``args`` of ``func`` with its left-out positional defaults filled in (dispatch drops
+    arguments equal to their default; an override's functional form may not default them)."""
+    if func not in _FUNCTIONAL_OVERRIDES:
+        return args
+    schema = [a for a in func._schema.arguments if not a.kwarg_only]
+    return tuple(args) + tuple(a.default_value for a in schema[len(args) :])
+
+
 def _functional_variant(func):
     """aten.add_.Tensor -> aten.add.Tensor; aten.squeeze_.dim -> aten.squeeze.dim."""
+    if func in _FUNCTIONAL_OVERRIDES:
+        return _FUNCTIONAL_OVERRIDES[func]
     namespace, _, base = func._schema.name.rpartition("::")
     if not base.endswith("_"):
         return None

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from . import _pytree as pt
+from ._core import eager_under_compile
 
 _RANDOMNESS = ("error", "different", "same")
 
@@ -127,6 +128,7 @@ def _broadcast(prefix, tree, what, call, out, path):
     )
 
 
+@eager_under_compile
 def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import DifferentRandomnessMode, no_random_ops

@@ -449,7 +449,9 @@ class PermutationOperator(LinearOperator):
         return sign, torch.zeros(self.batch_shape, dtype=self.dtype, device=self.device)
 
     def _frobenius_sq(self):
-        return torch.full(self.batch_shape, float(self.shape[-1]), dtype=self.dtype)
+        return torch.full(
+            self.batch_shape, float(self.shape[-1]), dtype=self.dtype, device=self.device
+        )
 
 
 def _perm_sign(p) -> float:

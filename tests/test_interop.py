@@ -675,7 +675,9 @@ def test_batch_norm_under_vmap_matches_torch_func(mode):
         def loss(p, x, bn=bn, b=b, lib=lib):
             return lib.functional_call(bn, (p, b), (x,)).pow(2).sum()
 
-        out = lib.vmap(lambda x, bn=bn, b=b, lib=lib: lib.functional_call(bn, (p, b), (x,)))(xs)
+        out = lib.vmap(lambda x, bn=bn, p=p, b=b, lib=lib: lib.functional_call(bn, (p, b), (x,)))(
+            xs
+        )
         g = lib.vmap(lib.grad(loss), in_dims=(None, 0))(p, xs)
         results[name] = (out, g["weight"], g["bias"])
     for a, b in zip(results["ft"], results["torch.func"]):
@@ -742,3 +744,133 @@ def test_take_batched_source_and_grad():
     _close(ft.vmap(torch.take)(V, i), tf.vmap(torch.take)(V, i))
     g = lambda lib: lib.vmap(lib.grad(lambda v, i: torch.take(v, i).pow(2).sum()))(V, i)  # noqa: E731
     _close(g(ft), g(tf))
+
+
+# -- docs/training.md runs ----------------------------------------------------------------------
+def test_training_page_examples():
+    """Every ```python block of docs/training.md, in order, in one namespace (each checks
+    itself against torch.func or plain autograd)."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "training.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    namespace = {"__name__": "training_md"}
+    for block in blocks:
+        exec(compile(block, str(page), "exec"), namespace)  # noqa: S102
+
+
+# -- 5. torch.compile ---------------------------------------------------------------------------
+def _f(x):
+    return (x.sin() * x).sum()
+
+
+def _g(x):
+    return x.sin() * 2
+
+
+_X = torch.randn(4, 3, dtype=torch.float64)
+_COMPILED = {
+    "vmap(grad(f))": (lambda lib: lib.vmap(lib.grad(_f)), _X),
+    "jacrev(g)": (lambda lib: lib.jacrev(_g), _X[0]),
+    "jacfwd(g)": (lambda lib: lib.jacfwd(_g), _X[0]),
+    "hessian(f)": (lambda lib: lib.hessian(_f), _X[0]),
+    "grad(f)": (lambda lib: lib.grad(_f), _X[0]),
+    "vmap(g)": (lambda lib: lib.vmap(_g), _X),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_COMPILED))
+def test_torch_compile_of_our_transforms(case):
+    """Used to raise an internal ValueError (a tree structure built by dynamo's traced optree,
+    without our namespace, compared with ours) for vmap(grad) and jacrev."""
+    import torch._dynamo
+
+    make, x = _COMPILED[case]
+    torch._dynamo.reset()
+    out = torch.compile(make(ft), backend="eager")(x)
+    _close(out, make(tf)(x))
+    # the transform runs as one eager region (Note [torch.compile around our transforms])
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(make(ft))(x).graph_break_count <= 1
+
+
+def test_our_transforms_of_compiled_functions():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    _close(ft.grad(torch.compile(_f, backend="eager"))(_X[0]), tf.grad(_f)(_X[0]))
+    _close(ft.vmap(torch.compile(_g, backend="eager"))(_X), tf.vmap(_g)(_X))
+
+
+# -- devices: every transform on `meta` (no values: no host reads on the way) -------------------
+def _meta_cases():
+    x = torch.empty(4, 3, device="meta", dtype=torch.float64)
+    ones = torch.empty(3, 3, device="meta", dtype=torch.float64)
+    f = lambda v: (v.sin() * v).sum()  # noqa: E731
+    g = lambda v: v.exp() @ ones  # noqa: E731
+    return {
+        "vmap": lambda: ft.vmap(g)(x),
+        "vmap_chunked": lambda: ft.vmap(g, chunk_size=2)(x),
+        "vmap_randomness_different": lambda: ft.vmap(
+            lambda v: v + torch.randn(3, device="meta", dtype=v.dtype), randomness="different"
+        )(x),
+        "grad": lambda: ft.grad(f)(x[0]),
+        "value_and_grad": lambda: ft.value_and_grad(f)(x[0]),
+        "vjp": lambda: ft.vjp(g, x)[1](x),
+        "jvp": lambda: ft.jvp(g, (x,), (x,)),
+        "linearize": lambda: ft.linearize(g, x)[1](x),
+        "jacrev": lambda: ft.jacrev(g)(x[0]),
+        "jacfwd": lambda: ft.jacfwd(g)(x[0]),
+        "hessian": lambda: ft.hessian(f)(x[0]),
+        "vmap_grad": lambda: ft.vmap(ft.grad(f))(x),
+        "linear_transpose": lambda: ft.linear_transpose(lambda v: v * 2, x)(x),
+        "checkpoint": lambda: ft.grad(ft.checkpoint(f))(x[0]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_meta_cases()))
+def test_every_transform_on_meta(case):
+    out = _meta_cases()[case]()
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    assert leaves and all(t.device.type == "meta" for t in leaves)
+
+
+def test_permutation_operator_norm_on_operator_device():
+    from functransforms.linalg import PermutationOperator
+
+    P = PermutationOperator(torch.tensor([2, 0, 1], device="meta"))
+    assert P._frobenius_sq().device.type == "meta"
+
+
+# -- packaging: Python started next to a clone named functransforms -----------------------------
+def _run_beside_clone(tmp_path, code, pythonpath=None):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "functransforms").symlink_to(
+        root, target_is_directory=True
+    )  # `git clone` gives this
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = str(root)  # what `editable_mode=compat` writes into its .pth
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+
+
+def test_clone_shadowing_the_package_is_detected(tmp_path):
+    r = _run_beside_clone(tmp_path, "import functransforms.batching")
+    assert r.returncode != 0
+    assert "shadows the installed package" in r.stderr and "editable_mode=compat" in r.stderr
+
+
+def test_clone_root_on_sys_path_imports_the_real_package(tmp_path):
+    code = "import torch, functransforms as ft; print(ft.vmap(torch.sin)(torch.zeros(2, 1)).shape)"
+    r = _run_beside_clone(tmp_path, code, pythonpath=True)
+    assert r.returncode == 0, r.stderr
+    assert "torch.Size([2, 1])" in r.stdout

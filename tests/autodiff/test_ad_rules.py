@@ -583,12 +583,12 @@ def test_op_names_keep_their_namespace():
     ids=["grad", "vjp", "jacrev", "jacfwd", "hessian", "jvp"],
 )
 def test_missing_rule_names_the_public_call(call, transform):
-    # special_i0e decomposes into prims.bessel_i0e, which has no rule: both are named
+    # special_bessel_j0 decomposes into prims.bessel_j0, which has no rule: both are named
     with pytest.raises(
         NotImplementedError,
-        match=rf"^{re.escape(call)}.*aten\.special_i0e\.default.*prims\.bessel_i0e\.default",
+        match=rf"^{re.escape(call)}.*aten\.special_bessel_j0\.default.*prims\.bessel_j0\.default",
     ):
-        transform(torch.special.i0e, randn(3))
+        transform(torch.special.bessel_j0, randn(3))
 
 
 def test_scatter_family_and_selecting_reductions():
@@ -617,18 +617,26 @@ def test_lazy_conj_op_outputs_are_materialized():
     torch.testing.assert_close(ft.grad(f)(A), torch.func.grad(f)(A))
 
 
-def test_composite_kernel_writing_into_its_own_buffer_raises_instead_of_dropping_derivatives():
-    """Note [Buffers held by kernels]: hinge_embedding_loss's C++ kernel fills a fresh buffer in
-    place and keeps using it in C++, where a promoted wrapper is invisible; promoting it gave a
-    wrong value and tangent. Until the op has a rule of its own, it must raise."""
-    import torch.nn.functional as F
-
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: torch.nn.functional.hinge_embedding_loss(
+            x, torch.tensor([1.0, -1.0, -1.0], dtype=x.dtype), margin=0.5, reduction="none"
+        ),
+        lambda x: torch.nn.functional.cosine_embedding_loss(
+            x.reshape(1, 3), 2 * x.reshape(1, 3) + 1, torch.ones(1)
+        ),
+        lambda x: torch.diff(x, n=0),
+        lambda x: torch.nn.functional.pad(x.reshape(1, 1, 3), (1, 2), mode="circular"),
+    ],
+    ids=["hinge_embedding_loss", "cosine_embedding_loss", "diff_n0", "circular_pad"],
+)
+def test_composite_kernel_writing_into_its_own_buffer(f):
+    """Note [Buffers held by kernels]: these C++ kernels fill a fresh *_like buffer in place and
+    keep using it in C++; the buffer is a constant wrapper of the level, so the write is
+    differentiated (promoting a plain buffer gave a wrong value and tangent; then we raised)."""
     x = torch.tensor([0.3, -0.2, 1.5], dtype=torch.float64)
-    t = torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64)
-    f = lambda x: F.hinge_embedding_loss(x, t, margin=0.5, reduction="none")  # noqa: E731
-    for call in (lambda: ft.jvp(f, (x,), (x,)), lambda: ft.vjp(f, x)):
-        with pytest.raises(ft.errors.InplaceError, match="a torch kernel holds it"):
-            call()
+    compare_with_torch_func(f, (x,), grads=False)
 
 
 def test_add_product_with_complex_scalars():
@@ -675,3 +683,40 @@ def test_batch_norm_training_updates_running_stats_under_grad_and_jvp():
         return F.batch_norm(x, rm, rv, training=True, momentum=0.5) * x
 
     compare_with_torch_func(f, (x,), check=False)
+
+
+@pytest.mark.parametrize(
+    "fill",
+    [
+        lambda b: b.bernoulli_(0.5),  # dispatch drops p = 0.5 (its default)
+        lambda b: b.bernoulli_(0.3),
+        lambda b: b.normal_(),
+        lambda b: b.uniform_(),
+        lambda b: b.random_(0, 3),
+    ],
+)
+def test_random_fill_of_a_fresh_buffer(fill):
+    """A *_like buffer is a constant of the level (Note [Buffers held by kernels]): random
+    in-place fills of it (dropout's mask) are constants, with torch's values and RNG stream."""
+    x = randn(5)
+
+    def f(x):
+        return x * fill(torch.empty_like(x))
+
+    torch.manual_seed(0)
+    out, fn = ft.vjp(f, x)
+    torch.manual_seed(0)
+    ref, ref_fn = torch.func.vjp(f, x)
+    torch.testing.assert_close(out, ref)
+    ct = randn(5)
+    torch.testing.assert_close(fn(ct), ref_fn(ct))
+    torch.manual_seed(0)
+    torch.testing.assert_close(ft.jvp(f, (x,), (ct,)), (ref, ref_fn(ct)[0]))  # x * mask
+
+
+def test_dropout_under_grad_and_jvp():
+    x = randn(6)
+    torch.manual_seed(1)
+    g = ft.grad(lambda x: torch.nn.functional.dropout(x, 0.5).sum())(x)
+    torch.manual_seed(1)
+    assert torch.equal(g, torch.func.grad(lambda x: torch.nn.functional.dropout(x, 0.5).sum())(x))
