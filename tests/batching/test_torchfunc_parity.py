@@ -182,9 +182,10 @@ def test_multinomial_batched_probabilities(shape):
     assert out.shape == (3, *shape[:-1], 2)
     assert set(out[0].flatten().tolist()) <= {0, 1}
     assert set(out[1].flatten().tolist()) <= {3, 4}
-    # 'same' with per-example probabilities raises, in torch.func as in ours (test_parity.py)
     for row in out.reshape(-1, 2):  # without replacement
         assert row[0] != row[1]
+    with pytest.raises(RuntimeError, match="randomness='same'"):  # as torch.func
+        ft.vmap(lambda p: torch.multinomial(p, 2), randomness="same")(p)
 
 
 def test_nested_tensor_input_is_a_clear_error():

@@ -68,18 +68,28 @@ def _base(transform: str) -> str:
     return transform.split("[")[0]
 
 
-def _entry_lines(fails) -> list[str]:
+def _entry_lines(fails, comments=None) -> list[str]:
     """Table lines, single transforms first, then compositions (a block of their own, so that
-    --merge can replace it without touching other lines)."""
+    --merge can replace it without touching other lines). ``comments``: key -> the comment
+    lines written above that entry (kept by --merge while the entry stays)."""
     from conformance_harness import COMPOSITIONS
 
+    comments = comments or {}
     q = json.dumps  # double quotes, as ruff format wants
+
+    def lines_of(items):
+        out = []
+        for (op, t), cat in sorted(items):
+            out += comments.get((op, t), [])
+            out.append(f"    ({q(op)}, {q(t)}): {q(cat)},")
+        return out
+
     single = [(k, c) for k, c in fails if _base(k[1]) not in COMPOSITIONS]
     composed = [(k, c) for k, c in fails if _base(k[1]) in COMPOSITIONS]
-    lines = [f"    ({q(op)}, {q(t)}): {q(cat)}," for (op, t), cat in sorted(single)]
+    lines = lines_of(single)
     if composed:
         lines.append(COMPOSED_MARK)
-        lines += [f"    ({q(op)}, {q(t)}): {q(cat)}," for (op, t), cat in sorted(composed)]
+        lines += lines_of(composed)
     return lines
 
 
@@ -129,19 +139,25 @@ def merge_table(rows: dict, transforms: list[str]) -> int:
     lines = TABLE.read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("EXPECTED"))
     end = len(lines) - 1 - lines[::-1].index("}")
-    table = {}
+    table, comments, pending = {}, {}, []
     for ln in lines[start + 1 : end]:
         m = entry.match(ln)
-        if m and _base(m.group(2)) not in transforms:
-            table[(json.loads(m.group(1)), m.group(2))] = json.loads(m.group(3))
-        elif not m and ln != COMPOSED_MARK:
+        if m:
+            key = (json.loads(m.group(1)), m.group(2))
+            if pending:
+                comments[key], pending = pending, []
+            if _base(m.group(2)) not in transforms:
+                table[key] = json.loads(m.group(3))
+        elif ln.strip().startswith("#") and ln != COMPOSED_MARK:
+            pending.append(ln)  # a comment belongs to the entry below it
+        elif ln != COMPOSED_MARK:
             sys.exit(f"cannot merge into {TABLE.name}: unexpected line {ln!r}")
     fails = {
         k: r["category"]
         for k, r in rows.items()
         if r["outcome"] == "fail" and _base(k[1]) in transforms
     }
-    lines[start + 1 : end] = _entry_lines(list({**table, **fails}.items()))
+    lines[start + 1 : end] = _entry_lines(list({**table, **fails}.items()), comments)
     TABLE.write_text("\n".join(lines) + "\n")
     return len(fails)
 
