@@ -93,7 +93,8 @@ def _backward_code():
     if _BACKWARD_CODE is None:
         from functransforms.autodiff.reverse import backward
 
-        _BACKWARD_CODE = backward.__code__
+        # the sweep itself, not the torch.compile entry wrapper around it
+        _BACKWARD_CODE = getattr(backward, "__wrapped__", backward).__code__
     return _BACKWARD_CODE
 
 
