@@ -83,9 +83,7 @@ def def_unary(op, deriv):
             return out, pb(t, x, out, *primals[1:], **kwargs)
 
         def unary_pb_vjp_rule(ct, primals, kwargs, out, needs):
-            return (pb(ct, primals[0], out, *primals[1:], **kwargs),) + (None,) * (
-                len(primals) - 1
-            )
+            return (pb(ct, primals[0], out, *primals[1:], **kwargs),) + (None,) * (len(primals) - 1)
 
         if deriv.keeps is not None:
             unary_pb_vjp_rule.keeps = deriv.keeps
@@ -342,7 +340,8 @@ def_backward_kernel(
     _gelu_deriv2,
 )
 def_backward_kernel(
-    aten.softplus_backward.default, lambda x, b, th: _softplus_deriv(x, None, b, th),
+    aten.softplus_backward.default,
+    lambda x, b, th: _softplus_deriv(x, None, b, th),
     _softplus_deriv2,
 )
 def_backward_kernel(

@@ -99,11 +99,21 @@ for _op, _tr in (
     (aten.imag.default, lambda ct, x: ct * 1j),
     (aten.view_as_real.default, lambda ct, x: torch.view_as_complex(ct.contiguous())),
     (aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct)),
-    (aten.index_select.default, lambda ct, x, dim, idx: _det.det_call(aten.index_add.default, _zeros(x, ct), dim, idx, ct)),
-    (aten.gather.default, lambda ct, x, dim, idx, **k: _det.det_call(aten.scatter_add.default, _zeros(x, ct), dim, idx, ct)),
+    (
+        aten.index_select.default,
+        lambda ct, x, dim, idx: _det.det_call(aten.index_add.default, _zeros(x, ct), dim, idx, ct),
+    ),
+    (
+        aten.gather.default,
+        lambda ct, x, dim, idx, **k: _det.det_call(
+            aten.scatter_add.default, _zeros(x, ct), dim, idx, ct
+        ),
+    ),
     (
         aten.index.Tensor,
-        lambda ct, x, indices: _det.det_call(aten.index_put.default, _zeros(x, ct), indices, ct, True),
+        lambda ct, x, indices: _det.det_call(
+            aten.index_put.default, _zeros(x, ct), indices, ct, True
+        ),
     ),
     (aten.cumsum.default, lambda ct, x, dim, **k: _cumsum_transpose(ct, dim)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),

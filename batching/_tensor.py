@@ -267,6 +267,7 @@ def _composite(func):
 
     return None if func in _NOT_DECOMPOSED else composite_implicit(func)
 
+
 _K = torch._C.DispatchKey
 _set_excluded = torch._C._SetExcludeDispatchKeyGuard
 

@@ -154,4 +154,3 @@ def_fold_both(aten.grid_sampler_3d.default)
 # upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
 def_pool(aten._upsample_bilinear2d_aa.default, 2)
 def_pool(aten._upsample_bicubic2d_aa.default, 2)
-

@@ -200,4 +200,3 @@ def bucketize_vmap_rule(interp, args, bdims, kwargs):
     xs = x.expand((B, *x.shape)) if bdims[0] is None else to_front(x, bdims[0])
     out = aten.searchsorted.Tensor(seq.contiguous(), xs.reshape(B, -1).contiguous(), **kwargs)
     return out.reshape(xs.shape), 0
-

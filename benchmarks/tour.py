@@ -1,4 +1,5 @@
-"""A tour of functransforms: ``python -m functransforms [--quick]`` (or ``python benchmarks/tour.py``).
+"""A tour of functransforms: ``python -m functransforms [--quick]``
+(or ``python benchmarks/tour.py``).
 
 Runs four classic workloads with our transforms, checks each against torch.func (the oracle;
 the library itself never calls it), and prints median times of ours vs torch.func vs a Python

@@ -28,7 +28,8 @@ def _swapped(module, tensors, strict):
         if missing or unexpected:
             raise RuntimeError(
                 f"functional_call(module, parameter_and_buffer_dicts, strict=True): the dicts must "
-                f"name every parameter and buffer exactly. Missing: {missing}; unexpected: {unexpected}."
+                "name every parameter and buffer exactly. "
+                f"Missing: {missing}; unexpected: {unexpected}."
             )
     saved = []
     try:
@@ -59,7 +60,9 @@ def _swapped(module, tensors, strict):
 _MISSING = object()
 
 
-def functional_call(module, parameter_and_buffer_dicts, args=None, kwargs=None, *, tie_weights=True, strict=False):
+def functional_call(
+    module, parameter_and_buffer_dicts, args=None, kwargs=None, *, tie_weights=True, strict=False
+):
     """Call ``module`` with its parameters and buffers replaced by the given tensors.
 
     Args:
@@ -128,7 +131,8 @@ def stack_module_state(models):
     kinds = {type(m) for m in models}
     if len(kinds) > 1:
         raise ValueError(
-            f"stack_module_state(models): expected modules of one type; got {sorted(k.__name__ for k in kinds)}."
+            "stack_module_state(models): expected modules of one type; got "
+            f"{sorted(k.__name__ for k in kinds)}."
         )
     params = {
         k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).requires_grad_(
@@ -136,7 +140,10 @@ def stack_module_state(models):
         )
         for k, v in models[0].named_parameters()
     }
-    buffers = {k: torch.stack([dict(m.named_buffers())[k] for m in models]) for k, _ in models[0].named_buffers()}
+    buffers = {
+        k: torch.stack([dict(m.named_buffers())[k] for m in models])
+        for k, _ in models[0].named_buffers()
+    }
     return params, buffers
 
 

@@ -95,7 +95,8 @@ def _broadcast(prefix, tree, what, call, out, path):
             raise ValueError(
                 f"{call}: {path} is a {type(prefix).__name__} of length {len(prefix)}, so the "
                 f"matching value must be a tuple/list of that length; got a {got}. Expected "
-                f"{what} to be a tree prefix of the values (an int or None applies to a whole subtree)."
+                f"{what} to be a tree prefix of the values (an int or None applies to a whole "
+                "subtree)."
             )
         for i, (p, t) in enumerate(zip(prefix, tree)):
             _broadcast(p, t, what, call, out, f"{path}[{i}]")
@@ -104,7 +105,8 @@ def _broadcast(prefix, tree, what, call, out, path):
         if not isinstance(tree, dict) or set(tree) != set(prefix):
             raise ValueError(
                 f"{call}: {path} is a dict with keys {sorted(map(str, prefix))}, which must match "
-                f"the keys of the value; got {sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__}."
+                "the keys of the value; got "
+                f"{sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__}."
             )
         for k in tree:  # leaves are flattened in the tree's key order
             _broadcast(prefix[k], tree[k], what, call, out, f"{path}[{k!r}]")
@@ -173,8 +175,8 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
         n = x.dim()
         if not -n <= d < n:
             raise ValueError(
-                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but it "
-                f"has {n} dims (shape {tuple(x.shape)}); expected in_dim in [{-n}, {n - 1}]."
+                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, "
+                f"but it has {n} dims (shape {tuple(x.shape)}); expected in_dim in [{-n}, {n - 1}]."
             )
         d %= n
         norm_dims.append(d)

@@ -135,7 +135,8 @@ def render() -> str:
             counts[name][kind] = counts[name].get(kind, 0) + 1
         lines.append(f"| `{op}` | {v} | {j} | {r} |")
     summary = "\n".join(
-        f"- **{name}**: " + ", ".join(f"{k}: {n}" for k, n in sorted(c.items())) for name, c in counts.items()
+        f"- **{name}**: " + ", ".join(f"{k}: {n}" for k, n in sorted(c.items()))
+        for name, c in counts.items()
     )
     op_summary, op_lines = _opinfo_rows()
     return (
@@ -151,9 +152,13 @@ def render() -> str:
         "**ours only**: torch has no forward-mode formula and our jvp computes (Note [Coverage "
         "over the OpInfo database] in functransforms/coverage.py).\n\n"
         f"{op_summary}\n\n"
-        "| OpInfo | " + " | ".join(OPINFO_TRANSFORMS) + " |\n"
-        + "|---" * (1 + len(OPINFO_TRANSFORMS)) + "|\n"
-        + "\n".join(op_lines) + "\n\n"
+        "| OpInfo | "
+        + " | ".join(OPINFO_TRANSFORMS)
+        + " |\n"
+        + "|---" * (1 + len(OPINFO_TRANSFORMS))
+        + "|\n"
+        + "\n".join(op_lines)
+        + "\n\n"
         "## ATen ops with a rule\n\n"
         "Rows: every ATen op with a rule in any registry. *rule*: a registered rule; *rule "
         "(pointwise)*: the one batching rule every op tagged `torch.Tag.pointwise` shares; "

@@ -1,4 +1,5 @@
-"""The library's own error conditions. Each names the call, what was expected and what was received."""
+"""The library's own error conditions. Each names the call, what was expected and what was
+received."""
 
 from __future__ import annotations
 

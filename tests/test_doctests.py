@@ -24,6 +24,17 @@ def test_docstring_examples(name):
 
 
 def test_public_api_matches_torch_func_names():
-    for name in ("vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd",
-                 "hessian", "functional_call", "stack_module_state"):
+    for name in (
+        "vmap",
+        "grad",
+        "grad_and_value",
+        "vjp",
+        "jvp",
+        "linearize",
+        "jacrev",
+        "jacfwd",
+        "hessian",
+        "functional_call",
+        "stack_module_state",
+    ):
         assert callable(getattr(functransforms, name))

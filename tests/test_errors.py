@@ -19,9 +19,9 @@ def test_grad_of_non_scalar_output():
 
 def test_grad_of_complex_output():
     with pytest.raises(RuntimeError, match="real scalar output; got torch.complex128"):
-        ft.grad(lambda x: ((x * 2).sum() * 1j))(x3)
+        ft.grad(lambda x: (x * 2).sum() * 1j)(x3)
     with pytest.raises(RuntimeError):
-        torch.func.grad(lambda x: ((x * 2).sum() * 1j))(x3)
+        torch.func.grad(lambda x: (x * 2).sum() * 1j)(x3)
 
 
 def test_grad_of_integer_output_is_zero_as_torch_func():
@@ -31,7 +31,9 @@ def test_grad_of_integer_output_is_zero_as_torch_func():
 
 @pytest.mark.parametrize("argnums", [2, -3, (0, 5)])
 def test_argnums_out_of_range(argnums):
-    with pytest.raises(RuntimeError, match=r"argnums=.*out of range.*2 positional arguments") as info:
+    with pytest.raises(
+        RuntimeError, match=r"argnums=.*out of range.*2 positional arguments"
+    ) as info:
         ft.grad(lambda x, y: (x * y).sum(), argnums=argnums)(x3, x3)
     assert f"argnums={argnums!r}" in str(info.value)
 

@@ -212,7 +212,11 @@ def test_wrappers_report_the_per_example_strides(in_dim):
         seen["stride"] = a.stride()
         seen["t_stride"] = a.mT.stride()
         seen["contiguous"] = a.contiguous().is_contiguous()
-        return a.contiguous().view(-1) + a.reshape(-1) + a.mT.reshape(-1).reshape(2, 4, 3).mT.reshape(-1)
+        return (
+            a.contiguous().view(-1)
+            + a.reshape(-1)
+            + a.mT.reshape(-1).reshape(2, 4, 3).mT.reshape(-1)
+        )
 
     out = ft.vmap(f, in_dims=in_dim)(y)
     ref = y.movedim(in_dim, 0)[0]
