@@ -15,6 +15,7 @@ from . import autodiff, batching  # noqa: E402, F401  (registers the rules)
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._custom import custom_jvp, custom_vjp, stop_gradient
 from ._extras import checkpoint, linear_transpose
+from ._jit import jit
 from ._module import functional_call, stack_module_state
 from ._vmap import vmap
 
@@ -30,6 +31,7 @@ __all__ = [
     "hessian",
     "jacfwd",
     "jacrev",
+    "jit",
     "jvp",
     "linearize",
     "stack_module_state",
