@@ -132,8 +132,8 @@ def _user_line() -> str:
     """The innermost frame outside torch and functransforms, as ``file:line: source``."""
     frame = sys._getframe(1)
     while frame is not None:
-        fname = os.path.abspath(frame.f_code.co_filename)
-        if not fname.startswith(_LIBRARY_DIRS) and not fname.startswith("<frozen"):
+        fname = frame.f_code.co_filename
+        if not fname.startswith("<") and not os.path.abspath(fname).startswith(_LIBRARY_DIRS):
             src = linecache.getline(fname, frame.f_lineno).strip()
             return f"{fname}:{frame.f_lineno} (in {frame.f_code.co_name}): {src}"
         frame = frame.f_back
@@ -177,7 +177,7 @@ class _Watch(TorchDispatchMode):
             if isinstance(t, _Tensor) and (
                 isinstance(t, _core.TransformTensor)
                 or (mode is not None and has_proxy_slot(t, mode.tracer))
-                or self.symbolic
+                or isinstance(t, torch._subclasses.FakeTensor)
             ):
                 return True
         return False
@@ -312,9 +312,13 @@ def _fold_constants(gm, dynamic: bool) -> int:
     foldable = {}
     for node in graph.nodes:
         t = node.target
-        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        if node.op != "call_function" or root[node] in written:
             continue
-        if _RANDOM in t.tags or t._schema.is_mutable or root[node] in written:
+        if t is operator.getitem:
+            if node.args[0] in foldable:
+                foldable[node] = None
+            continue
+        if not isinstance(t, torch._ops.OpOverload) or _RANDOM in t.tags or t._schema.is_mutable:
             continue
         inputs = node.all_input_nodes
         if t in _LIKE and not dynamic:
@@ -520,6 +524,7 @@ class Jitted:
                         return None, None, None
                     consts.append(k)
             consts = tuple(consts)
+            values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
         key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
 
@@ -527,7 +532,7 @@ class Jitted:
             if spec is None:
                 return tuple(ts), {}
             it = iter(ts)
-            leaves = [next(it) if c is _TENSOR else c[1] for c in consts]
+            leaves = [next(it) if c is _TENSOR else v for c, v in zip(consts, values)]
             return tree_unflatten(spec, leaves)
 
         return key, tensors, rebuild
@@ -658,8 +663,8 @@ def _user_line_of(e) -> str:
     tb = e.__traceback__
     line = "<unknown line>"
     while tb is not None:
-        fname = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not fname.startswith(_LIBRARY_DIRS):
+        fname = tb.tb_frame.f_code.co_filename
+        if not fname.startswith("<") and not os.path.abspath(fname).startswith(_LIBRARY_DIRS):
             src = linecache.getline(fname, tb.tb_lineno).strip()
             line = f"{fname}:{tb.tb_lineno} (in {tb.tb_frame.f_code.co_name}): {src}"
         tb = tb.tb_next
