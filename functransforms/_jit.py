@@ -364,7 +364,24 @@ def _fold_constants(gm, dynamic: bool) -> int:
     return replaced
 
 
+def _outer_products(gm) -> int:
+    """``bmm``/``mm`` with a contraction of length 1 is an outer product: rewrite it as a
+    broadcasting ``mul`` (bit-identical: one product per element, nothing summed), 3-4x
+    faster on CPU. vmap of ``x[:, None] @ y[None]`` (per-sample weight gradients) makes them."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (aten.bmm.default, aten.mm.default):
+            a, b = (x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in node.args)
+            if isinstance(a, _Tensor) and isinstance(b, _Tensor):
+                k = a.shape[-1]
+                if type(k) is int and k == 1 and a.dtype == b.dtype and not a.is_complex():
+                    node.target = aten.mul.Tensor
+                    n += 1
+    return n
+
+
 def _clean(gm, dynamic: bool):
+    _outer_products(gm)
     _fold_constants(gm, dynamic)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
     gm.graph.lint()
@@ -378,6 +395,72 @@ def _clean(gm, dynamic: bool):
     for name in list(vars(gm)):
         if name.startswith(("_tensor_constant", "_folded_")) and name not in used:
             delattr(gm, name)
+
+
+def _python_forward(gm):
+    """A flat Python function that runs the graph: each ATen op called through its C++ entry
+    (``OpOverload._op``, ~0.7 us/op cheaper than ``torch.ops.aten.x.y(...)``), intermediates
+    dropped after their last use, captured tensors bound as the live objects themselves."""
+    glob = {}
+    names = {}
+    consts = {}
+
+    def const(v):
+        if v is None or isinstance(v, (bool, int, str)) or (
+            isinstance(v, float) and v == v and v not in (float("inf"), float("-inf"))
+        ):
+            return repr(v)
+        key = id(v)
+        if key not in consts:
+            consts[key] = f"_c{len(consts)}"
+            glob[consts[key]] = v
+        return consts[key]
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return names[a]
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k!r}: {arg(v)}" for k, v in a.items()) + "}"
+        return const(a)
+
+    nodes = list(gm.graph.nodes)
+    last_use = {}
+    for i, node in enumerate(nodes):
+        for inp in node.all_input_nodes:
+            last_use[inp] = i
+    params, body = [], []
+    for i, node in enumerate(nodes):
+        name = f"v{i}"
+        names[node] = name
+        if node.op == "placeholder":
+            params.append(name)
+            continue
+        if node.op == "get_attr":
+            glob[f"_a{i}"] = getattr(gm, node.target)
+            body.append(f"{name} = _a{i}")
+        elif node.op == "call_function":
+            t = node.target
+            fn = t._op if isinstance(t, torch._ops.OpOverload) else t
+            glob[f"_f{i}"] = fn
+            pieces = [arg(a) for a in node.args]
+            pieces += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
+            body.append(f"{name} = _f{i}({', '.join(pieces)})")
+        elif node.op == "output":
+            body.append(f"return {arg(node.args[0])}")
+            break
+        else:
+            return gm.forward  # call_module/call_method: not made by make_fx; use FX's code
+        dead = [names[n] for n in node.all_input_nodes if last_use.get(n) == i]
+        if dead:
+            body.append(" = ".join(sorted(set(dead))) + " = None")
+    src = f"def forward({', '.join(params)}):\n    " + "\n    ".join(body) + "\n"
+    exec(compile(src, "<jit replay>", "exec"), glob)  # noqa: S102 - our own generated code
+    fn = glob["forward"]
+    fn.__jit_source__ = src
+    return fn
 
 
 # ------------------------------------------------------------------------------------------
@@ -615,7 +698,7 @@ class Jitted:
             return _EAGER, box["out"]
         guard = _compile_guard(gm, len(tensors)) if self.dynamic else None
         _clean(gm, self.dynamic)
-        run = gm.forward
+        run = _python_forward(gm)
         if self.backend == "inductor":
             run = torch.compile(gm, backend="inductor", dynamic=self.dynamic)
         elif callable(self.backend):
