@@ -373,15 +373,65 @@ def _outer_products(gm) -> int:
         if node.op == "call_function" and node.target in (aten.bmm.default, aten.mm.default):
             a, b = (x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in node.args)
             if isinstance(a, _Tensor) and isinstance(b, _Tensor):
-                k = a.shape[-1]
-                if type(k) is int and k == 1 and a.dtype == b.dtype and not a.is_complex():
-                    node.target = aten.mul.Tensor
-                    n += 1
+                if any(type(d) is not int for t in (a, b) for d in (*t.shape, *t.stride())):
+                    continue  # symbolic shapes: leave it
+                if a.shape[-1] == 1 and a.dtype == b.dtype and not a.is_complex():
+                    # Same layout as the matmul's result, or later views could fail.
+                    def meta(t):
+                        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+                    out = node.meta.get("val")
+                    with _disable_current_modes():
+                        prod = aten.mul.Tensor(meta(a), meta(b))
+                    if isinstance(out, _Tensor) and prod.stride() == out.stride():
+                        node.target = aten.mul.Tensor
+                        n += 1
+    return n
+
+
+_RESHAPES = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.reshape.default,
+    aten.alias.default,
+}
+
+
+def _noop_views(gm) -> int:
+    """Drop views to the same shape and strides (vmap's batching of matmul emits
+    ``expand``/``view`` pairs that change nothing): each costs a dispatch per replay. Kept
+    when returned (the caller may rely on a fresh alias) or used by a mutating op (metadata
+    mutations such as ``t_`` would reach the base)."""
+    n = 0
+    outputs = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs = set(node.all_input_nodes)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _RESHAPES or node in outputs:
+            continue
+        src = node.args[0]
+        a, b = src.meta.get("val"), node.meta.get("val")
+        if not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
+            continue
+        if any(type(d) is not int for d in (*a.shape, *b.shape)):
+            continue  # symbolic shapes: equality would add a guard
+        if a.shape != b.shape or a.stride() != b.stride() or a.storage_offset() != b.storage_offset():
+            continue
+        if any(
+            isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+            for u in node.users
+        ):
+            continue
+        node.replace_all_uses_with(src)
+        n += 1
     return n
 
 
 def _clean(gm, dynamic: bool):
     _outer_products(gm)
+    _noop_views(gm)
     _fold_constants(gm, dynamic)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
     gm.graph.lint()
