@@ -15,6 +15,7 @@ from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
 from ._registry import VMAP_RULES
 
 _no_torch_function = torch._C._disabled_torch_function_impl
+_DATA_GET = torch.Tensor.data.__get__
 
 
 class BatchedTensor(TransformTensor):
@@ -34,10 +35,25 @@ class BatchedTensor(TransformTensor):
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
+        elif func == _DATA_GET and args[0]._interp.alive:  # a fresh method-wrapper each time
+            raise RuntimeError(
+                f"{args[0]._interp.call}: `x.data` of a batched tensor is not allowed under vmap "
+                "(as in torch.func): it would bypass the batching. Expected: use x itself, or "
+                "x.detach() to stop gradients."
+            )
         return _no_torch_function(func, types, args, kwargs or {})
 
     def _describe(self):
         return f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, value={self._value!r})"
+
+    def _escape_value(self, method):  # Note [Escaping to Python]
+        from functransforms.errors import DataDependentError
+
+        raise DataDependentError(
+            f"{self._interp.call}: `.{method}()` reads a batched tensor as Python data, which "
+            "would need one value per example. Expected: keep the computation in tensor ops "
+            "(torch.where instead of if/else), or move it out of vmap."
+        )
 
 
 _mk = torch.Tensor._make_wrapper_subclass

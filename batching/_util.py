@@ -15,15 +15,14 @@ def logical_dim(x, bdim):
 
 
 def wrap_dim(d, n):
-    """Normalize a possibly negative logical dim against logical rank ``n``."""
-    if d < 0:
-        d += n
-    if not 0 <= d < max(n, 1):
+    """Normalize a possibly negative logical dim against logical rank ``n``. As in torch, a 0-d
+    tensor accepts dims 0 and -1."""
+    m = max(n, 1)
+    if not -m <= d < m:
         raise IndexError(
-            "Dimension out of range (expected to be in range of "
-            f"[{-max(n, 1)}, {max(n, 1) - 1}], but got {d})"
+            f"Dimension out of range (expected to be in range of [{-m}, {m - 1}], but got {d})"
         )
-    return d
+    return d % m
 
 
 def pad_to(x, nd):

@@ -66,6 +66,8 @@ def transpose_vmap_rule(interp, args, bdims, kwargs):
 @register_vmap_rule(aten.t.default, aten.t_.default)
 def t_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
+    if n > 2:  # the check torch.t makes on one example
+        raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {n}D")
     return (x.transpose(1, 2) if n == 2 else x), 0
 
 

@@ -46,6 +46,61 @@ def _resolved(x):
     return x.resolve_conj().resolve_neg() if x.is_conj() or x.is_neg() else x
 
 
+def _as_primal(x, call, forward):
+    """A differentiated input as a tensor: Python floats (and complex numbers) become 0-d tensors
+    of the default dtype, as in JAX (docs/torch_func_differences.md); integer and boolean
+    tensors and other Python values raise, with torch.func's exception classes."""
+    if isinstance(x, torch.Tensor):
+        if is_floating(x):
+            return x
+        err = ValueError if forward else RuntimeError
+        raise err(
+            f"{call}: a differentiated input is a {x.dtype} tensor; only floating-point and "
+            "complex tensors carry derivatives. Convert it (`x.double()`) or move it out of the "
+            "differentiated arguments (argnums)."
+        )
+    if isinstance(x, (float, complex)) and not isinstance(x, bool):
+        return torch.tensor(x, dtype=_default_dtype(x))
+    raise ValueError(
+        f"{call}: expected the differentiated inputs to be tensors (or Python floats); got a "
+        f"{type(x).__name__} ({x!r}). Pass non-differentiated values through a closure or "
+        "another argument."
+    )
+
+
+def _default_dtype(x):
+    dtype = torch.get_default_dtype()
+    if isinstance(x, complex):
+        return torch.complex128 if dtype == torch.float64 else torch.complex64
+    return dtype
+
+
+def _check_aux(aux, call):
+    """torch.func's contract: aux is a pytree of tensors (it raises for anything else)."""
+    for leaf in pt.tree_leaves(aux):
+        if not isinstance(leaf, torch.Tensor):
+            raise RuntimeError(
+                f"{call} with has_aux=True: the aux output contains a {type(leaf).__name__} "
+                f"({leaf!r}); expected a tensor or a pytree of tensors. Return it from the "
+                "function some other way (a closure, or a tensor: torch.tensor(value))."
+            )
+
+
+def _split_aux(result, call):
+    if not (isinstance(result, tuple) and len(result) == 2):
+        got = (
+            f"a tuple of length {len(result)}"
+            if isinstance(result, tuple)
+            else f"a {type(result).__name__}"
+        )
+        raise RuntimeError(
+            f"{call} with has_aux=True: expected the function to return a pair (output, aux); "
+            f"got {got}."
+        )
+    _check_aux(result[1], call)
+    return result
+
+
 def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
     from functransforms.autodiff.reverse import (
@@ -57,6 +112,7 @@ def _vjp(func, primals, has_aux, call):
     )
 
     flat, spec = pt.tree_flatten(primals)
+    flat = [_as_primal(x, call, forward=False) for x in flat]
     interp = GradInterpreter(call)
     leaves = []
     with interp:  # outputs are read inside: promoted buffers are restored on exit
@@ -71,19 +127,18 @@ def _vjp(func, primals, has_aux, call):
                 wrapped.append(x)
         result = func(*pt.tree_unflatten(spec, wrapped))
         if has_aux:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise TypeError(
-                    f"{call} with has_aux=True: expected the function to return a pair "
-                    f"(output, aux); got {type(result).__name__}."
-                )
-            result, aux = result
+            result, aux = _split_aux(result, call)
             aux = _unwrap_level(aux, interp)
         flat_out, out_spec = pt.tree_flatten(result)
+        if not flat_out:
+            raise RuntimeError(
+                f"{call}: expected the function to return at least one tensor; got {result!r}."
+            )
         roots = []
         primals_out = []
         for i, o in enumerate(flat_out):
             if not isinstance(o, torch.Tensor):
-                raise TypeError(
+                raise RuntimeError(
                     f"{call}: output {i} (flattened) is a {type(o).__name__}; "
                     "expected the function to return tensors (or pytrees of tensors)."
                 )
@@ -98,14 +153,27 @@ def _vjp(func, primals, has_aux, call):
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
         flat_ct, ct_spec = pt.tree_flatten(cts)
         if ct_spec != out_spec:
-            raise ValueError(
+            raise RuntimeError(
                 f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
                 f"the output, {out_spec}; got {ct_spec}."
             )
         root_cts = []
         for r, c, o in zip(roots, flat_ct, primals_out):
+            if not isinstance(c, torch.Tensor):
+                raise TypeError(
+                    f"vjp_fn(cotangents) of {_name(func)}: expected tensor cotangents; got a "
+                    f"{type(c).__name__} ({c!r}). Pass torch.tensor(...) shaped like the output."
+                )
+            if c.dtype != o.dtype and is_floating(o):
+                if c.dtype.is_complex != o.dtype.is_complex:
+                    raise RuntimeError(
+                        f"vjp_fn(cotangents) of {_name(func)}: a cotangent has dtype {c.dtype} "
+                        f"but the matching output has dtype {o.dtype}; a complex output needs a "
+                        "complex cotangent and a real output a real one (as torch.autograd)."
+                    )
+                c = c.to(o.dtype)
             if c.shape != o.shape:
-                raise ValueError(
+                raise RuntimeError(
                     f"vjp_fn(cotangents) of {_name(func)}: a cotangent has shape {tuple(c.shape)} "
                     f"but the matching output has shape {tuple(o.shape)}; expected equal shapes."
                 )
@@ -142,18 +210,24 @@ def _unwrap_level(tree, interp):
 def _check_argnums(func, argnums, n, call):
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if not nums:
-        raise ValueError(f"{call}: argnums must not be empty.")
+        raise RuntimeError(f"{call}: argnums must not be empty.")
     for a in nums:
-        if not isinstance(a, int):
-            raise TypeError(
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise RuntimeError(
                 f"{call}: expected argnums to be an int or a tuple of ints; got {argnums!r}."
             )
         if not -n <= a < n:
-            raise ValueError(
+            raise RuntimeError(
                 f"{call}: argnums={argnums!r} is out of range: the function was called with {n} "
                 f"positional arguments, so expected argnums in [{-n}, {n - 1}]."
             )
-    return tuple(a % n for a in nums)
+    normalized = tuple(a % n for a in nums)
+    if len(set(normalized)) != len(normalized):
+        raise RuntimeError(
+            f"{call}: argnums={argnums!r} names the same input twice (after wrapping negative "
+            f"indices: {normalized}); expected distinct inputs."
+        )
+    return normalized
 
 
 def _partial(func, args, nums):
@@ -166,7 +240,7 @@ def _partial(func, args, nums):
     return f
 
 
-def grad_and_value(func, argnums=0, has_aux=False):
+def grad_and_value(func, argnums=0, has_aux=False, *, holomorphic=False):
     """Like :func:`grad`, but returns ``(grad, value)`` (``(grad, (value, aux))`` with aux).
 
     Example:
@@ -181,20 +255,33 @@ def grad_and_value(func, argnums=0, has_aux=False):
         call = f"grad({_name(func)}, argnums={argnums!r})"
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
-        res = _vjp(f, tuple(args[i] for i in nums), has_aux, call)
+        diff = tuple(args[i] for i in nums)
+        if holomorphic:
+            _check_holomorphic_inputs(diff, call)
+        res = _vjp(f, diff, has_aux, call)
         out, vjp_fn = res[0], res[1]
-        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(
-                f"{call}(...): expected the function to return a scalar tensor (one element); got "
-                f"{shape}. Use vjp or jacrev for non-scalar outputs."
+            raise RuntimeError(
+                f"{call}(...): expected the function to return a scalar tensor (0-d); got "
+                f"{shape}. Use vjp or jacrev for non-scalar outputs (or .sum() / .squeeze())."
             )
-        if not out.dtype.is_floating_point:
+        if out.dtype.is_complex and not holomorphic:
+            raise RuntimeError(
+                f"{call}(...): expected a real scalar output; got {out.dtype}. The gradient of a "
+                "complex output is not defined; for the complex derivative of a holomorphic "
+                "function pass holomorphic=True, or use vjp / jacrev."
+            )
+        if holomorphic and not out.dtype.is_complex:
             raise TypeError(
-                f"{call}(...): expected a real floating-point output; got {out.dtype}. For complex "
-                "outputs use vjp, or pass holomorphic functions to jacrev(..., holomorphic=True)."
+                f"{call} with holomorphic=True: expected a complex output; got {out.dtype}."
             )
-        g = vjp_fn(torch.ones_like(out))
+        if is_floating(out):
+            g = vjp_fn(torch.ones_like(out))
+            if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
+                g = pt.tree_map(torch.conj_physical, g)
+        else:  # an integer output does not depend differentiably on anything (as torch.func)
+            g = pt.tree_map(lambda x: torch.zeros_like(torch.as_tensor(x)), diff)
         g = g if isinstance(argnums, tuple) else g[0]
         if has_aux:
             return g, (out, res[2])
@@ -203,15 +290,29 @@ def grad_and_value(func, argnums=0, has_aux=False):
     return wrapper
 
 
-def grad(func, argnums=0, has_aux=False):
+def _check_holomorphic_inputs(diff, call):
+    for leaf in pt.tree_leaves(diff):
+        if not (isinstance(leaf, complex) or (torch.is_tensor(leaf) and leaf.dtype.is_complex)):
+            got = leaf.dtype if torch.is_tensor(leaf) else type(leaf).__name__
+            raise TypeError(
+                f"{call} with holomorphic=True: expected complex inputs; got {got}. The complex "
+                "derivative needs complex inputs (x.to(torch.complex128)); for real inputs drop "
+                "holomorphic=True."
+            )
+
+
+def grad(func, argnums=0, has_aux=False, *, holomorphic=False):
     """The gradient of a scalar-valued ``func`` with respect to the inputs at ``argnums``.
 
-    Complex inputs follow PyTorch's convention (docs/complex.md): dL/dx + i dL/dy.
+    Complex inputs follow PyTorch's convention (docs/complex.md): dL/dx + i dL/dy. With
+    ``holomorphic=True`` (JAX's flag), ``func`` maps complex inputs to a complex scalar and the
+    result is its complex derivative f'(z).
 
     Args:
         func: returns a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
         argnums: an int or a tuple of ints: which positional inputs to differentiate.
         has_aux: whether ``func`` returns ``(output, aux)``.
+        holomorphic: differentiate a holomorphic function of complex inputs (as JAX).
 
     Returns:
         A function returning the gradient (a tuple of them for tuple ``argnums``; with
@@ -222,17 +323,20 @@ def grad(func, argnums=0, has_aux=False):
         >>> x = torch.tensor([0.0, 1.0])                 # [2]
         >>> ft.grad(lambda x: torch.sin(x).sum())(x)     # [2] = cos(x)
         tensor([1.0000, 0.5403])
+        >>> z = torch.tensor(1.0 + 2.0j)                 # [] complex
+        >>> ft.grad(lambda z: z * z, holomorphic=True)(z)   # f'(z) = 2z
+        tensor(2.+4.j)
     """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        g, v = grad_and_value(func, argnums, has_aux)(*args, **kwargs)
+        g, v = grad_and_value(func, argnums, has_aux, holomorphic=holomorphic)(*args, **kwargs)
         return (g, v[1]) if has_aux else g
 
     return wrapper
 
 
-def value_and_grad(func, argnums=0, has_aux=False):
+def value_and_grad(func, argnums=0, has_aux=False, *, holomorphic=False):
     """JAX's order: ``(value, grad)``, or ``((value, aux), grad)`` with ``has_aux``.
 
     Example:
@@ -243,20 +347,22 @@ def value_and_grad(func, argnums=0, has_aux=False):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        g, v = grad_and_value(func, argnums, has_aux)(*args, **kwargs)
+        g, v = grad_and_value(func, argnums, has_aux, holomorphic=holomorphic)(*args, **kwargs)
         return v, g
 
     return wrapper
 
 
 # -- forward mode -----------------------------------------------------------------------------
-def jvp(func, primals, tangents, *, has_aux=False):
+def jvp(func, primals, tangents, *, strict=False, has_aux=False):
     """Jacobian-vector product: ``(func(*primals), J @ tangents)``.
 
     Args:
         func: a function of pytrees of tensors.
         primals: a tuple of inputs.
         tangents: a tuple with the structure, shapes and dtypes of ``primals``.
+        strict: accepted for torch.func compatibility; ``strict=True`` is not supported (as in
+            torch.func) and raises.
         has_aux: whether ``func`` returns ``(output, aux)``.
 
     Returns:
@@ -270,20 +376,30 @@ def jvp(func, primals, tangents, *, has_aux=False):
     """
     call = f"jvp({_name(func)}, primals, tangents)"
     if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
-        raise TypeError(
+        raise RuntimeError(
             f"{call}: expected primals and tangents to be tuples; got {type(primals).__name__} "
             f"and {type(tangents).__name__}."
+        )
+    if strict:
+        raise RuntimeError(
+            f"{call[:-1]}, strict=True): strict=True is not supported (as in torch.func); "
+            "expected strict=False."
         )
     flat_p, spec = pt.tree_flatten(primals)
     flat_t, tspec = pt.tree_flatten(tangents)
     if spec != tspec:
-        raise ValueError(
+        raise RuntimeError(
             f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
         )
+    flat_p = [_as_primal(p, call, forward=True) for p in flat_p]
+    flat_t = [
+        torch.tensor(t, dtype=p.dtype) if isinstance(t, (float, complex, int)) else t
+        for p, t in zip(flat_p, flat_t)
+    ]
     for p, t in zip(flat_p, flat_t):
         if isinstance(p, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
+            raise RuntimeError(
                 f"{call}: a tangent has shape {got} but its primal has shape {tuple(p.shape)}."
             )
     return _jvp(func, flat_p, flat_t, spec, has_aux, call)
@@ -304,7 +420,7 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
         result = func(*pt.tree_unflatten(spec, wrapped))
         aux = None
         if has_aux:
-            result, aux = result
+            result, aux = _split_aux(result, call)
             aux = _unwrap_dual(aux, interp)
         flat_out, out_spec = pt.tree_flatten(result)
         outs, touts = [], []
@@ -329,21 +445,62 @@ def _unwrap_dual(tree, interp):
     )
 
 
-def linearize(func, *primals):
+def linearize(func, *primals, has_aux=False):
     """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
-    at ``primals``. Each call of ``jvp_fn`` re-runs forward mode at the saved primals.
+    at ``primals``. ``func`` runs once; ``jvp_fn`` reuses what that run recorded.
+
+    Note [linearize by transposition]
+        ``vjp_fn`` of ``func`` is linear in the cotangent, and the vjp of a linear map is its
+        adjoint (under the real inner product of docs/complex.md, so complex maps work too):
+        the adjoint of ``c -> J^H c`` is ``t -> J t``. So ``linearize`` records ``func`` once
+        under reverse mode, records one backward sweep at a zero cotangent, and each
+        ``jvp_fn(t)`` is one backward sweep of that second tape: ``func`` never runs again
+        (torch.func re-traces with make_fx and constant-folds instead; JAX partially evaluates).
+
+    Args:
+        func: a function of pytrees of tensors.
+        *primals: the point to linearize at.
+        has_aux: whether ``func`` returns ``(output, aux)`` (JAX's flag).
+
+    Returns:
+        ``(output, jvp_fn)`` (``(output, jvp_fn, aux)`` with ``has_aux``); ``jvp_fn(*tangents)``
+        takes tangents shaped like ``primals`` and returns a pytree shaped like ``output``.
 
     Example:
         >>> import torch, functransforms as ft
-        >>> out, jvp_fn = ft.linearize(torch.sin, torch.zeros(2))
-        >>> jvp_fn(torch.ones(2))
+        >>> out, jvp_fn = ft.linearize(torch.sin, torch.zeros(2))   # out: [2]
+        >>> jvp_fn(torch.ones(2))                                   # [2] = cos(0) * 1
         tensor([1., 1.])
     """
-    out = func(*primals)
+    call = f"linearize({_name(func)}, ...)"
+    res = _vjp(func, primals, has_aux, call)
+    out, vjp_fn = res[0], res[1]
+    zeros = pt.tree_map(torch.zeros_like, out)
+    _, transpose = _vjp(lambda ct: vjp_fn(ct), (zeros,), False, call)
+    primal_spec = pt.tree_structure(primals)
+    flat_primals = pt.tree_leaves(primals)
 
     def jvp_fn(*tangents):
-        return jvp(func, primals, tangents)[1]
+        flat_t, spec = pt.tree_flatten(tangents)
+        if spec != primal_spec:
+            raise ValueError(
+                f"jvp_fn(*tangents) of {call}: expected tangents with the structure of the "
+                f"primals, {primal_spec}; got {spec}."
+            )
+        cast = []
+        for p, t in zip(flat_primals, flat_t):
+            p = torch.as_tensor(p)
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"jvp_fn(*tangents) of {call}: a tangent has shape {got} but its primal has "
+                    f"shape {tuple(p.shape)}; expected equal shapes."
+                )
+            cast.append(t.to(p.dtype) if t.dtype != p.dtype else t)
+        return transpose(pt.tree_unflatten(primal_spec, cast))[0]
 
+    if has_aux:
+        return out, jvp_fn, res[2]
     return out, jvp_fn
 
 
@@ -376,6 +533,8 @@ def jacrev(
         call = _call or f"jacrev({_name(func)}, argnums={argnums!r})"
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
+        if holomorphic:
+            _check_holomorphic_inputs(tuple(args[i] for i in nums), call)
         res = _vjp(f, tuple(args[i] for i in nums), has_aux, call)
         out, vjp_fn = res[0], res[1]
         flat_out, out_spec = pt.tree_flatten(out)
@@ -426,7 +585,10 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=Fa
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)
+        if holomorphic:
+            _check_holomorphic_inputs(diff, call)
         flat_in, in_spec = pt.tree_flatten(diff)
+        flat_in = [_as_primal(x, call, forward=True) for x in flat_in]
         sizes = [x.numel() for x in flat_in]
         total = sum(sizes)
         basis = torch.eye(total, dtype=flat_in[0].dtype, device=flat_in[0].device)
@@ -462,8 +624,14 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=Fa
     return wrapper
 
 
-def hessian(func, argnums=0):
+def hessian(func, argnums=0, *, has_aux=False, holomorphic=False):
     """The Hessian, as ``jacfwd(jacrev(func, argnums), argnums)``.
+
+    Args:
+        func: returns a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
+        argnums: which positional inputs to differentiate (an int or a tuple of ints).
+        has_aux: whether ``func`` returns ``(output, aux)``; returns ``(hessian, aux)`` (JAX).
+        holomorphic: the complex second derivative of a holomorphic function (JAX).
 
     Example:
         >>> import torch, functransforms as ft
@@ -472,4 +640,5 @@ def hessian(func, argnums=0):
                 [ 0., 12.]])
     """
     call = f"hessian({_name(func)}, argnums={argnums!r})"
-    return jacfwd(jacrev(func, argnums, _call=call), argnums, _call=call)
+    inner = jacrev(func, argnums, has_aux=has_aux, holomorphic=holomorphic, _call=call)
+    return jacfwd(inner, argnums, has_aux=has_aux, holomorphic=holomorphic, _call=call)

@@ -86,6 +86,43 @@ class TransformTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         return self._describe()
 
+    # Note [Escaping to Python]
+    #     torch.func lets a transformed function read values out as Python/NumPy data
+    #     (``x.tolist()``, ``x.numpy()``; ``.item()`` arrives as ``aten._local_scalar_dense``):
+    #     the values are not differentiated. torch's C++ methods refuse wrapper subclasses, so
+    #     the wrappers define them: a Dual/GradTensor hands over its primal; a BatchedTensor
+    #     raises (one Python value cannot hold a batch: DataDependentError); a wrapper whose
+    #     transform has returned says that it escaped, and from which transform.
+    def tolist(self):
+        return self._python_value("tolist").tolist()
+
+    def numpy(self, *, force=False):
+        return self._python_value("numpy").numpy(force=force)
+
+    def __array__(self, dtype=None, copy=None):
+        value = self._python_value("__array__").numpy(force=True)
+        return value if dtype is None else value.astype(dtype, copy=False)
+
+    def _python_value(self, method):
+        interp = self._interp
+        if not interp.alive:
+            raise EscapedTracerError(
+                f"`.{method}()` of a {interp.name} wrapper tensor (level {interp.level}) after its "
+                f"{interp.name} call returned: the value escaped the transformed function "
+                "(stored in a global, a closure or an attribute). Return it from the function."
+            )
+        return self._escape_value(method)
+
+    def _escape_value(self, method):
+        return self._primal  # Dual/GradTensor; BatchedTensor overrides
+
+    def requires_grad_(self, requires_grad=True):
+        raise RuntimeError(
+            f"x.requires_grad_() inside a function transformed by {self._interp.name}: this is "
+            "not supported (as in torch.func). Expected: let the transform track derivatives "
+            "(grad/vjp/jvp take care of it); use torch.autograd outside the transform."
+        )
+
 
 def _innermost(args, kwargs) -> Interpreter:
     """The interpreter of the highest level among the wrappers in ``args``/``kwargs``."""

@@ -35,11 +35,16 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
         torch.Size([5])
     """
     if randomness not in _RANDOMNESS:
-        raise ValueError(
+        raise RuntimeError(
             f"vmap(func, randomness={randomness!r}): expected one of {_RANDOMNESS}, "
             f"got {randomness!r}."
         )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
+        raise TypeError(
+            f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
+            f"got a {type(chunk_size).__name__}."
+        )
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(
             f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
             f"got {chunk_size!r}."
@@ -126,7 +131,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import DifferentRandomnessMode, rng_changed, rng_state
 
-    if not isinstance(in_dims, (int, tuple, type(None))):
+    if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
         raise TypeError(
             f"{_call_repr(func, in_dims)}: expected in_dims to be an int, None or a tuple with one "
             f"entry per positional input; got {type(in_dims).__name__}."
@@ -151,7 +156,7 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
             norm_dims.append(None)
             continue
         if not isinstance(x, torch.Tensor):
-            raise TypeError(
+            raise ValueError(
                 f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but "
                 f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
                 "None as its in_dim."
@@ -218,7 +223,42 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
         from functransforms.batching._tensor import raise_random
 
         raise_random(interp, "a random op (detected from the global RNG state)")
-    return _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
+    out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
+    return _as_views_of_inputs(out, flat_args)
+
+
+def _as_views_of_inputs(out, flat_args):
+    """Outputs that alias a plain input become views of it, as torch.func returns them.
+
+    Note [Views of vmap's inputs]
+        Rules run inside ``__torch_dispatch__``, below the ADInplaceOrView key, so a view op on
+        the physical value shares memory with the input but is not *registered* as a view
+        (``out._base`` is None). Writes through it already reach the input (same memory); to
+        give the view relation back (``out._base is x``, torch's version counter and
+        view+inplace checks) each output that shares storage with a plain input is rebuilt, at
+        the end of the outermost vmap, as ``x.as_strided(...)`` with the same geometry: a real
+        view of ``x``, no copy. Outputs that carry an autograd graph keep it instead (their
+        graph is the one ordinary autograd must see).
+    """
+    inputs = [
+        x
+        for x in flat_args
+        if type(x) is torch.Tensor and x.device.type != "meta" and x.untyped_storage().data_ptr()
+    ]
+    if not inputs:
+        return out
+    storages = {x.untyped_storage().data_ptr(): x for x in inputs}
+
+    def view_of_input(o):
+        if type(o) is not torch.Tensor or o._base is not None or o.requires_grad:
+            return o
+        x = storages.get(o.untyped_storage().data_ptr()) if o.device.type != "meta" else None
+        if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg():
+            return o
+        return x.as_strided(o.shape, o.stride(), o.storage_offset())
+
+    flat, spec = pt.tree_flatten(out)
+    return pt.tree_unflatten(spec, [view_of_input(o) for o in flat])
 
 
 def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor):
@@ -232,9 +272,14 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
     results = []
     for i, (o, od) in enumerate(zip(flat_out, flat_od)):
         if not isinstance(o, torch.Tensor):
-            raise TypeError(
+            if od is None:  # returned as it is, as torch.func does
+                results.append(o)
+                continue
+            raise ValueError(
                 f"{_call_repr(func, in_dims, out_dims)}: output {i} (flattened) is a "
-                f"{type(o).__name__}; vmap's function must return tensors (or pytrees of tensors)."
+                f"{type(o).__name__}; vmap's function must return tensors (or pytrees of "
+                "tensors). Expected: a tensor, or out_dims=None for this output to return it "
+                "as it is."
             )
         if isinstance(o, BatchedTensor) and o._interp is interp:
             v, b = o._value, o._bdim
@@ -251,10 +296,16 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
             v = o.unsqueeze(0).expand((batch_size,) + tuple(o.shape))
             b = 0
         n = v.dim()
+        if isinstance(od, bool) or not isinstance(od, int):
+            raise TypeError(
+                f"{_call_repr(func, in_dims, out_dims)}: out_dims for output {i} is "
+                f"{od!r}; expected an int or None."
+            )
         if not -n <= od < n:
-            raise ValueError(
+            raise IndexError(  # torch.func raises IndexError here
                 f"{_call_repr(func, in_dims, out_dims)}: out_dim={od} is out of range for output "
-                f"{i}, which has {n} dims with the mapped dim (shape {tuple(v.shape)})."
+                f"{i}, which has {n} dims with the mapped dim (shape {tuple(v.shape)}): expected "
+                f"out_dim in [{-n}, {n - 1}]."
             )
         results.append(v.movedim(b, od) if b != od % n else v)
     return pt.tree_unflatten(out_spec, results)

@@ -94,27 +94,27 @@ def _check_jvp(f, args, gen, eps, atol, rtol):
 def _check_vjp(f, args, gen, eps, atol, rtol, use_fwd):
     from .. import jvp, vjp
 
-    out, vjp_fn = vjp(f, *args)
+    diff = [i for i, a in enumerate(args) if _is_diff(a)]
+
+    def g(*d):  # non-floating inputs are constants, not differentiated inputs
+        full = list(args)
+        for i, x in zip(diff, d):
+            full[i] = x
+        return f(*full)
+
+    out, vjp_fn = vjp(g, *(args[i] for i in diff))
     flat_out, spec = pt.tree_flatten(out)
     cts = [_rand_like(o, gen) if _is_diff(o) else torch.zeros_like(o) for o in flat_out]
     ct_in = vjp_fn(pt.tree_unflatten(spec, cts))
     tangents = [_rand_like(a, gen) if _is_diff(a) else None for a in args]
-    diff = [i for i, a in enumerate(args) if _is_diff(a)]
     if use_fwd:
-
-        def g(*d):
-            full = list(args)
-            for i, x in zip(diff, d):
-                full[i] = x
-            return f(*full)
-
         jt = pt.tree_leaves(
             jvp(g, tuple(args[i] for i in diff), tuple(tangents[i] for i in diff))[1]
         )
     else:
         jt = _numerical_jvp(f, args, [t if t is not None else 0 for t in tangents], eps)
     lhs = _inner(cts, jt)
-    rhs = _inner(list(ct_in), tangents)
+    rhs = _inner(list(ct_in), [tangents[i] for i in diff])
     scale = max(lhs.abs().item(), rhs.abs().item(), 1.0)
     source = "our jvp" if use_fwd else "finite differences"
     if not abs(lhs.item() - rhs.item()) <= atol + rtol * scale:
@@ -171,10 +171,10 @@ def _check(f, args, order, modes, eps, atol, rtol, gen):
     from .. import jvp, vjp
 
     n = len(args)
+    diff = [i for i, a in enumerate(args) if _is_diff(a)]
     if "fwd" in modes:
         tangents = _check_jvp(f, args, gen, eps, atol, rtol)
         if order > 1:
-            diff = [i for i, a in enumerate(args) if _is_diff(a)]
 
             def f_jvp(*xs):
                 prim, tans = list(xs[:n]), xs[n:]
@@ -197,12 +197,16 @@ def _check(f, args, order, modes, eps, atol, rtol, gen):
             spec = pt.tree_structure(f(*args))
 
             def f_vjp(*xs):
-                _, fn = vjp(f, *xs[:n])
-                return tuple(
-                    c
-                    for c, a in zip(fn(pt.tree_unflatten(spec, list(xs[n:]))), xs[:n])
-                    if _is_diff(a)
-                )
+                prim = list(xs[:n])
+
+                def g(*d):  # non-floating inputs are constants, not differentiated inputs
+                    full = list(prim)
+                    for i, x in zip(diff, d):
+                        full[i] = x
+                    return f(*full)
+
+                _, fn = vjp(g, *(prim[i] for i in diff))
+                return fn(pt.tree_unflatten(spec, list(xs[n:])))
 
             f_vjp.__name__ = f"vjp({_name(f)})"
             _check(f_vjp, args + cts, order - 1, modes, eps, atol, rtol, gen)

@@ -127,12 +127,12 @@ def test_in_dim_out_of_range():
 
 
 def test_out_dim_out_of_range():
-    with pytest.raises(ValueError, match=r"out_dim=3 is out of range"):
+    with pytest.raises(IndexError, match=r"out_dim=3 is out of range"):
         ft.vmap(torch.sin, out_dims=3)(torch.randn(3, 4))
 
 
 def test_non_tensor_with_in_dim_zero():
-    with pytest.raises(TypeError, match=r"input 1 \(flattened\) has in_dim=0, but it is a float"):
+    with pytest.raises(ValueError, match=r"input 1 \(flattened\) has in_dim=0, but it is a float"):
         ft.vmap(lambda x, s: x * s, in_dims=(0, 0))(torch.randn(3), 2.0)
 
 
