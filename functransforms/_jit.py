@@ -218,6 +218,28 @@ class _Watch(TorchDispatchMode):
         self.devices.add(dev.type)
 
 
+_HOST_READS = {
+    torch.Tensor.tolist: "`.tolist()` reads tensor values on the host",
+    torch.Tensor.numpy: "`.numpy()` reads tensor values on the host",
+    torch.Tensor.__array__: "converting to a NumPy array reads tensor values on the host",
+    torch.Tensor.data_ptr: "`.data_ptr()` depends on the memory of one call",
+}
+
+
+class _WatchFunctions(torch.overrides.TorchFunctionMode):
+    """Host reads that never reach the dispatcher (``tolist`` copies memory directly)."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        why = _HOST_READS.get(func)
+        if why is not None and self.watch.reason is None and self.watch._traced(args[:1]):
+            self.watch.reason = why, _user_line()
+        return func(*args, **(kwargs or {}))
+
+
 def _op_name(func) -> str:
     return f"aten.{func.__name__}" if hasattr(func, "__name__") else str(func)
 
@@ -708,7 +730,7 @@ class Jitted:
 
         def flat_fn(*ts):
             args, kwargs = rebuild(ts)
-            with watch:
+            with watch, _WatchFunctions(watch):
                 out = self.f(*args, **kwargs)
             box["out"] = out
             leaves, spec = tree_flatten(out)

@@ -330,8 +330,10 @@ def _branch(x):
         (lambda x: torch.nonzero(x > 0).double().sum(), "nonzero"),
         (lambda x: torch.masked_select(x, x > 0).sum(), "masked_select"),
         (lambda x: x[x > 0].sum() * 2, "x[x > 0]"),
+        (lambda x: x * x.tolist()[0], "tolist"),
+        (lambda x: x * float(x.numpy()[0]), "numpy"),
     ],
-    ids=["control-flow", "item", "nonzero", "masked_select", "bool-index"],
+    ids=["control-flow", "item", "nonzero", "masked_select", "bool-index", "tolist", "numpy"],
 )
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fallback_is_eager_once_with_reason_and_line(f, needle, dynamic):
