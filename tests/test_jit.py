@@ -450,3 +450,15 @@ def test_inductor_backend():
         raise
     _close(out, ref)
     _close(jpsg(params, xs, ys), ref)
+
+
+def test_docs_jit_md_examples_run():
+    import doctest
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "jit.md"
+    text = path.read_text().replace("```python\n", "").replace("```\n", "")
+    test = doctest.DocTestParser().get_doctest(text, {}, "jit.md", str(path), 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0
