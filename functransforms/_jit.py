@@ -626,7 +626,7 @@ class Jitted:
                 if type(a) is not _Tensor:
                     break
             else:
-                key = (_globals_key(), tuple(map(_tensor_key, args)))
+                key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
                 entry = self._cache.get(key)
                 if entry is not None and entry is not _EAGER and entry.alias is None:
                     self._cache.move_to_end(key)

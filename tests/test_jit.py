@@ -425,10 +425,15 @@ def test_inside_vmap_grad_and_jit():
     assert outer.cache_info().hits == 1
 
 
-def test_one_op_graph_replays_through_fast_path():
+def test_one_op_graph_replays_through_fast_path(monkeypatch):
     jf = ft.jit(torch.sin)
     x = torch.randn(5)
     jf(x)
+
+    def slow_path(*a):
+        raise AssertionError("a flat tuple of tensors must hit the fast path")
+
+    monkeypatch.setattr(jf, "_signature", slow_path)
     for _ in range(3):
         _close(jf(x), torch.sin(x))
     assert jf.cache_info().hits == 3
