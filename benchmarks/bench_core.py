@@ -93,7 +93,10 @@ class Floor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         un = lambda x: x.v if isinstance(x, Floor) else x  # noqa: E731
-        out = func(*torch.utils._pytree.tree_map(un, args), **torch.utils._pytree.tree_map(un, kwargs or {}))
+        out = func(
+            *torch.utils._pytree.tree_map(un, args),
+            **torch.utils._pytree.tree_map(un, kwargs or {}),
+        )
         return torch.utils._pytree.tree_map_only(torch.Tensor, Floor, out)
 
 
@@ -366,10 +369,14 @@ def case_ensemble(M=10, B=64):
     x = _randn(B, 784, g=torch.Generator().manual_seed(5))
 
     def make(lib):
-        return lib.vmap(lambda p, b, x: lib.functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))
+        return lib.vmap(
+            lambda p, b, x: lib.functional_call(base, (p, b), (x,)), in_dims=(0, 0, None)
+        )
 
     def hand():
-        h = torch.relu(torch.baddbmm(params["0.bias"][:, None], x.expand(M, B, 784), params["0.weight"].mT))
+        h = torch.relu(
+            torch.baddbmm(params["0.bias"][:, None], x.expand(M, B, 784), params["0.weight"].mT)
+        )
         return torch.baddbmm(params["2.bias"][:, None], h, params["2.weight"].mT)
 
     return dict(
@@ -469,7 +476,9 @@ def run_case(make, repeats, inductor, only=None):
         warnings.simplefilter("always")
         err = max(err, _max_err(jitted(*args), ref))
     row["trace_s"] = time.perf_counter() - t0
-    row["jit_fallback"] = [str(w.message)[:200] for w in rec if "JitFallback" in type(w.message).__name__]
+    row["jit_fallback"] = [
+        str(w.message)[:200] for w in rec if "JitFallback" in type(w.message).__name__
+    ]
     err = max(err, _max_err(jitted(*args), ref))
     if c.get("hand") is not None:
         err = max(err, _max_err(c["hand"](), ref))
@@ -550,7 +559,10 @@ _COLD = {
 def cold_start(runs=7):
     out = {}
     for name, stmt in _COLD.items():
-        code = f"import time, torch\nt0 = time.perf_counter()\n{stmt}\nprint(time.perf_counter() - t0)\n"
+        code = (
+            f"import time, torch\nt0 = time.perf_counter()\n{stmt}\n"
+            "print(time.perf_counter() - t0)\n"
+        )
         ts = []
         for _ in range(runs):
             r = subprocess.run(
@@ -641,15 +653,24 @@ def render(rows, cold, per_call, trace_s, plain, ov, inductor):
             jtxt += " (eager fallback!)"
         lines.append(
             f"| {row['workload']} | {_ms(row['ours_ms'])} | {_ms(row['jit_ms'])} | "
-            f"{_ms(row['torch_func_ms'])} | {_ms(row.get('hand_ms'))} | {_ms(row.get('floor_ms'))} | "
-            f"{_ms(row.get('loop_ms'))} | {er:.2f} | {jr:.2f} | {jtxt} | {row['max_abs_err']:.1e} |"
+            f"{_ms(row['torch_func_ms'])} | {_ms(row.get('hand_ms'))} | "
+            f"{_ms(row.get('floor_ms'))} | {_ms(row.get('loop_ms'))} | {er:.2f} | {jr:.2f} | "
+            f"{jtxt} | {row['max_abs_err']:.1e} |"
         )
-    gm = math.exp(sum(map(math.log, eager_ratios)) / len(eager_ratios)) if eager_ratios else float("nan")
-    lines += ["", f"Geometric mean of ours / torch.func (eager): {gm:.2f} (target <= 1.0); "
-              f"largest: {max(eager_ratios):.2f} (target <= 1.3).", ""]
+    gm = (
+        math.exp(sum(map(math.log, eager_ratios)) / len(eager_ratios))
+        if eager_ratios
+        else float("nan")
+    )
+    lines += [
+        "",
+        f"Geometric mean of ours / torch.func (eager): {gm:.2f} (target <= 1.0); "
+        f"largest: {max(eager_ratios):.2f} (target <= 1.3).",
+        "",
+    ]
     if inductor:
         lines += [
-            "`backend=\"inductor\"` vs `torch.compile` of the same torch.func code "
+            '`backend="inductor"` vs `torch.compile` of the same torch.func code '
             "(steady state; compile times in the JSON):",
             "",
             "| workload | jit inductor (ms) | torch.compile (ms) | ratio (<= 1.0) |",
@@ -753,9 +774,12 @@ def main(argv=None):
         }
 
     if ns.out:
-        cmd = "python benchmarks/bench_core.py" + (" --quick" if ns.quick else "") + (
-            " --no-inductor" if ns.no_inductor else ""
-        ) + f" --out {ns.out}"
+        cmd = (
+            "python benchmarks/bench_core.py"
+            + (" --quick" if ns.quick else "")
+            + (" --no-inductor" if ns.no_inductor else "")
+            + f" --out {ns.out}"
+        )
         meta = {
             "command": cmd,
             "date": datetime.date.today().isoformat(),

@@ -40,7 +40,8 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -117,8 +118,7 @@ def _globals_key():
 # The watch mode (Note [Jit fallbacks])
 
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(p)) + os.sep
-    for p in (torch.__file__, __file__)
+    os.path.dirname(os.path.abspath(p)) + os.sep for p in (torch.__file__, __file__)
 ) + tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     for m in (
@@ -142,9 +142,7 @@ def _user_line() -> str:
 
 def _bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
-    return any(
-        i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices
-    )
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
 def _data_dependent(func, args) -> str | None:
@@ -209,9 +207,7 @@ class _Watch(TorchDispatchMode):
         # them. Advance the real generator (restored after the trace) so it does.
         dev = kwargs.get("device")
         if dev is None:
-            dev = next(
-                (a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu")
-            )
+            dev = next((a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu"))
         dev = torch.device(dev)
         with _disable_current_modes():
             torch.rand(1, device=dev)
@@ -248,13 +244,10 @@ def _scan(gm) -> str | None:
     """The safety net behind ``_Watch``: a data-dependent op anywhere in the graph."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            args = [
-                a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args
-            ]
+            args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
             if node.target is aten.index.Tensor:
                 args[1] = [
-                    i.meta.get("val") if isinstance(i, torch.fx.Node) else i
-                    for i in node.args[1]
+                    i.meta.get("val") if isinstance(i, torch.fx.Node) else i for i in node.args[1]
                 ]
             why = _data_dependent(node.target, args)
             if why is not None:
@@ -344,8 +337,10 @@ def _fold_constants(gm, dynamic: bool) -> int:
             continue
         inputs = node.all_input_nodes
         if t in _LIKE and not dynamic:
-            ok = bool(node.args) and isinstance(node.args[0], torch.fx.Node) and all(
-                i in foldable for i in inputs[1:]
+            ok = (
+                bool(node.args)
+                and isinstance(node.args[0], torch.fx.Node)
+                and all(i in foldable for i in inputs[1:])
             )
         else:
             ok = all(i in foldable for i in inputs)  # no inputs at all: a factory
@@ -400,7 +395,9 @@ def _outer_products(gm) -> int:
                 if a.shape[-1] == 1 and a.dtype == b.dtype and not a.is_complex():
                     # Same layout as the matmul's result, or later views could fail.
                     def meta(t):
-                        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                        return torch.empty_strided(
+                            t.shape, t.stride(), dtype=t.dtype, device="meta"
+                        )
 
                     out = node.meta.get("val")
                     with _disable_current_modes():
@@ -439,7 +436,11 @@ def _noop_views(gm) -> int:
             continue
         if any(type(d) is not int for d in (*a.shape, *b.shape)):
             continue  # symbolic shapes: equality would add a guard
-        if a.shape != b.shape or a.stride() != b.stride() or a.storage_offset() != b.storage_offset():
+        if (
+            a.shape != b.shape
+            or a.stride() != b.stride()
+            or a.storage_offset() != b.storage_offset()
+        ):
             continue
         if any(
             isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
@@ -478,8 +479,10 @@ def _python_forward(gm):
     consts = {}
 
     def const(v):
-        if v is None or isinstance(v, (bool, int, str)) or (
-            isinstance(v, float) and v == v and v not in (float("inf"), float("-inf"))
+        if (
+            v is None
+            or isinstance(v, (bool, int, str))
+            or (isinstance(v, float) and v == v and v not in (float("inf"), float("-inf")))
         ):
             return repr(v)
         key = id(v)
@@ -581,7 +584,8 @@ class Jitted:
         functools.update_wrapper(self, f)
 
     def __repr__(self):
-        return f"jit({getattr(self.f, '__qualname__', self.f)!r}, backend={self.backend!r}, dynamic={self.dynamic})"
+        name = getattr(self.f, "__qualname__", self.f)
+        return f"jit({name!r}, backend={self.backend!r}, dynamic={self.dynamic})"
 
     # -- public helpers
     def cache_info(self) -> CacheInfo:
@@ -602,7 +606,9 @@ class Jitted:
         """
         key, tensors, rebuild = self._signature(args, kwargs)
         if key is None:
-            raise ValueError(f"{self!r}.graph(...): an argument is not hashable, so f runs eagerly.")
+            raise ValueError(
+                f"{self!r}.graph(...): an argument is not hashable, so f runs eagerly."
+            )
         entry = self._lookup(key, tensors)
         if entry is None:
             self._misses += 1
@@ -754,7 +760,10 @@ class Jitted:
             _set_rng_state(rng)
             args, kwargs = rebuild(tensors)
             result = self.f(*args, **kwargs)  # raises f's own error, if it is one
-            reason = (f"tracing raised {type(e).__name__}: {str(e).splitlines()[0][:200]}", _user_line_of(e))
+            reason = (
+                f"tracing raised {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                _user_line_of(e),
+            )
             self._fallback(key, reason)
             return _EAGER, result
         finally:

@@ -71,7 +71,7 @@ def test_per_sample_grads_match_eager_and_torch_func():
         lambda f: ft.hessian(f),
         lambda f: ft.jacrev(f),
         lambda f: ft.jacfwd(f),
-        lambda f: (lambda x: ft.jvp(ft.grad(f), (x,), (torch.ones_like(x),))[1]),
+        lambda f: lambda x: ft.jvp(ft.grad(f), (x,), (torch.ones_like(x),))[1],
     ],
     ids=["hessian", "jacrev", "jacfwd", "hvp"],
 )
