@@ -769,6 +769,10 @@ class Jitted:
         finally:
             _tracing.active = False
         reason = watch.reason or _scan(gm)
+        if reason is None and self.dynamic:
+            sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
+            if any(isinstance(c, sym) for c in box["consts"]):
+                reason = ("f returns a Python number computed from a symbolic size", "its return")
         if self.dynamic:
             _set_rng_state(rng)
         if reason is not None:

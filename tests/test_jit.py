@@ -467,3 +467,13 @@ def test_docs_jit_md_examples_run():
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.failures == 0
+
+
+def test_dynamic_python_number_from_a_size_is_right():
+    jf = ft.jit(lambda x: (x * 2, x.shape[0] * 3), dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JitFallbackWarning)
+        for n in (3, 5):
+            out, k = jf(torch.ones(n))
+            assert k == 3 * n and isinstance(k, int)
+            _close(out, 2 * torch.ones(n))
