@@ -55,9 +55,15 @@ def missing_rule(func, call, kind, decorator, path=()):
     """The error for an op without a ``kind`` ('jvp' / 'vjp') rule, under ``call`` (the public
     call, e.g. ``grad(loss)``). ``path``: the ops ``func`` decomposed into, down to the one
     without a rule."""
-    from functransforms._ops import op_name
+    from functransforms._ops import facts, op_name
 
     name = op_name(func)
+    if facts(func).written_kwargs:  # an out= variant: torch refuses these under autograd too
+        return RuntimeError(
+            f"{call}: {name} writes into `out=`, and functions with out= arguments do not "
+            "support automatic differentiation (as in torch and torch.func). Do: drop `out=` "
+            "and use the return value."
+        )
     via = ""
     if path:
         steps = " -> ".join(op_name(p) for p in path)

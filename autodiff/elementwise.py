@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ._registry import register_jvp_rule, register_vjp_rule
+from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
 from .reverse import NONDIFFERENTIABLE
 
@@ -205,11 +205,14 @@ for _op, _d in (
     ),
     (
         aten.mul.Scalar,
-        lambda x, o, s: torch.full_like(x, s) if not isinstance(s, torch.Tensor) else s,
+        lambda x, o, s: torch.full_like(o, s) if not isinstance(s, torch.Tensor) else s,
     ),
-    (aten.div.Scalar, lambda x, o, s: torch.full_like(x, 1.0 / s)),
+    (aten.div.Scalar, lambda x, o, s: torch.full_like(o, 1.0 / s)),
 ):
     def_unary(_op, _d)
+# relu's derivative reads only its output: its input (often a convolution's output) need not
+# stay alive until the backward pass (Note [What a vjp rule keeps], reverse.py)
+VJP_RULES[aten.relu.default].keeps = ((), True)
 
 def_nondifferentiable(
     aten.floor.default,

@@ -125,7 +125,11 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 return out
             if out.is_conj():  # Note [No lazy conjugate inside wrappers]
                 out = out.resolve_conj()
-            node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
+            saved = out
+            keeps = getattr(rule, "keeps", None)
+            if keeps is not None:  # Note [What a vjp rule keeps]
+                primals, saved = _prune(primals, out, keeps)
+            node = Node(rule, primals, kwargs, saved, inputs, [i is not None for i in inputs])
             w = wrap_grad(out, node, 0, self)
         else:
             out = type(out)(resolve_lazy(o) for o in out)
@@ -150,6 +154,30 @@ class GradInterpreter(InplaceMixin, Interpreter):
 
 
 NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no derivative
+
+
+# Note [What a vjp rule keeps]
+#     A node keeps its op's inputs and output for the backward pass, so every activation stays
+#     alive until the sweep reaches it, also the ones its rule never reads (torch's autograd
+#     saves only what each formula needs). A rule may declare ``rule.keeps = (read, out)``:
+#     ``read`` the positional inputs it reads (None: all), ``out`` whether it reads the
+#     output. The others are replaced in the node by data-free stand-ins (meta tensors with
+#     the same shape and dtype, which is all a rule may ask of them), so e.g. a convolution's
+#     output, read by the following relu only through that relu's output, is freed as in
+#     torch (peak memory of per-sample gradients of a CNN: benchmarks/bench_surface.py).
+
+
+def _standin(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _prune(primals, out, keeps):
+    read, reads_out = keeps
+    if read is not None:
+        primals = [p if i in read else _standin(p) for i, p in enumerate(primals)]
+    return primals, out if reads_out else _standin(out)
 
 
 def backward(roots, leaves):

@@ -1,6 +1,18 @@
 """vmap's batching rules, by op family. Importing this package registers them all."""
 
-from . import elementwise, fft, indexing, linalg, nn, random, reductions, views  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    convolution,
+    elementwise,
+    fft,
+    indexing,
+    linalg,
+    nn,
+    normalization,
+    pooling,
+    random,
+    reductions,
+    views,
+)
 from ._registry import VMAP_RULES, register_vmap_rule
 from ._tensor import BatchedTensor, VmapInterpreter
 

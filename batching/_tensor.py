@@ -167,6 +167,11 @@ class VmapInterpreter(Interpreter):
         f = facts(func)
         if f.random and self.randomness == "error":
             raise_random(self, func)
+        same_draw = f.random and self.randomness == "same"
+        if same_draw and any(
+            _is_batched_at(a, self) for i, a in enumerate(args) if i not in f.written
+        ):
+            raise_same_with_batched_parameters(self, func)
         if func not in _WARNED:
             _WARNED.add(func)
             warnings.warn(
@@ -178,8 +183,14 @@ class VmapInterpreter(Interpreter):
             )
         B = self.batch_size
         results = []
+        # 'same': every example draws from the same generator state, so the draws agree
+        rng = (torch.random.get_rng_state(), _cuda_rng()) if same_draw else None
         with _lazy_conj_enabled():
             for i in range(B):
+                if rng is not None:
+                    torch.random.set_rng_state(rng[0])
+                    if rng[1] is not None:
+                        torch.cuda.set_rng_state_all(rng[1])
                 a_i = [_select(a, self, i) for a in args]
                 k_i = {k: _select(v, self, i) for k, v in kwargs.items()}
                 results.append(func(*a_i, **k_i))
@@ -198,6 +209,18 @@ class VmapInterpreter(Interpreter):
 
 
 _WARNED: set = set()
+
+
+def _is_batched_at(a, interp):
+    if isinstance(a, BatchedTensor):
+        return a._interp is interp
+    return (type(a) is list or type(a) is tuple) and any(_is_batched_at(b, interp) for b in a)
+
+
+def _cuda_rng():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state_all()
+    return None
 _K = torch._C.DispatchKey
 _set_excluded = torch._C._SetExcludeDispatchKeyGuard
 
@@ -263,6 +286,18 @@ def raise_random(interp, func):
         "randomness='error' (the default). Expected: no random ops, or an explicit choice. Do: "
         "pass randomness='different' (independent draws per example) or randomness='same' "
         "(one draw shared by the batch)."
+    )
+
+
+def raise_same_with_batched_parameters(interp, func):
+    """Note [randomness='same' with batched parameters]: one draw for the whole batch cannot
+    follow per-example distribution parameters (a batched mean, probability or rate); torch.func
+    refuses it, and so do we, rather than draw per example and call it 'same'."""
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers from a batched tensor argument "
+        "(per-example distribution parameters), but vmap was called with randomness='same' (one "
+        "draw shared by the batch). Expected: unbatched parameters under 'same'. Do: pass "
+        "randomness='different', or make the parameters the same for every example."
     )
 
 

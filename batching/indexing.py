@@ -366,10 +366,18 @@ def embedding_vmap_rule(interp, args, bdims, kwargs):
 
 
 def _new_factory(func):
-    """x.new_zeros(size) and friends: the result does not depend on x's values (unbatched)."""
+    """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
+    as torch.func makes it (code writes per-example values into it, or draws into it under
+    randomness='different')."""
 
     def new_factory_vmap_rule(interp, args, bdims, kwargs):
-        return func(*args, **kwargs), None
+        a = list(args)
+        size = [int(s) for s in a[1]]
+        a[1] = [interp.batch_size, *size]
+        if func is aten.new_empty_strided.default:
+            span = 1 + sum((s - 1) * st for s, st in zip(size, a[2])) if all(size) else 1
+            a[2] = [span, *a[2]]
+        return func(*a, **kwargs), 0
 
     register_vmap_rule(func)(new_factory_vmap_rule)
 

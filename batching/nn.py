@@ -1,16 +1,10 @@
 """Batching rules for the neural-network ops that reach the dispatcher undecomposed: losses,
-layer norm, convolution, pooling and the softmax backward ops.
+and the softmax backward ops (convolution, pooling and normalization: files of those names).
 
 Note [Batching losses]
     A loss with ``reduction='mean'|'sum'`` reduces over every logical dim, so the per-example
     value is the reduction of the unreduced loss over all dims but the batch dim: the rule runs
     the op with ``reduction='none'`` on batch-aligned arguments and reduces dims ``1..``.
-
-Note [Batching convolution]
-    A batched input folds its batch dim into the conv's own batch dim (``[B, N, ...] ->
-    [B * N, ...]``). A batched weight folds into the channels and multiplies ``groups`` by ``B``:
-    the input's channels are repeated (or, when batched too, laid out per example) so that group
-    ``b * groups + g`` of the grouped conv is group ``g`` of example ``b``.
 """
 
 from __future__ import annotations
@@ -123,99 +117,6 @@ def nll_loss_forward_vmap_rule(interp, args, bdims, kwargs):
     if reduction == _SUM:
         return (summed, total), (0, 0)
     return (summed / total, total), (0, 0)
-
-
-@register_vmap_rule(aten.native_layer_norm.default)
-def native_layer_norm_vmap_rule(interp, args, bdims, kwargs):
-    """Normalizes over trailing dims, so the batch dim in front changes nothing; a batched
-    affine weight/bias is applied after the normalization."""
-    x, shape, weight, bias, eps = args
-    x = expand_front(x, bdims[0], interp.batch_size)
-    wb, bb = bdims[2], bdims[3]
-    if wb is None and bb is None:
-        out = aten.native_layer_norm.default(x, shape, weight, bias, eps)
-        return out, (0, 0, 0)
-    n = x.dim() - 1
-    out, mean, rstd = aten.native_layer_norm.default(x, shape, None, None, eps)
-    if weight is not None:
-        out = out * (weight if wb is None else pad_to(to_front(weight, wb), n))
-    if bias is not None:
-        out = out + (bias if bb is None else pad_to(to_front(bias, bb), n))
-    return (out, mean, rstd), (0, 0, 0)
-
-
-@register_vmap_rule(aten.convolution.default)
-def convolution_vmap_rule(interp, args, bdims, kwargs):
-    """Note [Batching convolution]."""
-    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
-    xb, wb, bb = bdims[0], bdims[1], bdims[2]
-    B = interp.batch_size
-    conv = aten.convolution.default
-    if wb is None:
-        if xb is not None:
-            x = to_front(x, xb)
-            out = conv(
-                x.flatten(0, 1),
-                w,
-                bias if bb is None else None,
-                stride,
-                padding,
-                dilation,
-                transposed,
-                output_padding,
-                groups,
-            )
-            out = out.unflatten(0, (B, -1))
-        else:
-            out = conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
-            out = out.unsqueeze(0)
-        if bb is not None:
-            out = out + to_front(bias, bb).reshape((B, 1, -1) + (1,) * (out.dim() - 3))
-        elif xb is None and bias is not None:
-            out = out + bias.reshape((-1,) + (1,) * (out.dim() - 3))
-        return out, 0
-    w = to_front(w, wb)
-    if xb is None:
-        x = x.repeat((1, B) + (1,) * (x.dim() - 2))  # [N, C, ...] -> [N, B * C, ...]
-    else:
-        x = to_front(x, xb)  # [B, N, C, ...] -> [N, B * C, ...]
-        x = x.movedim(0, 1).flatten(1, 2)
-    if bias is not None:
-        bias = bias.repeat(B) if bb is None else to_front(bias, bb).flatten()
-    out = conv(
-        x, w.flatten(0, 1), bias, stride, padding, dilation, transposed, output_padding, groups * B
-    )
-    return out.unflatten(1, (B, -1)), 1
-
-
-def def_pool(op, spatial):
-    """Pooling over the last ``spatial`` dims of ``[N, C, *spatial]`` or ``[C, *spatial]``: the
-    batch dim folds into the leading dim (every output and the indices are per plane)."""
-
-    def pool_vmap_rule(interp, args, bdims, kwargs):
-        x = to_front(args[0], bdims[0])
-        fold = x.dim() - 1 == spatial + 2
-        a = list(args)
-        a[0] = x.flatten(0, 1) if fold else x
-        out = op(*a, **kwargs)
-        if isinstance(out, torch.Tensor):
-            return (out.unflatten(0, (x.shape[0], -1)) if fold else out), 0
-        return tuple(o.unflatten(0, (x.shape[0], -1)) if fold else o for o in out), (0,) * len(out)
-
-    register_vmap_rule(op)(pool_vmap_rule)
-
-
-for _op, _k in (
-    (aten.max_pool2d_with_indices.default, 2),
-    (aten.max_pool3d_with_indices.default, 3),
-    (aten.avg_pool2d.default, 2),
-    (aten.avg_pool3d.default, 3),
-    (aten._adaptive_avg_pool2d.default, 2),
-    (aten._adaptive_avg_pool3d.default, 3),
-    (aten.adaptive_max_pool2d.default, 2),
-    (aten.adaptive_max_pool3d.default, 3),
-):
-    def_pool(_op, _k)
 
 
 def _softmax_backward(op):

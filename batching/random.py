@@ -21,10 +21,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from functransforms._core import interpreter_stack
+from functransforms._ops import facts, op_name
+from functransforms.errors import RandomnessError
 
 from ._registry import register_vmap_rule
-from ._tensor import VmapInterpreter, raise_random, wrap_batched
-from ._util import to_front
+from ._tensor import (
+    VmapInterpreter,
+    raise_random,
+    raise_same_with_batched_parameters,
+    wrap_batched,
+)
+from ._util import pad_to, to_front
 
 aten = torch.ops.aten
 
@@ -61,6 +68,13 @@ class DifferentRandomnessMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if _drawing.active:  # the draw of an inner mode, already batched for every level
             return func(*args, **kwargs)
+        if (
+            args
+            and type(args[0]) is torch.Tensor
+            and torch.Tag.nondeterministic_seeded in func.tags
+            and facts(func).inplace
+        ):
+            _raise_different_inplace(func)
         if torch.Tag.nondeterministic_seeded in func.tags and not _has_tensor(args, kwargs):
             levels = [i for i in interpreter_stack() if isinstance(i, VmapInterpreter) and i.alive]
             for interp in levels:
@@ -76,6 +90,21 @@ class DifferentRandomnessMode(TorchDispatchMode):
                 out = wrap_batched(out, 0, interp)
             return out
         return func(*args, **kwargs)
+
+
+def _raise_different_inplace(func):
+    """torch.func's rule: an in-place draw into a tensor that is not batched would have to hold
+    one value per example."""
+    interp = next(
+        i for i in reversed(interpreter_stack()) if isinstance(i, VmapInterpreter) and i.alive
+    )
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers in place into a tensor that is not "
+        "batched, but vmap was called with randomness='different' (one draw per example), which "
+        "that tensor cannot hold. Expected: the tensor written to is batched. Do: draw out of "
+        "place (`torch.randn(shape)`), or make the target batched (`x.expand(...).clone()` per "
+        "example)."
+    )
 
 
 def _draw_with_batch_dims(func, args, kwargs, sizes):
@@ -99,12 +128,20 @@ def _draw_with_batch_dims(func, args, kwargs, sizes):
     return out
 
 
+# ops whose tensor arguments are distribution parameters, not only a shape to fill
+_PARAMETRIZED = frozenset(
+    (aten.bernoulli.default, aten.multinomial.default, aten.normal.Tensor_float)
+)
+
+
 def _random_like_rule(func):
     """rand_like(x), randn_like(x), bernoulli(x), dropout-style ops on a batched tensor."""
 
     def random_vmap_rule(interp, args, bdims, kwargs):
         if interp.randomness == "error":
             raise_random(interp, func)
+        if interp.randomness == "same" and func in _PARAMETRIZED:
+            raise_same_with_batched_parameters(interp, func)
         x = to_front(args[0], bdims[0])
         if interp.randomness == "different":
             a = list(args)
@@ -143,9 +180,15 @@ def _random_inplace_rule(func):
     def random_inplace_vmap_rule(interp, args, bdims, kwargs):
         if interp.randomness == "error":
             raise_random(interp, func)
+        if interp.randomness == "same" and any(b is not None for b in bdims[1:]):
+            raise_same_with_batched_parameters(interp, func)
         x = to_front(args[0], bdims[0])
         if interp.randomness == "different":
-            func(x, *args[1:], **kwargs)
+            rest = [  # tensor parameters (bernoulli_'s p) line up with x's batch dim
+                a if b is None else pad_to(to_front(a, b), x.dim() - 1)
+                for a, b in zip(args[1:], bdims[1:])
+            ]
+            func(x, *rest, **kwargs)
         else:
             func(x[0], *args[1:], **kwargs)
             x[1:].copy_(x[0].expand(x[1:].shape))
@@ -158,6 +201,7 @@ for _op in (
     aten.uniform_.default,
     aten.normal_.default,
     aten.bernoulli_.float,
+    aten.bernoulli_.Tensor,
     aten.exponential_.default,
     aten.random_.default,
     getattr(aten.random_, "from"),

@@ -13,8 +13,8 @@ if not _os.path.isdir(_os.path.join(_here, "autodiff")):
 
 from . import autodiff, batching  # noqa: E402, F401  (registers the rules)
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
-from ._custom import custom_jvp, custom_vjp, stop_gradient
-from ._extras import checkpoint, linear_transpose
+from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
+from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._jit import jit
 from ._module import functional_call, stack_module_state
 from ._vmap import vmap
@@ -24,6 +24,9 @@ __all__ = [
     "linear_transpose",
     "custom_jvp",
     "custom_vjp",
+    "custom_vmap",
+    "debug_unwrap",
+    "sequential_vmap",
     "stop_gradient",
     "functional_call",
     "grad",

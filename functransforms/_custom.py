@@ -12,12 +12,12 @@ Note [Custom rules across levels]
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
 from . import _pytree as pt
 from ._core import TransformTensor, is_floating
-
 
 _SCALARS = (int, float, bool, complex, str, type(None))
 
@@ -33,24 +33,67 @@ def _plain(a):
 
 
 class _CustomFunction:
-    def __init__(self, fn):
+    def __init__(self, fn, nondiff_argnums=()):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.fwd = None
         self.bwd = None
         self.jvp_rule = None
+        self.vmap_rule = None
+        self.nondiff_argnums = _check_nondiff(fn, nondiff_argnums)
 
     def defvjp(self, fwd, bwd):
-        """``fwd(*args) -> (out, residuals)``; ``bwd(residuals, ct) -> tuple of cotangents``."""
+        """``fwd(*args) -> (out, residuals)``; ``bwd(residuals, ct) -> tuple of cotangents``
+        (with ``nondiff_argnums``: ``bwd(*nondiff_args, residuals, ct)``, one cotangent per
+        differentiable argument, as JAX)."""
         self.fwd, self.bwd = fwd, bwd
         return self
 
     def defjvp(self, jvp_rule):
-        """``jvp_rule(primals, tangents) -> (out, tangent_out)``."""
+        """``jvp_rule(primals, tangents) -> (out, tangent_out)`` (with ``nondiff_argnums``:
+        ``jvp_rule(*nondiff_args, primals, tangents)`` over the differentiable arguments)."""
         self.jvp_rule = jvp_rule
         return jvp_rule
 
-    def __call__(self, *args):
+    def defjvps(self, *jvps):
+        """One rule per argument (JAX's ``defjvps``): ``jvp_i(t_i, out, *primals)`` is the
+        tangent contribution of argument ``i``; ``None`` for an argument with no derivative.
+
+        Example:
+            >>> import torch, functransforms as ft
+            >>> f = ft.custom_jvp(lambda x, y: x * y)
+            >>> f.defjvps(lambda tx, out, x, y: tx * y, lambda ty, out, x, y: x * ty)
+            >>> ft.grad(lambda a: f(a, a).sum())(torch.tensor([3.0]))    # d(a*a)/da = 2a
+            tensor([6.])
+        """
+
+        def jvp_rule(primals, tangents):
+            out = self.fn(*primals)
+            t_out = None
+            for rule, t in zip(jvps, tangents):
+                if rule is None:
+                    continue
+                contribution = rule(t, out, *primals)
+                t_out = (
+                    contribution if t_out is None else pt.tree_map(torch.add, t_out, contribution)
+                )
+            if t_out is None:
+                t_out = pt.tree_map(torch.zeros_like, out)
+            return out, t_out
+
+        self.jvp_rule = jvp_rule
+
+    def def_vmap(self, vmap_rule):
+        """``vmap_rule(axis_size, in_batched, *args) -> (out, out_batched)`` (see
+        :func:`custom_vmap`)."""
+        self.vmap_rule = vmap_rule
+        return vmap_rule
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:  # JAX resolves keyword arguments to positions by the signature
+            args = _resolve_kwargs(self.fn, args, kwargs)
+        if self.nondiff_argnums:
+            return self._closed_over_nondiff(args)
         if all(_plain(a) for a in args):
             return self.fn(*args)  # no transform can be involved: skip flattening (hot in linalg)
         flat, spec = pt.tree_flatten(args)
@@ -64,26 +107,87 @@ class _CustomFunction:
             return self.fn(*args)
         return _PROCESS[interp.name](self, interp, args)
 
+    def _closed_over_nondiff(self, args):
+        """The non-differentiable arguments become constants of a function of the others."""
+        nondiff = [args[i] for i in self.nondiff_argnums]
+        diff_at = [i for i in range(len(args)) if i not in self.nondiff_argnums]
 
-def custom_vjp(fn):
+        def full(diff):
+            a = list(args)
+            for i, d in zip(diff_at, diff):
+                a[i] = d
+            return a
+
+        closed = _CustomFunction(lambda *diff: self.fn(*full(diff)))
+        if self.fwd is not None:
+            fwd, bwd = self.fwd, self.bwd
+            closed.defvjp(lambda *diff: fwd(*full(diff)), lambda res, ct: bwd(*nondiff, res, ct))
+        if self.jvp_rule is not None:
+            rule = self.jvp_rule
+            closed.defjvp(lambda primals, tangents: rule(*nondiff, primals, tangents))
+        closed.vmap_rule = self.vmap_rule
+        return closed(*[args[i] for i in diff_at])
+
+
+def _check_nondiff(fn, nondiff_argnums):
+    nums = (nondiff_argnums,) if isinstance(nondiff_argnums, int) else tuple(nondiff_argnums)
+    if any(not isinstance(n, int) or n < 0 for n in nums) or len(set(nums)) != len(nums):
+        raise ValueError(
+            f"custom function {getattr(fn, '__name__', fn)!r}: "
+            f"nondiff_argnums={nondiff_argnums!r}; expected distinct non-negative ints (positions "
+            "of the non-differentiable arguments)."
+        )
+    return tuple(sorted(nums))
+
+
+def _resolve_kwargs(fn, args, kwargs):
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"custom function {getattr(fn, '__name__', fn)!r} called with keyword arguments "
+            f"{sorted(kwargs)}: they must match its signature ({e}). Expected the arguments "
+            "of the function."
+        ) from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise TypeError(
+            f"custom function {getattr(fn, '__name__', fn)!r}: keyword-only arguments "
+            f"{sorted(bound.kwargs)} are not supported (as in JAX); pass them positionally or "
+            "through a closure."
+        )
+    return bound.args
+
+
+def custom_vjp(fn=None, *, nondiff_argnums=()):
     """Give ``fn`` a hand-written reverse-mode rule (JAX's ``custom_vjp``).
+
+    ``nondiff_argnums`` marks arguments that are not differentiated (Python values, functions,
+    flags): ``bwd`` receives them first and returns cotangents for the other arguments only.
+    Keyword arguments are resolved to positions by ``fn``'s signature.
 
     Example:
         >>> import torch, functransforms as ft
         >>> @ft.custom_vjp
         ... def clip_grad(x):
         ...     return x
-        >>> clip_grad.defvjp(lambda x: (x, None), lambda res, g: (g.clamp(-1, 1),))  # doctest: +ELLIPSIS
-        <...>
+        >>> _ = clip_grad.defvjp(lambda x: (x, None), lambda res, g: (g.clamp(-1, 1),))
         >>> ft.grad(lambda x: (clip_grad(x) * 10).sum())(torch.ones(2))
         tensor([1., 1.])
     """
-    return _CustomFunction(fn)
+    if fn is None:
+        return functools.partial(custom_vjp, nondiff_argnums=nondiff_argnums)
+    return _CustomFunction(fn, nondiff_argnums)
 
 
-def custom_jvp(fn):
+def custom_jvp(fn=None, *, nondiff_argnums=()):
     """Give ``fn`` a hand-written forward-mode rule (JAX's ``custom_jvp``); reverse mode
     transposes it.
+
+    ``defjvp(rule)`` gives one rule for all arguments, ``defjvps(*rules)`` one per argument.
+    ``nondiff_argnums`` marks arguments that are not differentiated: the rule receives them
+    first, ``rule(*nondiff_args, primals, tangents)``. Keyword arguments are resolved to
+    positions by ``fn``'s signature.
 
     Example:
         >>> import torch, functransforms as ft
@@ -97,7 +201,60 @@ def custom_jvp(fn):
         >>> ft.grad(lambda x: f(x).sum())(torch.zeros(2))
         tensor([1., 1.])
     """
+    if fn is None:
+        return functools.partial(custom_jvp, nondiff_argnums=nondiff_argnums)
+    return _CustomFunction(fn, nondiff_argnums)
+
+
+def custom_vmap(fn):
+    """Give ``fn`` a hand-written batching rule (JAX's ``jax.custom_batching.custom_vmap``).
+
+    ``@f.def_vmap`` registers ``rule(axis_size, in_batched, *args) -> (out, out_batched)``:
+    ``in_batched`` has one bool per argument (leaf), the batched ones carry the mapped dim in
+    front; ``out_batched`` says, per output leaf, whether the output carries it. ``grad``/``jvp``
+    differentiate ``fn`` itself.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> @ft.custom_vmap
+        ... def row_sum(x):                               # [D] -> []
+        ...     return x.sum()
+        >>> @row_sum.def_vmap
+        ... def rule(axis_size, in_batched, x):          # x: [B, D]
+        ...     return x.sum(1), True
+        >>> ft.vmap(row_sum)(torch.ones(4, 3))            # [B]
+        tensor([3., 3., 3., 3.])
+    """
     return _CustomFunction(fn)
+
+
+def sequential_vmap(fn):
+    """Under ``vmap``, run ``fn`` once per example and stack, silently (JAX's
+    ``jax.custom_batching.sequential_vmap``): for functions with no batched form, where the
+    per-example loop is the intended implementation rather than a fallback to warn about.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> f = ft.sequential_vmap(lambda x: x.sort().values)
+        >>> ft.vmap(f)(torch.tensor([[3.0, 1.0], [0.0, 2.0]]))
+        tensor([[1., 3.],
+                [0., 2.]])
+    """
+    cf = _CustomFunction(fn)
+
+    def loop(axis_size, in_batched, *args):
+        flat, spec = pt.tree_flatten(args)
+        results = []
+        for i in range(axis_size):
+            picked = [x[i] if b else x for x, b in zip(flat, in_batched)]
+            results.append(fn(*pt.tree_unflatten(spec, picked)))
+        flat_outs = [pt.tree_leaves(r) for r in results]
+        out_spec = pt.tree_structure(results[0])
+        stacked = [torch.stack([fo[j] for fo in flat_outs]) for j in range(len(flat_outs[0]))]
+        return pt.tree_unflatten(out_spec, stacked), True
+
+    cf.vmap_rule = loop
+    return cf
 
 
 def _process_grad(cf, interp, args):
@@ -145,9 +302,8 @@ def _process_grad(cf, interp, args):
             for i, g in zip(diff, got):
                 cts[i] = g
             return cts
-    else:
-        out = cf.fn(*p_args)
-        return out
+    else:  # no derivative rule of its own (custom_vmap): differentiate fn itself
+        return cf.fn(*args)
 
     flat_out, out_spec = pt.tree_flatten(out)
     single = isinstance(out, torch.Tensor)
@@ -200,8 +356,9 @@ def _process_jvp(cf, interp, args):
     if cf.jvp_rule is None:
         if cf.bwd is not None:
             raise TypeError(
-                f"jvp of {cf.__name__}: it is a custom_vjp function, which defines only a reverse-mode "
-                "rule. Expected: a jvp rule too. Do: `f.defjvp(jvp_rule)` (a function may have both)."
+                f"jvp of {cf.__name__}: it is a custom_vjp function, which defines only a "
+                "reverse-mode rule. Expected: a jvp rule too. Do: `f.defjvp(jvp_rule)` (a "
+                "function may have both)."
             )
         return cf.fn(*args)
     out, t_out = cf.jvp_rule(pt.tree_unflatten(spec, primals), pt.tree_unflatten(spec, tangents))
@@ -222,6 +379,8 @@ def _process_vmap(cf, interp, args):
         else:
             vals.append(x)
             dims.append(None)
+    if cf.vmap_rule is not None:
+        return _user_vmap_rule(cf, interp, vals, dims, spec)
     in_dims = tuple(pt.tree_unflatten(spec, dims))
     batched = _CustomFunction(vmap(cf.fn, in_dims=in_dims, randomness=interp.randomness))
     if cf.bwd is not None:
@@ -232,6 +391,37 @@ def _process_vmap(cf, interp, args):
         batched.defjvp(vmap(cf.jvp_rule, in_dims=(in_dims, in_dims), randomness=interp.randomness))
     out = batched(*pt.tree_unflatten(spec, vals))
     return pt.tree_map(lambda o: wrap_batched(o, 0, interp), out)
+
+
+def _user_vmap_rule(cf, interp, vals, dims, spec):
+    """custom_vmap: the user's rule sees the batched arguments with the mapped dim in front."""
+    from functransforms.batching._tensor import wrap_batched
+
+    front = [v if d is None else v.movedim(d, 0) for v, d in zip(vals, dims)]
+    in_batched = [d is not None for d in dims]
+    out, out_batched = cf.vmap_rule(interp.batch_size, in_batched, *pt.tree_unflatten(spec, front))
+    flat_out, out_spec = pt.tree_flatten(out)
+    flags = (
+        [out_batched] * len(flat_out)
+        if isinstance(out_batched, bool)
+        else pt.tree_leaves(out_batched)
+    )
+    if len(flags) != len(flat_out):
+        raise ValueError(
+            f"vmap rule of {cf.__name__}: returned out_batched={out_batched!r} for "
+            f"{len(flat_out)} outputs; expected one bool per output leaf (or one bool for all)."
+        )
+    wrapped = []
+    for o, b in zip(flat_out, flags):
+        has_batch = isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == interp.batch_size
+        if b and not has_batch:
+            got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+            raise ValueError(
+                f"vmap rule of {cf.__name__}: an output marked batched has shape {got}; expected "
+                f"the mapped dim of size {interp.batch_size} in front."
+            )
+        wrapped.append(wrap_batched(o, 0, interp) if b else o)
+    return pt.tree_unflatten(out_spec, wrapped)
 
 
 _PROCESS = {"grad": _process_grad, "jvp": _process_jvp, "vmap": _process_vmap}

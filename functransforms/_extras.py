@@ -39,10 +39,10 @@ def linear_transpose(func, *primals):
     for leaf in pt.tree_leaves(out):
         if bool((leaf != 0).any()):
             raise ValueError(
-                    f"linear_transpose({getattr(func, '__name__', 'func')}, ...): the function is "
-                    "not linear: it maps 0 to a nonzero value (an affine map?). Expected a linear "
-                    "function. Do: subtract the offset, f(x) - f(0)."
-                )
+                f"linear_transpose({getattr(func, '__name__', 'func')}, ...): the function is "
+                "not linear: it maps 0 to a nonzero value (an affine map?). Expected a linear "
+                "function. Do: subtract the offset, f(x) - f(0)."
+            )
     return vjp_fn
 
 
@@ -82,3 +82,25 @@ def checkpoint(func):
     remat.defvjp(fwd, bwd)
     remat.defjvp(jvp_rule)
     return remat
+
+
+def debug_unwrap(tensor, *, recurse=True):
+    """The value inside a transform's wrapper tensor, for debugging (torch.func's
+    ``debug_unwrap``): a ``vmap`` wrapper gives its physical value (with the batch dim), a
+    ``grad``/``jvp`` wrapper its primal; ``recurse=True`` unwraps every level. Plain tensors and
+    other values are returned as they are.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> shapes = []
+        >>> _ = ft.vmap(lambda x: shapes.append(ft.debug_unwrap(x).shape) or x)(torch.ones(4, 3))
+        >>> shapes                                        # the physical [B, D]
+        [torch.Size([4, 3])]
+    """
+    from ._core import TransformTensor
+
+    while isinstance(tensor, TransformTensor):
+        tensor = tensor._value if hasattr(tensor, "_value") else tensor._primal
+        if not recurse:
+            break
+    return tensor

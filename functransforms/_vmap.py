@@ -311,11 +311,30 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
     return pt.tree_unflatten(out_spec, results)
 
 
+class _RngSnapshot:
+    """The state of the CPU generator and of every initialised CUDA generator."""
+
+    def __init__(self):
+        self.cpu = torch.random.get_rng_state()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
+
+    def restore(self):
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
 def _chunked(
     func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size
 ):
+    # randomness='same' means one draw for the whole batch, so every chunk draws from the same
+    # generator state (torch.func's chunks do too); 'different' chunks draw in sequence
+    rng = _RngSnapshot() if randomness == "same" else None
     pieces = []
     for start in range(0, batch_size, chunk_size):
+        if rng is not None:
+            rng.restore()
         length = min(chunk_size, batch_size - start)
         chunk_args = [
             x if d is None else x.narrow(d, start, length) for x, d in zip(flat_args, norm_dims)

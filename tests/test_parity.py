@@ -380,3 +380,222 @@ def test_writes_through_a_returned_view_reach_the_input():
     ft.vmap(lambda t: t[1:])(ours).fill_(1.0)
     tf.vmap(lambda t: t[1:])(ref).fill_(1.0)
     assert torch.equal(ours, ref) and ours.sum() == 9
+
+
+# -- the randomness contract -----------------------------------------------------------------------
+def _seeded(make, lib):
+    torch.manual_seed(0)
+    return make(lib)
+
+
+RANDOM_FNS = {
+    "randn factory": (lambda a: a + torch.randn(3), 0),
+    "rand_like": (lambda a: torch.rand_like(a), 0),
+    "rand_like in_dims=1": (lambda a: torch.rand_like(a), 1),
+    "normal_ batched": (lambda a: a.clone().normal_(), 0),
+    "dropout": (lambda a: torch.nn.functional.dropout(a, 0.5), 0),
+    "bernoulli_(float) batched": (lambda a: a.clone().bernoulli_(0.5), 0),
+    "randint": (lambda a: a + torch.randint(0, 5, (3,)), 0),
+    "randperm": (lambda a: a + torch.randperm(3), 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FNS))
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_random_streams_are_torch_funcs(name, randomness):
+    # documented in docs/torch_func_differences.md: our draws are torch.func's, bit for bit
+    f, d = RANDOM_FNS[name]
+    x = torch.rand(4, 3) if d == 0 else torch.rand(3, 4)
+    ours = _seeded(lambda L: L.vmap(f, in_dims=d, randomness=randomness)(x), ft)
+    ref = _seeded(lambda L: L.vmap(f, in_dims=d, randomness=randomness)(x), tf)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [lambda a: torch.randn(3) + 0 * a, torch.rand_like, lambda a: a.clone().uniform_()],
+    ids=["factory", "rand_like", "uniform_"],
+)
+def test_same_randomness_holds_across_chunks(f):
+    x = torch.zeros(5, 3)
+    whole = _seeded(lambda L: L.vmap(f, randomness="same")(x), ft)
+    chunked = _seeded(lambda L: L.vmap(f, randomness="same", chunk_size=2)(x), ft)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(whole, whole[:1].expand_as(whole))
+
+
+def test_same_randomness_inplace_with_unbatched_tensor_parameter():
+    p = torch.rand(3)
+    ours = _seeded(
+        lambda L: L.vmap(lambda t: t.bernoulli_(p), randomness="same")(torch.zeros(4, 3)), ft
+    )
+    ref = _seeded(
+        lambda L: L.vmap(lambda t: t.bernoulli_(p), randomness="same")(torch.zeros(4, 3)), tf
+    )
+    assert torch.equal(ours, ours[:1].expand_as(ours)) and torch.equal(ref, ref[:1].expand_as(ref))
+
+
+def test_same_randomness_of_an_op_without_a_rule_is_one_draw():
+    out = ft.vmap(lambda a: torch.poisson(torch.full((3,), 4.0)) + a, randomness="same")(
+        torch.zeros(4, 3)
+    )
+    assert torch.equal(out, out[:1].expand_as(out))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda L, p: L.vmap(lambda q: torch.normal(q, 1.0), randomness="same")(p),
+        lambda L, p: L.vmap(torch.bernoulli, randomness="same")(p),
+        lambda L, p: L.vmap(torch.poisson, randomness="same")(p),
+        lambda L, p: L.vmap(lambda q: torch.binomial(torch.full((3,), 5.0), q), randomness="same")(
+            p
+        ),
+        lambda L, p: L.vmap(lambda q: torch.multinomial(q, 2), randomness="same")(p),
+        lambda L, p: L.vmap(lambda t, q: t.bernoulli_(q), randomness="same")(torch.zeros(4, 3), p),
+    ],
+    ids=["normal", "bernoulli", "poisson", "binomial", "multinomial", "bernoulli_"],
+)
+def test_same_randomness_with_batched_parameters_raises(make):
+    p = torch.rand(4, 3)
+    with pytest.raises(RuntimeError):
+        make(tf, p)
+    with pytest.raises(RuntimeError, match="randomness='same'"):
+        make(ft, p)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [lambda a: a + torch.zeros(3).normal_(), lambda a: a + x[:3].float().clone().uniform_()],
+    ids=["fresh", "captured"],
+)
+def test_different_randomness_inplace_into_unbatched_raises(f):
+    x = torch.rand(4, 3)
+    with pytest.raises(RuntimeError):
+        tf.vmap(f, randomness="different")(x)
+    with pytest.raises(RuntimeError, match="in place into a tensor that is not batched"):
+        ft.vmap(f, randomness="different")(x)
+
+
+def test_new_factories_of_a_batched_tensor_are_batched():
+    # as torch.func: x.new_zeros(...) under vmap is one buffer per example, so per-example
+    # writes and 'different' draws into it work
+    def f(a):
+        buf = a.new_zeros(2)
+        buf[0] = a.sum()
+        return buf + a.new_empty(()).uniform_() * 0
+
+    x = torch.rand(4, 3)
+    assert torch.equal(ft.vmap(f, randomness="different")(x), tf.vmap(f, randomness="different")(x))
+
+
+# -- custom rules: JAX's API -----------------------------------------------------------------------
+def test_custom_jvp_nondiff_argnums_and_kwargs():
+    @ft.custom_jvp(nondiff_argnums=(0,))
+    def apply(fn, a, scale=1.0):
+        return fn(a) * scale
+
+    @apply.defjvp
+    def apply_jvp(fn, primals, tangents):
+        (a, scale), (t, _) = primals, tangents
+        assert fn is torch.sin  # the nondiff argument arrives first, as in JAX
+        return apply(fn, a, scale), torch.cos(a) * t * scale
+
+    ref = tf.grad(lambda a: (torch.sin(a) * 2.0).sum())(x)
+    torch.testing.assert_close(ft.grad(lambda a: apply(torch.sin, a, scale=2.0).sum())(x), ref)
+    _, t = ft.jvp(lambda a: apply(torch.sin, a, scale=2.0), (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(t, 2.0 * torch.cos(x))
+
+
+def test_custom_vjp_nondiff_argnums():
+    @ft.custom_vjp(nondiff_argnums=(1,))
+    def clip(a, bound):
+        return a
+
+    clip.defvjp(lambda a, bound: (a, None), lambda bound, res, g: (g.clamp(-bound, bound),))
+    g = ft.grad(lambda a: (clip(a, 0.5) * 10).sum())(x)
+    torch.testing.assert_close(g, torch.full_like(x, 0.5))
+    gs = ft.vmap(ft.grad(lambda a: (clip(a, 0.25) * 10).sum()))(xb)
+    torch.testing.assert_close(gs, torch.full_like(xb, 0.25))
+
+
+def test_custom_jvp_defjvps():
+    f = ft.custom_jvp(lambda a, b: a * b.exp())
+    f.defjvps(lambda ta, out, a, b: ta * b.exp(), lambda tb, out, a, b: out * tb)
+    b = torch.randn(3, dtype=torch.float64)
+    ref = tf.grad(lambda a, b: (a * b.exp()).sum(), argnums=(0, 1))(x, b)
+    ours = ft.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1))(x, b)
+    torch.testing.assert_close(ours, ref)
+    t = ft.jvp(f, (x, b), (torch.ones_like(x), torch.zeros_like(b)))[1]
+    torch.testing.assert_close(t, b.exp())
+
+
+def test_custom_vjp_bad_nondiff_argnums():
+    with pytest.raises(ValueError, match="nondiff_argnums"):
+        ft.custom_vjp(lambda a: a, nondiff_argnums=(-1,))
+
+
+def test_custom_vmap_uses_the_rule_and_grad_differentiates_fn():
+    calls = []
+
+    @ft.custom_vmap
+    def norm2(a):
+        return (a * a).sum()
+
+    @norm2.def_vmap
+    def norm2_vmap(axis_size, in_batched, a):
+        calls.append((axis_size, tuple(in_batched)))
+        return torch.einsum("bi,bi->b", a, a), True
+
+    torch.testing.assert_close(ft.vmap(norm2)(xb), (xb * xb).sum(1))
+    assert calls == [(2, (True,))]
+    torch.testing.assert_close(ft.grad(norm2)(x), 2 * x)
+    torch.testing.assert_close(ft.vmap(ft.grad(norm2))(xb), 2 * xb)
+    torch.testing.assert_close(ft.grad(lambda a: ft.vmap(norm2)(a).sum())(xb), 2 * xb)
+
+
+def test_custom_vmap_checks_what_the_rule_returns():
+    f = ft.custom_vmap(lambda a: a.sum())
+    f.def_vmap(lambda n, b, a: (a.sum(), True))  # forgot the batch dim
+    with pytest.raises(ValueError, match="marked batched has shape"):
+        ft.vmap(f)(xb)
+
+
+def test_sequential_vmap_loops_silently():
+    import warnings
+
+    f = ft.sequential_vmap(lambda a, k: torch.linalg.matrix_power(a, k))
+    A = torch.randn(3, 2, 2, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FallbackWarning: the loop is the implementation
+        ours = ft.vmap(f, in_dims=(0, None))(A, 3)
+    torch.testing.assert_close(ours, tf.vmap(lambda a: torch.linalg.matrix_power(a, 3))(A))
+
+
+def test_debug_unwrap_as_torch_func():
+    seen = {}
+
+    def f(a):
+        seen["ours"] = ft.debug_unwrap(a)
+        seen["one"] = ft.debug_unwrap(a, recurse=False)
+        return a
+
+    ft.vmap(ft.grad(lambda a: (f(a) ** 2).sum()))(xb)
+    assert seen["ours"].shape == (2, 3) and type(seen["ours"]) is torch.Tensor
+    assert seen["one"].shape == (3,)  # one level: the grad wrapper's primal, still batched
+    ref = {}
+    tf.vmap(lambda a: ref.setdefault("r", tf.debug_unwrap(a)) * 0 + a)(xb)
+    assert ref["r"].shape == seen["ours"].shape
+
+
+def test_out_argument_under_autodiff():
+    def f(a):
+        return torch.sin(a, out=torch.empty(3, dtype=torch.float64)).sum()
+
+    both_raise(RuntimeError, lambda L: L.grad(f)(x), match="out= arguments do not support")
+    both_raise(
+        RuntimeError,
+        lambda L: L.jvp(f, (x,), (x,)),
+        match="out= arguments do not support",
+    )
+    both_raise(RuntimeError, lambda L: L.vmap(lambda a: torch.sin(a, out=torch.empty(3)))(xb))

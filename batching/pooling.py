@@ -1,0 +1,92 @@
+"""Batching rules of pooling: the batch dim folds into the op's leading dim, since every
+output (and the indices) is computed per plane."""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import register_vmap_rule
+from ._util import expand_front, to_front
+
+aten = torch.ops.aten
+
+
+def def_pool(op, spatial):
+    """Pooling over the last ``spatial`` dims of ``[N, C, *spatial]`` or ``[C, *spatial]``: the
+    batch dim folds into the leading dim (every output and the indices are per plane)."""
+
+    def pool_vmap_rule(interp, args, bdims, kwargs):
+        x = to_front(args[0], bdims[0])
+        fold = x.dim() - 1 == spatial + 2
+        a = list(args)
+        a[0] = x.flatten(0, 1) if fold else x
+        out = op(*a, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return (out.unflatten(0, (x.shape[0], -1)) if fold else out), 0
+        return tuple(o.unflatten(0, (x.shape[0], -1)) if fold else o for o in out), (0,) * len(out)
+
+    register_vmap_rule(op)(pool_vmap_rule)
+
+
+for _op, _k in (
+    (aten.max_pool2d_with_indices.default, 2),
+    (aten.max_pool3d_with_indices.default, 3),
+    (aten.avg_pool2d.default, 2),
+    (aten.avg_pool3d.default, 3),
+    (aten._adaptive_avg_pool2d.default, 2),
+    (aten._adaptive_avg_pool3d.default, 3),
+    (aten.adaptive_max_pool2d.default, 2),
+    (aten.adaptive_max_pool3d.default, 3),
+):
+    def_pool(_op, _k)
+
+
+def _fold(x, bdim, batch_size, spatial):
+    """``x`` (batched or not) as the op's input with the batch dim folded into the leading dim:
+    ``(value, fold)``; ``fold`` says whether the logical value had a leading N dim."""
+    x = expand_front(x, bdim, batch_size)
+    fold = x.dim() - 1 == spatial + 2
+    return (x.flatten(0, 1) if fold else x), fold
+
+
+def def_pool_backward(op, spatial):
+    """``op(grad_output, self, ...)``: both fold (``self`` gives only the input's shape)."""
+
+    def pool_backward_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        go, fold = _fold(args[0], bdims[0], B, spatial)
+        x, _ = _fold(args[1], bdims[1], B, spatial)
+        out = op(go, x, *args[2:], **kwargs)
+        return (out.unflatten(0, (B, -1)) if fold else out), 0
+
+    register_vmap_rule(op)(pool_backward_vmap_rule)
+
+
+for _op, _k in (
+    (aten.avg_pool2d_backward.default, 2),
+    (aten.avg_pool3d_backward.default, 3),
+    (aten._adaptive_avg_pool2d_backward.default, 2),
+    (aten._adaptive_avg_pool3d_backward.default, 3),
+):
+    def_pool_backward(_op, _k)
+
+
+def def_fractional_max_pool(op, spatial):
+    """``op(x, kernel_size, output_size, random_samples)``: the samples (``[N, C, spatial]``)
+    fold like the input; unbatched samples are shared by every example."""
+
+    def fractional_max_pool_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        x, fold = _fold(args[0], bdims[0], B, spatial)
+        s = expand_front(args[3], bdims[3], B)
+        s = s.reshape((x.shape[0],) + tuple(s.shape[-2:]))
+        out, idx = op(x, args[1], args[2], s, **kwargs)
+        if fold:
+            out, idx = out.unflatten(0, (B, -1)), idx.unflatten(0, (B, -1))
+        return (out, idx), (0, 0)
+
+    register_vmap_rule(op)(fractional_max_pool_vmap_rule)
+
+
+def_fractional_max_pool(aten.fractional_max_pool2d.default, 2)
+def_fractional_max_pool(aten.fractional_max_pool3d.default, 3)

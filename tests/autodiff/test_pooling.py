@@ -1,0 +1,164 @@
+"""Pooling under jvp, vjp, grad, second order and vmap(grad), against torch.func in float64
+(Note [Pooling derivatives]). Inputs are random floats, so max pooling has no ties."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _ad_helpers import assert_trees_close, compare_with_torch_func
+
+import functransforms as ft
+from functransforms.testing import check_grads
+
+F64 = torch.float64
+
+
+def _x(nd, batched=True):
+    side = {1: 9, 2: 7, 3: 5}[nd]
+    shape = (2, 3) + (side,) * nd if batched else (3,) + (side,) * nd
+    return torch.randn(shape, dtype=F64)
+
+
+def _unpool(nd):
+    def f(x):
+        out, idx = getattr(F, f"max_pool{nd}d")(x, 2, return_indices=True)
+        return getattr(F, f"max_unpool{nd}d")(out * out, idx, 2, output_size=x.shape[-nd:])
+
+    return f
+
+
+def _fractional(nd):
+    samples = torch.rand(2, 3, nd, dtype=F64)
+
+    def f(x):
+        pool = getattr(F, f"fractional_max_pool{nd}d")
+        s = samples[: x.shape[0], : x.shape[1]]  # a slice of the input takes its samples' slice
+        return pool(x, 2, output_size=3, _random_samples=s)
+
+    return f
+
+
+POOLS = {
+    "avg_pool1d": (lambda x: F.avg_pool1d(x, 3, 2, 1), 1),
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), 2),
+    "avg_pool2d_divisor": (lambda x: F.avg_pool2d(x, 2, divisor_override=3), 2),
+    "avg_pool2d_no_pad_count": (lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False), 2),
+    "avg_pool3d": (lambda x: F.avg_pool3d(x, 2, 1), 3),
+    "adaptive_avg_pool1d": (lambda x: F.adaptive_avg_pool1d(x, 4), 1),
+    "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, (3, 4)), 2),
+    "adaptive_avg_pool3d": (lambda x: F.adaptive_avg_pool3d(x, 3), 3),
+    "max_pool1d": (lambda x: F.max_pool1d(x, 3, 2, 1), 1),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1, dilation=1, ceil_mode=True), 2),
+    "max_pool2d_dilated": (lambda x: F.max_pool2d(x, 2, 1, dilation=2), 2),
+    "max_pool3d": (lambda x: F.max_pool3d(x, 2), 3),
+    "adaptive_max_pool1d": (lambda x: F.adaptive_max_pool1d(x, 4), 1),
+    "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 3), 2),
+    "adaptive_max_pool3d": (lambda x: F.adaptive_max_pool3d(x, 2), 3),
+    "fractional_max_pool2d": (_fractional(2), 2),
+    "fractional_max_pool3d": (_fractional(3), 3),
+    "max_unpool1d": (_unpool(1), 1),
+    "max_unpool2d": (_unpool(2), 2),
+    "max_unpool3d": (_unpool(3), 3),
+    "lp_pool1d": (lambda x: F.lp_pool1d(x, 2.0, 3, 2), 1),
+    "lp_pool2d": (lambda x: F.lp_pool2d(x, 3.0, 2), 2),
+    "lp_pool3d": (lambda x: F.lp_pool3d(x, 2.0, 2), 3),
+    "local_response_norm": (lambda x: F.local_response_norm(x, 2), 2),
+    "local_response_norm_3d": (lambda x: F.local_response_norm(x, 3), 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_pool_matches_torch_func(name):
+    f, nd = POOLS[name]
+    x = _x(nd)
+    if name.startswith("lp_pool"):
+        x = x.abs() + 0.5  # the p-th root is not differentiable where a window sums to 0
+    compare_with_torch_func(f, (x,), check=False)
+    check_grads(f, (x,))
+
+
+@pytest.mark.parametrize("name", ["avg_pool2d", "adaptive_avg_pool2d", "max_pool2d", "max_pool1d"])
+def test_pool_unbatched_input(name):
+    f, nd = POOLS[name]
+    compare_with_torch_func(f, (_x(nd, batched=False),), check=False)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "avg_pool2d",
+        "adaptive_avg_pool3d",
+        "max_pool2d",
+        "adaptive_max_pool2d",
+        "lp_pool2d",
+        "local_response_norm",
+        "fractional_max_pool2d",
+        "max_unpool2d",
+    ],
+)
+def test_pool_second_order(name):
+    f, nd = POOLS[name]
+    x = _x(nd).abs() + 0.5
+
+    def loss(x):
+        return (torch.tanh(f(x)) ** 2).sum()
+
+    assert_trees_close(ft.hessian(loss)(x[:1, :1]), torch.func.hessian(loss)(x[:1, :1]))
+    v = torch.randn_like(x)
+    ours = ft.grad(lambda x: (ft.grad(loss)(x) * v).sum())(x)
+    ref = torch.func.grad(lambda x: (torch.func.grad(loss)(x) * v).sum())(x)
+    assert_trees_close(ours, ref)
+    assert_trees_close(
+        ft.jvp(ft.grad(loss), (x,), (v,))[1], torch.func.jvp(torch.func.grad(loss), (x,), (v,))[1]
+    )
+
+
+@pytest.mark.parametrize("name", sorted(n for n in POOLS if not n.startswith("fractional")))
+def test_vmap_of_grad_through_pool(name):
+    f, nd = POOLS[name]
+    xs = _x(nd).abs() + 0.5  # per-example inputs are [3, *spatial]: the op's unbatched form
+
+    def loss(x):
+        return (torch.sin(f(x.unsqueeze(0))) ** 2).sum()
+
+    assert_trees_close(ft.vmap(ft.grad(loss))(xs), torch.func.vmap(torch.func.grad(loss))(xs))
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_fractional_max_pool_vmap_with_batched_samples(nd):
+    xs = torch.randn((4, 2, 3) + (5,) * nd, dtype=F64)
+    samples = torch.rand(4, 2, 3, nd, dtype=F64)
+
+    def f(x, s):
+        pool = getattr(F, f"fractional_max_pool{nd}d")
+        return pool(x, 2, output_size=3, _random_samples=s)
+
+    for in_dims in [(0, 0), (0, None)]:
+        s = samples if in_dims[1] == 0 else samples[0]
+        ours = ft.vmap(f, in_dims)(xs, s)
+        ref = torch.func.vmap(f, in_dims)(xs, s)
+        assert_trees_close(ours, ref)
+        g = ft.vmap(ft.grad(lambda x, s: f(x, s).pow(2).sum()), in_dims)(xs, s)
+        gr = torch.func.vmap(torch.func.grad(lambda x, s: f(x, s).pow(2).sum()), in_dims)(xs, s)
+        assert_trees_close(g, gr)
+
+
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        (torch.ops.aten.avg_pool2d_backward.default, ([3, 3], [2, 2], [1, 1], False, True, None)),
+        (torch.ops.aten._adaptive_avg_pool2d_backward.default, ()),
+    ],
+)
+def test_pool_backward_kernels_are_differentiable_and_batched(op, args):
+    """The avg-pool backward kernels, the transposes used by the vjp rules, are linear with
+    the forward op as their own transpose."""
+    x = _x(2)
+    fwd = F.avg_pool2d(x, 3, 2, 1) if args else F.adaptive_avg_pool2d(x, 3)
+    go = torch.randn_like(fwd)
+
+    def f(go, x):
+        return op(go, x, *args)
+
+    compare_with_torch_func(lambda go: f(go, x), (go,), check=False)
+    gos = torch.randn((3,) + tuple(go.shape), dtype=F64)
+    assert_trees_close(ft.vmap(f, (0, None))(gos, x), torch.func.vmap(f, (0, None))(gos, x))
