@@ -38,14 +38,22 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def _clock():
+    # On CPU with one torch thread every kernel runs on the calling thread, so its CPU time
+    # is the work done, and time spent preempted by other processes on a shared machine is
+    # not counted (wall time on a loaded 2-core machine varied 3-5x between rounds). CUDA:
+    # wall time after a synchronize.
+    return time.thread_time() if DEVICE == "cpu" else time.perf_counter()
+
+
 def _calibrate(fn, budget=2e-3):
     """How many calls make one timed sample last about ``budget`` seconds."""
     fn()
     _sync()
-    t0 = time.perf_counter()
+    t0 = _clock()
     fn()
     _sync()
-    t = time.perf_counter() - t0
+    t = _clock() - t0
     return max(1, min(200, int(budget / max(t, 1e-7))))
 
 
@@ -61,11 +69,11 @@ def interleaved(fns, repeats, warmup=2):
         for k, f in live.items():
             n = number[k]
             _sync()
-            t0 = time.perf_counter()
+            t0 = _clock()
             for _ in range(n):
                 f()
             _sync()
-            samples[k].append((time.perf_counter() - t0) / n)
+            samples[k].append((_clock() - t0) / n)
     return {k: (statistics.median(samples[k]) if k in samples else None) for k in fns}
 
 
@@ -494,6 +502,9 @@ def run_case(make, repeats, inductor, only=None):
         row["loop_ms"] = median_time(c["loop"], max(3, repeats // 3)) * 1e3
     if inductor:
         try:
+            # torch.compile of `tf.vmap(f)` shares one code object across rows: without a
+            # reset, dynamo's recompile limit would silently run later rows eagerly.
+            torch._dynamo.reset()
             ours_c = ft.jit(c["ours_fn"], backend="inductor")
             theirs_c = torch.compile(c["theirs_fn"])
             t0 = time.perf_counter()
@@ -560,16 +571,18 @@ def cold_start(runs=7):
     out = {}
     for name, stmt in _COLD.items():
         code = (
-            f"import time, torch\nt0 = time.perf_counter()\n{stmt}\n"
-            "print(time.perf_counter() - t0)\n"
+            "import time, torch\nt0, c0 = time.perf_counter(), time.process_time()\n"
+            f"{stmt}\nprint(time.perf_counter() - t0, time.process_time() - c0)\n"
         )
-        ts = []
+        wall, cpu = [], []
         for _ in range(runs):
             r = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, check=True
             )
-            ts.append(float(r.stdout.strip().splitlines()[-1]))
-        out[name] = statistics.median(ts)
+            w, c = map(float, r.stdout.strip().splitlines()[-1].split())
+            wall.append(w)
+            cpu.append(c)
+        out[name] = (statistics.median(wall), statistics.median(cpu))
     return out
 
 
@@ -587,9 +600,9 @@ def jit_overheads(repeats):
     jitted(params, xs, ys)
     traces = []
     for B in (9, 10, 11, 12, 13, 14, 15):
-        t0 = time.perf_counter()
+        t0 = _clock()
         jitted(params, xs[:B], ys[:B])
-        traces.append(time.perf_counter() - t0)
+        traces.append(_clock() - t0)
     return per_call, statistics.median(traces)
 
 
@@ -692,15 +705,15 @@ def render(rows, cold, per_call, trace_s, plain, ov, inductor):
         f"jit per-call overhead over calling a one-op f eagerly (`jit(torch.sin)(x)`, x of 8 "
         f"floats): {per_call * 1e6:.1f} us (target <= 10 us: {_verdict(per_call, 10e-6)}). "
         f"Tracing a new signature of the per-sample-gradient workload after the first trace "
-        f"(median of 7 batch sizes): {trace_s * 1e3:.0f} ms (target <= 150 ms: "
+        f"(median of 7 batch sizes, CPU time): {trace_s * 1e3:.0f} ms (target <= 150 ms: "
         f"{_verdict(trace_s, 0.150)}).",
         "",
         "Cold start (fresh subprocesses, after `import torch`; median of 7 runs):",
         "",
-        "| | time (ms) |",
-        "|---|---:|",
+        "| | wall time (ms) | CPU time of the process (ms) |",
+        "|---|---:|---:|",
     ]
-    lines += [f"| {k} | {v * 1e3:.1f} |" for k, v in cold.items()]
+    lines += [f"| {k} | {w * 1e3:.1f} | {c * 1e3:.1f} |" for k, (w, c) in cold.items()]
     lines += [
         "",
         f"Dispatch overhead per op per level (100 `sin` ops on a size-8 tensor, batch 4 for "
@@ -767,7 +780,7 @@ def main(argv=None):
             "eager_geomean": gm,
             "jit_per_call_overhead_us": per_call * 1e6,
             "jit_new_signature_trace_ms": trace_s * 1e3,
-            "cold_start_ms": {k: v * 1e3 for k, v in cold.items()},
+            "cold_start_ms": {k: {"wall": w * 1e3, "cpu": c * 1e3} for k, (w, c) in cold.items()},
             "dispatch_overhead_us_per_op": {
                 f"{lvl}/{lib}": v * 1e6 for (lvl, lib), v in ov.items()
             },
@@ -799,7 +812,9 @@ def main(argv=None):
             f"{meta['python']}, torch {meta['torch']}, torch.set_num_threads(1), "
             f"load average at the end of the run: {meta['load_average_end']:.1f}\n"
             f"- every time is the median over {r} interleaved rounds (each sample averages enough "
-            "calls to last ~2 ms); float32. Machine-readable: "
+            "calls to last ~2 ms) of the CPU time of the calling thread (one torch thread, so "
+            "all kernels run on it; time preempted by other processes on the shared machine is "
+            "not counted; cold start and trace times are wall time); float32. Machine-readable: "
             f"[{os.path.basename(os.path.splitext(ns.out)[0])}.json]"
             f"({os.path.basename(os.path.splitext(ns.out)[0])}.json).\n"
             "- ours: eager functransforms; jit: `ft.jit(<the same transformed function>)`, the "

@@ -455,6 +455,19 @@ def test_inductor_backend():
         raise
     _close(out, ref)
     _close(jpsg(params, xs, ys), ref)
+    with torch.no_grad():  # captured tensors stay live under inductor too
+        params["w0"].mul_(2.0)
+    _close(jpsg(params, xs, ys), psg(params, xs, ys))
+    W = torch.randn(3, 3, dtype=D)
+    jf = ft.jit(lambda x: torch.tanh(W @ x) * 2, backend="inductor")
+    x = torch.randn(3, dtype=D)
+    _close(jf(x), torch.tanh(W @ x) * 2)
+    with torch.no_grad():
+        W.add_(1.0)
+    _close(jf(x), torch.tanh(W @ x) * 2)
+    jd = ft.jit(lambda x: x.sin() * 2, backend="inductor", dynamic=True)
+    for n in (3, 7):
+        _close(jd(torch.ones(n, dtype=D)), torch.ones(n, dtype=D).sin() * 2)
 
 
 def test_docs_jit_md_examples_run():
