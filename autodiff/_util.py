@@ -172,7 +172,9 @@ class _IndexStep:
 
 def _index_scatter(base, v, positions, func):
     flat = positions.reshape(-1)
-    if positions.dtype != torch.long or flat.unique().numel() != flat.numel():
+    with torch._C._DisableTorchDispatch():  # positions are metadata: no traced read (jit)
+        overlap = positions.dtype != torch.long or flat.unique().numel() != flat.numel()
+    if overlap:
         what = op_name(func) if func is not None else "this view"
         raise NotImplementedError(
             f"an in-place write through a view made by {what} is not supported under jvp/grad: "
@@ -464,15 +466,19 @@ class InplaceMixin:
             )
         positions = None
         if root is not target:
-            n = root.untyped_storage().nbytes() // root.element_size()
-            store = torch.full((n,), -1, dtype=torch.long, device=root.device)
-            store.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
-                torch.arange(root.numel(), device=root.device).reshape(root.shape)
-            )
-            positions = store.as_strided(
-                target.shape, target.stride(), target.storage_offset()
-            ).clone()
-            if positions.device.type != "meta" and bool((positions < 0).any()):
+            # Positions depend on metadata only: computed with dispatch off, they are
+            # constants to a tracer (jit), and the check below is no data-dependent read.
+            with torch._C._DisableTorchDispatch():
+                n = root.untyped_storage().nbytes() // root.element_size()
+                store = torch.full((n,), -1, dtype=torch.long, device=root.device)
+                store.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
+                    torch.arange(root.numel(), device=root.device).reshape(root.shape)
+                )
+                positions = store.as_strided(
+                    target.shape, target.stride(), target.storage_offset()
+                ).clone()
+                outside = positions.device.type != "meta" and bool((positions < 0).any())
+            if outside:
                 raise InplaceError(
                     f"{self.call}: {name}: the target view reaches outside its base."
                 )

@@ -20,6 +20,7 @@ from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, 
 from ._autograd_function import install as _install_autograd_function  # noqa: E402
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
+from ._jit import jit
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
 from ._vmap import vmap
 
@@ -41,6 +42,7 @@ __all__ = [
     "hessian",
     "jacfwd",
     "jacrev",
+    "jit",
     "jvp",
     "linearize",
     "replace_all_batch_norm_modules_",

@@ -26,3 +26,7 @@ class InplaceError(TransformError):
 
 class FallbackWarning(UserWarning):
     """vmap ran an op through the per-example loop because it has no batching rule."""
+
+
+class JitFallbackWarning(UserWarning):
+    """jit runs a call signature eagerly because its trace would not replay faithfully."""

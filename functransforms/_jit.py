@@ -1,0 +1,961 @@
+"""``jit``: trace a (transformed) function once per call signature, replay the ATen graph.
+
+Note [Trace and replay]
+~~~~~~~~~~~~~~~~~~~~~~~
+``make_fx`` traces through our wrapper subclasses unmodified: a wrapper's
+``__torch_dispatch__`` unwraps and runs ordinary ops on what it holds, and those ops reach the
+proxy mode, so the graph of ``vmap(grad(loss))`` holds only plain ATen ops, no transform
+machinery. Replaying that graph costs what the ops cost plus one Python call per op.
+
+* A static trace runs in make_fx's *real* mode: ``f`` runs once for real, its outputs are the
+  first call's result (nothing runs twice, side effects happen once) and every host-side check
+  of the library (vmap's ``randomness='error'`` RNG snapshot, shape checks) behaves as eagerly.
+* ``dynamic=True`` traces with symbolic shapes (fake tensors, nothing runs); the first result
+  comes from replaying the graph. The shape environment's guards are compiled into one
+  expression checked per call, so one graph serves every batch size that satisfies them.
+
+Note [Jit fallbacks]
+~~~~~~~~~~~~~~~~~~~~
+A graph replays faithfully only if nothing in ``f`` depended on tensor *values* on the host.
+``_Watch``, a dispatch mode pushed on top of make_fx's for the duration of the trace, sees the
+user's ops and records the first one that reads values (``.item()``, ``bool(x)``,
+``torch.equal``; tag ``data_dependent_output``) or makes a data-dependent shape (``nonzero``,
+``masked_select``, boolean indexing; tag ``dynamic_output_shape``), with the user's source line,
+and a change of grad mode around tensors that require grad (``torch.no_grad()`` blocks and
+``autograd.Function`` inside ``f``: a replayed ATen graph would not keep them). A scan of the
+finished graph is the safety net for ops issued deeper down. Such a signature is recorded as
+*eager*: ``f`` runs as is for it from then on, with one ``JitFallbackWarning``; no graph that
+would replay wrongly is ever cached. In real mode the trace has already computed the right
+result (data-dependent reads return real values, ``_error_on_data_dependent_ops=False``), so
+the first call is not run twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import linecache
+import operator
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from . import _core
+from ._pytree import tree_flatten, tree_unflatten
+from .errors import JitFallbackWarning
+
+__all__ = ["jit", "CacheInfo"]
+
+_Tensor = torch.Tensor
+_DDO = torch.Tag.data_dependent_output
+_DYN = torch.Tag.dynamic_output_shape
+_RANDOM = torch.Tag.nondeterministic_seeded
+aten = torch.ops.aten
+
+
+class CacheInfo(NamedTuple):
+    """Counters of a jitted function (``jitted.cache_info()``).
+
+    ``hits``: calls served by replaying a cached graph. ``misses``: calls that traced a new
+    signature. ``fallbacks``: calls that ran ``f`` eagerly because their signature cannot be
+    traced faithfully (the first of them is also a miss). ``currsize``: signatures cached
+    (graphs and eager markers), at most ``maxsize``.
+    """
+
+    hits: int
+    misses: int
+    fallbacks: int
+    maxsize: int
+    currsize: int
+
+
+class _Tracing(threading.local):
+    active = False
+
+
+_tracing = _Tracing()
+_EAGER = object()  # cache value of a signature that runs eagerly (Note [Jit fallbacks])
+
+
+# ------------------------------------------------------------------------------------------
+# Signatures
+
+
+def _tensor_key(t):
+    # is_conj/is_neg only matter (and only can be set) for complex and negative views.
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def _leaf_key(x):
+    if isinstance(x, float):
+        return (float, x.hex())  # -0.0 and nan are values of their own
+    try:
+        hash(x)
+    except TypeError:
+        return None
+    return (type(x), x)
+
+
+def _dyn_tensor_key(t):
+    return (t.dim(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def _globals_key():
+    return (
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The watch mode (Note [Jit fallbacks])
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep for p in (torch.__file__, __file__)
+) + tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (
+        __import__("functransforms.autodiff", fromlist=["_"]),
+        __import__("functransforms.batching", fromlist=["_"]),
+    )
+)
+
+
+def _user_line() -> str:
+    """The innermost frame outside torch and functransforms, as ``file:line: source``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if not fname.startswith("<") and not os.path.abspath(fname).startswith(_LIBRARY_DIRS):
+            src = linecache.getline(fname, frame.f_lineno).strip()
+            return f"{fname}:{frame.f_lineno} (in {frame.f_code.co_name}): {src}"
+        frame = frame.f_back
+    return "<unknown line>"
+
+
+def _bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _data_dependent(func, args) -> str | None:
+    """Why replaying ``func`` could differ from running it, or None."""
+    tags = func.tags
+    if _DDO in tags or func is aten.is_nonzero.default:
+        return "reads a tensor value on the host (`.item()`, `bool(x)`, `if x > 0:`)"
+    if _DYN in tags:
+        if func is aten.index.Tensor and not _bool_index(args):
+            return None
+        return "makes a tensor whose shape depends on tensor values"
+    return None
+
+
+class _Watch(TorchDispatchMode):
+    """Sees the user's ops during a trace; records the first reason the trace is unfaithful."""
+
+    def __init__(self, symbolic: bool, grad_mode: bool):
+        super().__init__()
+        self.symbolic = symbolic
+        self.grad_mode = grad_mode
+        self.reason = None
+        self.devices = set()
+
+    def _traced(self, flat):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
+
+        mode = get_proxy_mode()
+        for t in flat:
+            if isinstance(t, _Tensor) and (
+                isinstance(t, _core.TransformTensor)
+                or (mode is not None and has_proxy_slot(t, mode.tracer))
+                or isinstance(t, torch._subclasses.FakeTensor)
+            ):
+                return True
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.reason is None:
+            why = _data_dependent(func, args)
+            if why is not None:
+                flat = torch.utils._pytree.arg_tree_leaves(*args, **kwargs)
+                if self._traced(flat):
+                    self.reason = f"{_op_name(func)} {why}", _user_line()
+            elif torch.is_grad_enabled() != self.grad_mode:
+                flat = torch.utils._pytree.arg_tree_leaves(*args, **kwargs)
+                if any(isinstance(t, _Tensor) and t.requires_grad for t in flat):
+                    self.reason = (
+                        f"{_op_name(func)} runs with torch grad mode "
+                        f"{'on' if torch.is_grad_enabled() else 'off'} inside f "
+                        "(torch.no_grad()/enable_grad() or an autograd.Function) on tensors "
+                        "that require grad; a replayed graph would not keep that region",
+                        _user_line(),
+                    )
+        if self.symbolic and _RANDOM in func.tags:
+            self._advance_rng(args, kwargs)
+        return func(*args, **kwargs)
+
+    def _advance_rng(self, args, kwargs):
+        # Fake random ops draw nothing, so vmap's randomness='error' snapshot would not see
+        # them. Advance the real generator (restored after the trace) so it does.
+        dev = kwargs.get("device")
+        if dev is None:
+            dev = next((a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu"))
+        dev = torch.device(dev)
+        with _disable_current_modes():
+            torch.rand(1, device=dev)
+        self.devices.add(dev.type)
+
+
+_HOST_READS = {
+    torch.Tensor.tolist: "`.tolist()` reads tensor values on the host",
+    torch.Tensor.numpy: "`.numpy()` reads tensor values on the host",
+    torch.Tensor.__array__: "converting to a NumPy array reads tensor values on the host",
+    torch.Tensor.data_ptr: "`.data_ptr()` depends on the memory of one call",
+}
+
+
+class _WatchFunctions(torch.overrides.TorchFunctionMode):
+    """Host reads that never reach the dispatcher (``tolist`` copies memory directly)."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        why = _HOST_READS.get(func)
+        if why is not None and self.watch.reason is None and self.watch._traced(args[:1]):
+            self.watch.reason = why, _user_line()
+        return func(*args, **(kwargs or {}))
+
+
+def _op_name(func) -> str:
+    return f"aten.{func.__name__}" if hasattr(func, "__name__") else str(func)
+
+
+def _scan(gm) -> str | None:
+    """The safety net behind ``_Watch``: a data-dependent op anywhere in the graph."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+            if node.target is aten.index.Tensor:
+                args[1] = [
+                    i.meta.get("val") if isinstance(i, torch.fx.Node) else i for i in node.args[1]
+                ]
+            why = _data_dependent(node.target, args)
+            if why is not None:
+                return f"{_op_name(node.target)} {why}", "inside the library (no user line)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# Graph clean-up: dead code and constant folding
+
+
+def _impure(node) -> bool:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or _RANDOM in t.tags  # a dead draw still advances the RNG
+    return node.is_impure()
+
+
+def _roots(graph):
+    """Map each node to the node that owns its memory (views and in-place results alias)."""
+    root = {}
+    for node in graph.nodes:
+        r = node
+        t = node.target
+        if node.op == "call_function":
+            if t is operator.getitem:
+                r = root.get(node.args[0], node)
+            elif isinstance(t, torch._ops.OpOverload) and node.args:
+                first = node.args[0]
+                alias = t._schema.returns and t._schema.returns[0].alias_info is not None
+                if alias and isinstance(first, torch.fx.Node):
+                    r = root.get(first, first)
+                elif isinstance(first, (list, tuple)) and alias and first:
+                    r = root.get(first[0], first[0])
+        root[node] = r
+    return root
+
+
+_LIKE = {
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
+def _fold_constants(gm, dynamic: bool) -> int:
+    """Evaluate subgraphs built only from factory ops once; return how many nodes it replaced.
+
+    Captured tensors (``get_attr``) are never folded: they are live references, so an in-place
+    update of a weight after tracing is seen by the next replay. Nothing that is written in
+    place, or returned (or a view of either), is folded: a folded tensor is shared by every
+    replay.
+    """
+    graph = gm.graph
+    root = _roots(graph)
+    written = set()
+    for node in graph.nodes:
+        t = node.target
+        if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+            for a, arg in zip(t._schema.arguments, node.args):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    for n in arg if isinstance(arg, (list, tuple)) else (arg,):
+                        if isinstance(n, torch.fx.Node):
+                            written.add(root.get(n, n))
+            for k, arg in node.kwargs.items():
+                if isinstance(arg, torch.fx.Node) and k == "out":
+                    written.add(root.get(arg, arg))
+        elif node.op == "output":
+            for n in node.all_input_nodes:
+                written.add(root.get(n, n))
+    foldable = {}
+    for node in graph.nodes:
+        t = node.target
+        if node.op != "call_function" or root[node] in written:
+            continue
+        if t is operator.getitem:
+            if node.args[0] in foldable:
+                foldable[node] = None
+            continue
+        if not isinstance(t, torch._ops.OpOverload) or _RANDOM in t.tags or t._schema.is_mutable:
+            continue
+        inputs = node.all_input_nodes
+        if t in _LIKE and not dynamic:
+            ok = (
+                bool(node.args)
+                and isinstance(node.args[0], torch.fx.Node)
+                and all(i in foldable for i in inputs[1:])
+            )
+        else:
+            ok = all(i in foldable for i in inputs)  # no inputs at all: a factory
+        if ok:
+            foldable[node] = None
+    if not foldable:
+        return 0
+    env = {}
+    with _disable_current_modes(), torch.no_grad():
+        for node in foldable:
+            if node.target in _LIKE and not dynamic:
+                like = node.args[0].meta.get("val")
+                if not isinstance(like, _Tensor):
+                    continue
+                like = torch.empty_strided(
+                    like.shape, like.stride(), dtype=like.dtype, device=like.device
+                )
+                args = (like,) + tuple(node.args[1:])
+            else:
+                if any(i not in env for i in node.all_input_nodes):
+                    continue
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            env[node] = node.target(*args, **kwargs)
+    replaced = 0
+    for node, value in env.items():
+        if not isinstance(value, _Tensor):
+            continue
+        if all(u in env for u in node.users):
+            continue  # an inner node of a folded subgraph
+        name = f"_folded_{replaced}"
+        setattr(gm, name, value)
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx's owning-module check misses setattr'd tensors
+            attr = graph.get_attr(name)
+        node.replace_all_uses_with(attr)
+        replaced += 1
+    return replaced
+
+
+def _outer_products(gm) -> int:
+    """``bmm``/``mm`` with a contraction of length 1 is an outer product: rewrite it as a
+    broadcasting ``mul`` (bit-identical: one product per element, nothing summed), 3-4x
+    faster on CPU. vmap of ``x[:, None] @ y[None]`` (per-sample weight gradients) makes them."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (aten.bmm.default, aten.mm.default):
+            a, b = (x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in node.args)
+            if isinstance(a, _Tensor) and isinstance(b, _Tensor):
+                if any(type(d) is not int for t in (a, b) for d in (*t.shape, *t.stride())):
+                    continue  # symbolic shapes: leave it
+                if a.shape[-1] == 1 and a.dtype == b.dtype and not a.is_complex():
+                    # Same layout as the matmul's result, or later views could fail.
+                    def meta(t):
+                        return torch.empty_strided(
+                            t.shape, t.stride(), dtype=t.dtype, device="meta"
+                        )
+
+                    out = node.meta.get("val")
+                    with _disable_current_modes():
+                        prod = aten.mul.Tensor(meta(a), meta(b))
+                    if isinstance(out, _Tensor) and prod.stride() == out.stride():
+                        node.target = aten.mul.Tensor
+                        n += 1
+    return n
+
+
+_RESHAPES = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.reshape.default,
+    aten.alias.default,
+}
+
+
+def _noop_views(gm) -> int:
+    """Drop views to the same shape and strides (vmap's batching of matmul emits
+    ``expand``/``view`` pairs that change nothing): each costs a dispatch per replay. Kept
+    when returned (the caller may rely on a fresh alias) or used by a mutating op (metadata
+    mutations such as ``t_`` would reach the base)."""
+    n = 0
+    outputs = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs = set(node.all_input_nodes)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _RESHAPES or node in outputs:
+            continue
+        src = node.args[0]
+        a, b = src.meta.get("val"), node.meta.get("val")
+        if not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
+            continue
+        if any(type(d) is not int for d in (*a.shape, *b.shape)):
+            continue  # symbolic shapes: equality would add a guard
+        if (
+            a.shape != b.shape
+            or a.stride() != b.stride()
+            or a.storage_offset() != b.storage_offset()
+        ):
+            continue
+        if any(
+            isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+            for u in node.users
+        ):
+            continue
+        node.replace_all_uses_with(src)
+        n += 1
+    return n
+
+
+def _clean(gm, dynamic: bool):
+    _outer_products(gm)
+    _noop_views(gm)
+    _fold_constants(gm, dynamic)
+    gm.graph.eliminate_dead_code(is_impure_node=_impure)
+    gm.graph.lint()
+    for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
+        if not dynamic:
+            node.meta.pop("val", None)
+        node.meta.pop("tensor_meta", None)
+    gm.recompile()
+    # Attributes the graph no longer reads (folded-away inputs) are dropped.
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in list(vars(gm)):
+        if name.startswith(("_tensor_constant", "_folded_")) and name not in used:
+            delattr(gm, name)
+
+
+def _python_forward(gm):
+    """A flat Python function that runs the graph: each ATen op called through its C++ entry
+    (``OpOverload._op``, ~0.7 us/op cheaper than ``torch.ops.aten.x.y(...)``), intermediates
+    dropped after their last use, captured tensors bound as the live objects themselves."""
+    glob = {}
+    names = {}
+    consts = {}
+
+    def const(v):
+        if (
+            v is None
+            or isinstance(v, (bool, int, str))
+            or (isinstance(v, float) and v == v and v not in (float("inf"), float("-inf")))
+        ):
+            return repr(v)
+        key = id(v)
+        if key not in consts:
+            consts[key] = f"_c{len(consts)}"
+            glob[consts[key]] = v
+        return consts[key]
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return names[a]
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k!r}: {arg(v)}" for k, v in a.items()) + "}"
+        return const(a)
+
+    nodes = list(gm.graph.nodes)
+    last_use = {}
+    for i, node in enumerate(nodes):
+        for inp in node.all_input_nodes:
+            last_use[inp] = i
+    params, body = [], []
+    for i, node in enumerate(nodes):
+        name = f"v{i}"
+        names[node] = name
+        if node.op == "placeholder":
+            params.append(name)
+            continue
+        if node.op == "get_attr":
+            glob[f"_a{i}"] = getattr(gm, node.target)
+            body.append(f"{name} = _a{i}")
+        elif node.op == "call_function":
+            t = node.target
+            fn = t._op if isinstance(t, torch._ops.OpOverload) else t
+            glob[f"_f{i}"] = fn
+            pieces = [arg(a) for a in node.args]
+            pieces += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
+            body.append(f"{name} = _f{i}({', '.join(pieces)})")
+        elif node.op == "output":
+            body.append(f"return {arg(node.args[0])}")
+            break
+        else:
+            return gm.forward  # call_module/call_method: not made by make_fx; use FX's code
+        dead = [names[n] for n in node.all_input_nodes if last_use.get(n) == i]
+        if dead:
+            body.append(" = ".join(sorted(set(dead))) + " = None")
+    src = f"def forward({', '.join(params)}):\n    " + "\n    ".join(body) + "\n"
+    exec(compile(src, "<jit replay>", "exec"), glob)  # noqa: S102 - our own generated code
+    fn = glob["forward"]
+    fn.__jit_source__ = src
+    return fn
+
+
+# ------------------------------------------------------------------------------------------
+# The jitted function
+
+
+class _Entry:
+    __slots__ = ("gm", "run", "out_spec", "out_consts", "guard", "n_out", "alias")
+
+    def __init__(self, gm, run, out_spec, out_consts, guard=None, alias=None):
+        self.gm = gm
+        self.run = run
+        self.out_spec = out_spec
+        self.out_consts = out_consts  # None if every output leaf is a tensor
+        self.guard = guard
+        self.alias = alias
+
+
+def _alias_pattern(tensors):
+    seen = {}
+    return tuple(seen.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
+
+
+def _mutates_inputs(gm) -> bool:
+    root = _roots(gm.graph)
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+            for a, arg in zip(t._schema.arguments, node.args):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    if isinstance(arg, torch.fx.Node) and root.get(arg, arg).op == "placeholder":
+                        return True
+    return False
+
+
+class Jitted:
+    """The callable that :func:`jit` returns. See :func:`jit`."""
+
+    def __init__(self, f, backend, dynamic, cache_size):
+        self.f = f
+        self.backend = backend
+        self.dynamic = dynamic
+        self.cache_size = cache_size
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._hits = self._misses = self._fallbacks = 0
+        functools.update_wrapper(self, f)
+
+    def __repr__(self):
+        name = getattr(self.f, "__qualname__", self.f)
+        return f"jit({name!r}, backend={self.backend!r}, dynamic={self.dynamic})"
+
+    # -- public helpers
+    def cache_info(self) -> CacheInfo:
+        """Hit/miss/fallback counters and the cache size (see :class:`CacheInfo`)."""
+        size = sum(len(v) if isinstance(v, list) else 1 for v in self._cache.values())
+        return CacheInfo(self._hits, self._misses, self._fallbacks, self.cache_size, size)
+
+    def cache_clear(self) -> None:
+        """Forget every traced signature and reset the counters."""
+        self._cache.clear()
+        self._hits = self._misses = self._fallbacks = 0
+
+    def graph(self, *args, **kwargs) -> torch.fx.GraphModule:
+        """The FX graph (plain ATen ops) that a call with these arguments replays.
+
+        Traces (runs ``f`` once) if the signature is new. Raises ``ValueError`` if the
+        signature runs eagerly (Note [Jit fallbacks]): there is no faithful graph.
+        """
+        key, tensors, rebuild = self._signature(args, kwargs)
+        if key is None:
+            raise ValueError(
+                f"{self!r}.graph(...): an argument is not hashable, so f runs eagerly."
+            )
+        entry = self._lookup(key, tensors)
+        if entry is None:
+            self._misses += 1
+            entry, _ = self._trace(key, tensors, rebuild)
+        if entry is _EAGER:
+            raise ValueError(
+                f"{self!r}.graph(...): this call signature runs eagerly (it cannot be traced "
+                "faithfully; the JitFallbackWarning said why), so there is no graph."
+            )
+        return entry.gm
+
+    # -- calling
+    def __call__(self, *args, **kwargs):
+        if _core._state.stack or _tracing.active or torch._C._len_torch_dispatch_stack():
+            # Inside a transform, another trace, or a dispatch mode: run f as is (correct,
+            # and the enclosing trace, if any, records its ops).
+            return self.f(*args, **kwargs)
+        if not kwargs and not self.dynamic:
+            # Fast path: a flat tuple of plain tensors.
+            for a in args:
+                if type(a) is not _Tensor:
+                    break
+            else:
+                key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
+                entry = self._cache.get(key)
+                if entry is not None and entry is not _EAGER and entry.alias is None:
+                    self._cache.move_to_end(key)
+                    self._hits += 1
+                    out = entry.run(*args)
+                    if entry.out_spec is None:
+                        return out[0]
+                    return self._unflatten(entry, out)
+        key, tensors, rebuild = self._signature(args, kwargs)
+        if key is None:
+            self._fallbacks += 1
+            return self.f(*args, **kwargs)
+        entry = self._lookup(key, tensors)
+        if entry is _EAGER:
+            self._fallbacks += 1
+            return self.f(*args, **kwargs)
+        if entry is not None:
+            self._hits += 1
+            out = entry.run(*tensors)
+            if entry.out_spec is None:
+                return out[0]
+            return self._unflatten(entry, out)
+        self._misses += 1
+        entry, result = self._trace(key, tensors, rebuild)
+        return result
+
+    @staticmethod
+    def _unflatten(entry, out):
+        leaves = out
+        if entry.out_consts is not None:
+            it = iter(out)
+            leaves = [next(it) if c is _TENSOR else c for c in entry.out_consts]
+        return tree_unflatten(entry.out_spec, leaves)
+
+    def _signature(self, args, kwargs):
+        """``(key, tensor leaves, rebuild)``; key None if a leaf is not hashable."""
+        if not kwargs and all(type(a) is _Tensor for a in args):
+            tensors = list(args)
+            spec, consts = None, None
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            tensors, consts = [], []
+            for x in leaves:
+                if isinstance(x, _Tensor):
+                    tensors.append(x)
+                    consts.append(_TENSOR)
+                else:
+                    k = _leaf_key(x)
+                    if k is None:
+                        return None, None, None
+                    consts.append(k)
+            consts = tuple(consts)
+            values = [None if isinstance(x, _Tensor) else x for x in leaves]
+        tkey = _dyn_tensor_key if self.dynamic else _tensor_key
+        key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+
+        def rebuild(ts):
+            if spec is None:
+                return tuple(ts), {}
+            it = iter(ts)
+            leaves = [next(it) if c is _TENSOR else v for c, v in zip(consts, values)]
+            return tree_unflatten(spec, leaves)
+
+        return key, tensors, rebuild
+
+    def _lookup(self, key, tensors):
+        entry = self._cache.get(key)
+        if entry is None or entry is _EAGER:
+            if entry is not None:
+                self._cache.move_to_end(key)
+            return entry
+        self._cache.move_to_end(key)
+        if isinstance(entry, list):  # dynamic: guarded graphs
+            for e in entry:
+                if e.guard(tensors) and (e.alias is None or e.alias == _alias_pattern(tensors)):
+                    return e
+            return None
+        if entry.alias is not None and entry.alias != _alias_pattern(tensors):
+            return None
+        return entry
+
+    def _store(self, key, entry):
+        if self.dynamic and entry is not _EAGER:
+            lst = self._cache.get(key)
+            if not isinstance(lst, list):
+                lst = self._cache[key] = []
+            lst.append(entry)
+        else:
+            self._cache[key] = entry
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    # -- tracing
+    def _trace(self, key, tensors, rebuild):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        grad_mode = torch.is_grad_enabled()
+        watch = _Watch(self.dynamic, grad_mode)
+        box = {}
+
+        def flat_fn(*ts):
+            args, kwargs = rebuild(ts)
+            with watch, _WatchFunctions(watch):
+                out = self.f(*args, **kwargs)
+            box["out"] = out
+            leaves, spec = tree_flatten(out)
+            box["spec"] = spec
+            box["consts"] = [x if not isinstance(x, _Tensor) else _TENSOR for x in leaves]
+            return [x for x in leaves if isinstance(x, _Tensor)]
+
+        rng = _rng_state()
+        alias = _alias_pattern(tensors)
+        _tracing.active = True
+        try:
+            with _metadata_context(self.dynamic):
+                gm = make_fx(
+                    flat_fn,
+                    tracing_mode="symbolic" if self.dynamic else "real",
+                    _error_on_data_dependent_ops=False,
+                )(*tensors)
+        except Exception as e:  # noqa: BLE001 - classified below
+            _tracing.active = False
+            if not self.dynamic and not _trace_machinery_error(e):
+                raise  # f itself raised, exactly as it would eagerly
+            _set_rng_state(rng)
+            args, kwargs = rebuild(tensors)
+            result = self.f(*args, **kwargs)  # raises f's own error, if it is one
+            reason = (
+                f"tracing raised {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                _user_line_of(e),
+            )
+            self._fallback(key, reason)
+            return _EAGER, result
+        finally:
+            _tracing.active = False
+        reason = watch.reason or _scan(gm)
+        if reason is None and self.dynamic:
+            sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
+            if any(isinstance(c, sym) for c in box["consts"]):
+                reason = ("f returns a Python number computed from a symbolic size", "its return")
+        if self.dynamic:
+            _set_rng_state(rng)
+        if reason is not None:
+            self._fallback(key, reason)
+            if self.dynamic:  # nothing ran for real yet
+                args, kwargs = rebuild(tensors)
+                return _EAGER, self.f(*args, **kwargs)
+            return _EAGER, box["out"]
+        guard = _compile_guard(gm, len(tensors)) if self.dynamic else None
+        _clean(gm, self.dynamic)
+        run = _python_forward(gm)
+        if self.backend == "inductor":
+            run = _inductor(gm, tensors, self.dynamic)
+        elif callable(self.backend):
+            run = self.backend(gm, tensors)
+        spec = box["spec"]
+        consts = box["consts"]
+        single = spec.num_leaves == 1 and spec.is_leaf() and consts[0] is _TENSOR
+        entry = _Entry(
+            gm,
+            run,
+            None if single else spec,
+            None if all(c is _TENSOR for c in consts) else consts,
+            guard,
+            alias if _mutates_inputs(gm) else None,
+        )
+        self._store(key, entry)
+        if self.dynamic or self.backend is not None:
+            out = run(*tensors)
+            return entry, out[0] if entry.out_spec is None else self._unflatten(entry, out)
+        return entry, box["out"]
+
+    def _fallback(self, key, reason):
+        self._fallbacks += 1
+        self._store(key, _EAGER)
+        what, where = reason
+        warnings.warn(
+            f"{self!r}: this call signature runs eagerly from now on, because the trace cannot "
+            f"be replayed faithfully: {what}, at {where}. Make the value a Python argument (it "
+            "becomes part of the signature), or compute the data-dependent part outside jit.",
+            JitFallbackWarning,
+            stacklevel=4,
+        )
+
+
+_TENSOR = object()  # marks a tensor leaf among the non-tensor leaves of a signature
+
+
+def _inductor(gm, tensors, dynamic):
+    """Inductor on the cleaned graph. Static shapes go straight to ``compile_fx`` (what
+    ``torch.compile`` calls after dynamo): no dynamo guards per call, ~30 us less on small
+    workloads. Symbolic graphs, or a graph compile_fx refuses, go through ``torch.compile``."""
+    if not dynamic:
+        try:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, list(tensors))
+        except Exception as e:  # noqa: BLE001 - the general path below still works
+            warnings.warn(
+                f"jit: inductor's compile_fx refused the graph ({e}); using torch.compile",
+                stacklevel=2,
+            )
+    return torch.compile(gm, backend="inductor", dynamic=dynamic)
+
+
+def _metadata_context(dynamic: bool):
+    """A real-mode trace records each node's metadata as a fake tensor, and without a fake
+    mode in the tracing context make_fx builds a new ``FakeTensorMode`` per node (each
+    capturing a Python stack: ~40% of a trace). One shared mode per trace."""
+    if dynamic:
+        return contextlib.nullcontext()
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
+
+
+def _trace_machinery_error(e) -> bool:
+    """True if ``e`` is make_fx failing to trace, not ``f`` failing to run."""
+    mod = type(e).__module__ or ""
+    return mod.startswith(("torch.fx", "torch._subclasses", "torch._dynamo")) or "tracing" in str(e)
+
+
+def _user_line_of(e) -> str:
+    tb = e.__traceback__
+    line = "<unknown line>"
+    while tb is not None:
+        fname = tb.tb_frame.f_code.co_filename
+        if not fname.startswith("<") and not os.path.abspath(fname).startswith(_LIBRARY_DIRS):
+            src = linecache.getline(fname, tb.tb_lineno).strip()
+            line = f"{fname}:{tb.tb_lineno} (in {tb.tb_frame.f_code.co_name}): {src}"
+        tb = tb.tb_next
+    return line
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _compile_guard(gm, n):
+    """One compiled Python expression over the inputs' sizes/strides (Note [Trace and replay])."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    shape_env = getattr(gm, "shape_env", None)
+    placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    code = None
+    if shape_env is not None:
+        code = shape_env.produce_guards_expression(placeholders, ignore_static=False)
+    if not code:
+        return lambda tensors: True
+    src = compile(code.replace("L['", "").replace("']", ""), "<jit guard>", "eval")
+    glob = dict(SYMPY_INTERP)
+
+    def guard(tensors):
+        return bool(eval(src, glob, {f"t{i}": t for i, t in enumerate(tensors)}))  # noqa: S307
+
+    return guard
+
+
+def jit(
+    f: Callable | None = None,
+    *,
+    backend: str | Callable | None = None,
+    dynamic: bool = False,
+    cache_size: int = 64,
+) -> Any:
+    """Trace ``f`` once per call signature into a graph of ATen ops, and replay it.
+
+    ``f`` is any composition of this library's transforms or a plain function of pytrees of
+    tensors. The first call with a new *signature* (pytree structure; each tensor's shape,
+    strides, dtype, device and requires_grad; the value of every non-tensor leaf; grad mode,
+    default dtype and deterministic-algorithms mode) runs ``f`` once under ``make_fx`` and
+    records the ATen ops it issues; later calls with that signature replay the recorded graph,
+    with no transform machinery left. See docs/jit.md.
+
+    Args:
+        f: the function to trace. Also usable as ``@jit`` or ``@jit(dynamic=True)``.
+        backend: ``None`` replays the graph eagerly (op by op); ``"inductor"`` hands it to
+            ``torch.compile``; a callable ``backend(graph_module, example_tensors)`` returns
+            the function to call with the flat tensor arguments.
+        dynamic: trace with symbolic shapes, so one graph serves every size that satisfies
+            the shape guards met while tracing (e.g. every batch size).
+        cache_size: how many signatures to keep (least recently used first out).
+
+    Returns:
+        A callable with ``f``'s signature, plus ``cache_info()``, ``cache_clear()`` and
+        ``graph(*args, **kwargs)`` (the FX graph a call with those arguments replays).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> loss = lambda w, x: (x @ w).tanh().sum()
+        >>> psg = ft.jit(ft.vmap(ft.grad(loss), in_dims=(None, 0)))
+        >>> w, xs = torch.randn(3), torch.randn(8, 3)
+        >>> psg(w, xs).shape                      # [8, 3]: traced, then the result
+        torch.Size([8, 3])
+        >>> torch.allclose(psg(w, xs), ft.vmap(ft.grad(loss), in_dims=(None, 0))(w, xs))
+        True
+        >>> psg.cache_info()
+        CacheInfo(hits=1, misses=1, fallbacks=0, maxsize=64, currsize=1)
+    """
+    if backend not in (None, "eager", "inductor") and not callable(backend):
+        raise ValueError(
+            f"jit(f, backend={backend!r}): expected None (replay the graph), 'inductor' "
+            "(torch.compile) or a callable backend(graph_module, example_tensors)."
+        )
+    if not isinstance(cache_size, int) or cache_size < 1:
+        raise ValueError(f"jit(f, cache_size={cache_size!r}): expected a positive int.")
+    if backend == "eager":
+        backend = None
+
+    def make(fn):
+        if not callable(fn):
+            raise TypeError(f"jit(f): expected a callable f, received {type(fn).__name__}.")
+        return Jitted(fn, backend, dynamic, cache_size)
+
+    return make if f is None else make(f)
