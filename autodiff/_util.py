@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from functransforms._core import TransformTensor
 from functransforms._ops import op_name, positional_with_defaults
@@ -292,9 +293,12 @@ def _give_back(obj, holder):
     ``obj`` becomes a new tensor on the same storage, not a view of ``holder``: once the holder
     is gone (the usual case) ``obj`` owns its memory alone and can be promoted again by a later
     call; while someone keeps the holder (``out = buf.add_(x)``), both see the same memory."""
-    alias = holder.new_empty(0).set_(
-        holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
-    )
+    # bookkeeping of a user's Python object, not part of the computation: no mode (a jit trace,
+    # an audit) may see it
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        alias = holder.new_empty(0).set_(
+            holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
+        )
     _swap(obj, alias)
 
 

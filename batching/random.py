@@ -55,6 +55,12 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
+def _jit_tracing():
+    from functransforms._jit import _tracing
+
+    return _tracing.active
+
+
 def _dropout_p_position(op):
     for i, a in enumerate(op._schema.arguments):
         if a.name == "dropout_p":
@@ -67,8 +73,9 @@ def _random_op_kernel(op):
 
     def random_op_in_error_vmap(*args, **kwargs):
         # under a tracing/fake dispatch mode (torch.compile's pattern tracing, FakeTensor) the
-        # call records a graph, it does not draw
-        draws = not _dispatch_modes()
+        # call records a graph, it does not draw; functransforms.jit's trace is replayed, so
+        # its recorded draw is a real one
+        draws = not _dispatch_modes() or _jit_tracing()
         if draws and p_at is not None:
             p = args[p_at] if len(args) > p_at else kwargs.get("dropout_p", 0.0)
             draws = p > 0
