@@ -1,6 +1,7 @@
 """Core performance suite: functransforms (eager and jit) vs torch.func vs hand-written code.
 
     python benchmarks/bench_core.py [--quick] [--no-inductor] [--out docs/performance.md]
+    python benchmarks/bench_core.py --per-op    # per-op dispatch cost of sin and mm only
 
 Single-threaded (torch.set_num_threads(1)); every number is the median over repeats, and the
 columns of one row are timed interleaved (one call of each per round), so a load spike hits
@@ -636,6 +637,53 @@ def dispatch_overhead(repeats):
     return plain / 100, rows
 
 
+def per_op_dispatch(repeats):
+    """Per-op cost of ``sin`` and ``mm`` under vmap, grad and vmap(grad): (time of 100 ops under
+    the transform - 100 plain ops on the same per-example values) / 100, in seconds. grad counts
+    the forward op and its backward rule; vmap(grad) the same, batched (batch 4)."""
+    g = torch.Generator().manual_seed(0)
+    x, xb = _randn(8, g=g), _randn(4, 8, g=g)
+    m, mb = _randn(4, 4, g=g) * 0.3, _randn(4, 4, 4, g=g) * 0.3
+    w = _randn(4, 4, g=g) * 0.3
+
+    def sins(x):
+        for _ in range(100):
+            x = torch.sin(x)
+        return x
+
+    def mms(x):
+        for _ in range(100):
+            x = torch.mm(x, w)
+        return x
+
+    out = {}
+    for op, f, a, ab in (("sin", sins, x, xb), ("mm", mms, m, mb)):
+        loss = lambda v, f=f: f(v).sum()  # noqa: E731
+        t = interleaved(
+            {
+                "plain": lambda f=f, a=a: f(a),
+                "vmap": lambda f=f, ab=ab: ft.vmap(f)(ab),
+                "grad": lambda loss=loss, a=a: ft.grad(loss)(a),
+                "vmap(grad)": lambda loss=loss, ab=ab: ft.vmap(ft.grad(loss))(ab),
+            },
+            repeats,
+        )
+        for k in ("vmap", "grad", "vmap(grad)"):
+            out[(op, k)] = (t[k] - t["plain"]) / 100
+    return out
+
+
+def render_per_op(per_op):
+    lines = [
+        "| op | vmap (us/op) | grad (us/op) | vmap(grad) (us/op) |",
+        "|---|---:|---:|---:|",
+    ]
+    for op in ("sin", "mm"):
+        cells = " | ".join(f"{per_op[(op, k)] * 1e6:.1f}" for k in ("vmap", "grad", "vmap(grad)"))
+        lines.append(f"| {op} | {cells} |")
+    return "\n".join(lines)
+
+
 def _ms(t):
     return "-" if t is None else f"{t:.3f}"
 
@@ -752,8 +800,18 @@ def main(argv=None):
     ap.add_argument("--no-inductor", action="store_true", help="skip the torch.compile columns")
     ap.add_argument("--only", default=None, help="run the workloads whose key contains this")
     ap.add_argument("--out", default=None, help="write the report (markdown) to this file")
+    ap.add_argument(
+        "--per-op",
+        action="store_true",
+        help="only the per-op dispatch cost of sin and mm under vmap, grad and vmap(grad)",
+    )
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if ns.per_op:
+        per_op = per_op_dispatch(21 if ns.quick else 61)
+        print(json.dumps({f"{op}/{k}": v * 1e6 for (op, k), v in per_op.items()}))
+        print(render_per_op(per_op))
+        return
     r = 5 if ns.quick else 21
     inductor = not ns.no_inductor
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
