@@ -1,4 +1,5 @@
-"""The two derivative registries, keyed by ``OpOverload``, and the rule-shape helpers.
+"""The two derivative registries, keyed by ``OpOverload`` (``make_registry``, Note [One record
+per op] in functransforms/_ops.py), and the decorators that fill them.
 
 Frozen rule signatures::
 
@@ -15,66 +16,37 @@ argument. Complex conventions: docs/complex.md.
 
 from __future__ import annotations
 
-JVP_RULES: dict = {}
-VJP_RULES: dict = {}
+from functransforms._ops import make_registry
+from functransforms.errors import MissingRuleError, missing_rule
+
+JVP_RULES = make_registry("jvp")
+VJP_RULES = make_registry("vjp")
 # Ops whose value under grad is computed by another function than the op itself: the lazy
 # conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]).
-VJP_FORWARD: dict = {}
+VJP_FORWARD = make_registry("vjp_forward", slot="vjp_forward")
 
-
-def _register(table, kind, ops):
-    def deco(rule):
-        for op in ops:
-            if op in table:
-                raise ValueError(f"{kind}: {op} already has a rule")
-            table[op] = rule
-        return rule
-
-    return deco
 
 
 def register_jvp_rule(*ops):
     """Decorator: register a forward-mode (jvp) rule for each op in ``ops``."""
-    return _register(JVP_RULES, "register_jvp_rule", ops)
+    return JVP_RULES.register(*ops)
 
 
 def register_vjp_rule(*ops):
     """Decorator: register a reverse-mode (vjp) rule for each op in ``ops``."""
-    return _register(VJP_RULES, "register_vjp_rule", ops)
+    return VJP_RULES.register(*ops)
 
 
-class MissingRuleError(NotImplementedError):
-    """An op reached a jvp/vjp level that has no rule for it (nor a decomposition)."""
-
-    def __init__(self, message, path):
-        super().__init__(message)
-        self.path = path  # the op, then what it decomposed into, down to the one without a rule
-
-
-def missing_rule(func, call, kind, decorator, path=()):
-    """The error for an op without a ``kind`` ('jvp' / 'vjp') rule, under ``call`` (the public
-    call, e.g. ``grad(loss)``). ``path``: the ops ``func`` decomposed into, down to the one
-    without a rule."""
-    from functransforms._ops import facts, op_name
-
-    name = op_name(func)
-    if facts(func).written_kwargs:  # an out= variant: torch refuses these under autograd too
-        return RuntimeError(
-            f"{call}: {name} writes into `out=`, and functions with out= arguments do not "
-            "support automatic differentiation (as in torch and torch.func). Do: drop `out=` "
-            "and use the return value."
-        )
-    via = ""
-    if path:
-        steps = " -> ".join(op_name(p) for p in path)
-        via = f" (it decomposes as {name} -> {steps}, which has none)"
-    return MissingRuleError(
-        f"{call}: there is no {kind} rule for {name}{via}, so it cannot be differentiated. "
-        f"Register one with `@functransforms.autodiff.{decorator}({name})` (signatures in "
-        "functransforms/autodiff/_registry.py), or wrap the computation in "
-        "`functransforms.custom_vjp` / `custom_jvp`.",
-        (func,) + tuple(path),
-    )
+__all__ = [
+    "JVP_RULES",
+    "VJP_FORWARD",
+    "VJP_RULES",
+    "MissingRuleError",  # re-exported: it lives in functransforms.errors
+    "decompose",
+    "missing_rule",
+    "register_jvp_rule",
+    "register_vjp_rule",
+]
 
 
 def decompose(interp, func, d, args, kwargs):

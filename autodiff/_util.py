@@ -9,9 +9,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from functransforms._core import TransformTensor
 from functransforms._ops import op_name, positional_with_defaults
-from functransforms.errors import InplaceError
-
-from ._registry import missing_rule
+from functransforms.errors import (
+    missing_rule,
+    raise_inplace_untracked,
+    raise_inplace_view_outside_base,
+)
 
 
 def unbroadcast(ct, shape):
@@ -429,7 +431,6 @@ class InplaceMixin:
 
     # -- promotion (Note [Writing into a plain tensor]) ----------------------------------------
     def _promote(self, func, target):
-        name = op_name(func)
         why = None
         if isinstance(target, TransformTensor):
             why = (
@@ -462,12 +463,7 @@ class InplaceMixin:
                     # user made, or passed into a kernel (batch_norm's running stats), promote.
                     why = "a torch kernel holds it (a composite op writing into its own buffer)"
         if why is not None:
-            raise InplaceError(
-                f"{self.call}: {name} writes a value that carries derivatives in place into a "
-                f"tensor that the transform does not track, and {why}. Do: build the result out "
-                "of place (torch.stack / torch.cat / torch.where / index_put), or create the "
-                "buffer inside the transformed function."
-            )
+            raise_inplace_untracked(self, func, why)
         positions = None
         if root is not target:
             # Positions depend on metadata only: computed with dispatch off, they are
@@ -483,9 +479,7 @@ class InplaceMixin:
                 ).clone()
                 outside = positions.device.type != "meta" and bool((positions < 0).any())
             if outside:
-                raise InplaceError(
-                    f"{self.call}: {name}: the target view reaches outside its base."
-                )
+                raise_inplace_view_outside_base(self, func)
         if self._promoted is None:
             self._promoted = []
         self._promote_one(root, root.clone(), None)

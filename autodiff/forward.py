@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from functransforms import _pytree as pt
 from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
-from ._registry import JVP_RULES, decompose, missing_rule
+from ._registry import decompose, missing_rule
 from ._util import (
     InplaceMixin,
     any_floating,
@@ -102,7 +103,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         f = facts(func)
         if f.inplace or f.inplace_view:
             return self._inplace(func, f, args, kwargs)
-        rule = JVP_RULES.get(func)
+        rule = f.jvp_rule  # Note [One record per op]
         primals, tangents = unwrap_level(self, args, _tangent_of)
         if not _fwd_enabled():  # forward grad off inside the function: a constant
             return func(*primals, **kwargs)
@@ -128,6 +129,28 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if f.view:
             self._note_views(func, args, kwargs, out)
         return out
+
+    def process_custom(self, custom_fn, args):
+        """Note [Custom rules across levels]: the user's jvp rule on this level's primals and
+        tangents (zeros for the arguments not tracked here)."""
+        if custom_fn.jvp_rule is None:
+            if custom_fn.bwd is not None:
+                raise TypeError(
+                    f"jvp of {custom_fn.__name__}: it is a custom_vjp function, which defines "
+                    "only a reverse-mode rule. Expected: a jvp rule too. Do: "
+                    "`f.defjvp(jvp_rule)` (a function may have both)."
+                )
+            return custom_fn.fn(*args)  # custom_vmap: differentiate fn itself
+        flat, spec = pt.tree_flatten(args)
+        primals, tangents = unwrap_level(self, flat, _tangent_of)
+        tangents = [
+            (torch.zeros_like(p) if isinstance(p, torch.Tensor) else p) if t is None else t
+            for p, t in zip(primals, tangents)
+        ]
+        out, t_out = custom_fn.jvp_rule(
+            pt.tree_unflatten(spec, primals), pt.tree_unflatten(spec, tangents)
+        )
+        return pt.tree_map(lambda o, t: wrap_dual(o, t, self) if is_floating(o) else o, out, t_out)
 
     def _rebind(self, w, value):
         if isinstance(value, DualTensor) and value._interp is self:

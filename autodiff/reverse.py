@@ -26,11 +26,13 @@ import itertools
 
 import torch
 
+from functransforms import _pytree as pt
+from functransforms._ad import vjp
 from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
-from ._registry import VJP_FORWARD, VJP_RULES, decompose, missing_rule
+from ._registry import decompose, missing_rule
 from ._util import (
     InplaceMixin,
     any_floating,
@@ -134,21 +136,18 @@ class GradInterpreter(InplaceMixin, Interpreter):
             return self._inplace(func, f, args, kwargs)
         if not _grad_enabled():  # Note [Grad mode]: no_grad inside the function: a constant
             return func(*unwrap_level(self, args, _entry_of)[0], **kwargs)
-        rule = VJP_RULES.get(func)
+        rule = f.vjp_rule  # Note [One record per op]
         if rule is None:
             d = composite_implicit(func) or decomposition(func)
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
         primals, inputs = unwrap_level(self, args, _entry_of)
+        forward = (f.view and f.vjp_forward) or func  # Note [No lazy conjugate inside wrappers]
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
-                out = (VJP_FORWARD[func] if f.view and func in VJP_FORWARD else func)(
-                    *primals, **kwargs
-                )
-        elif f.view and func in VJP_FORWARD:
-            out = VJP_FORWARD[func](*primals, **kwargs)
+                out = forward(*primals, **kwargs)
         else:
-            out = func(*primals, **kwargs)
+            out = forward(*primals, **kwargs)
         if rule is None:
             if not any_floating(out):
                 return out
@@ -179,6 +178,37 @@ class GradInterpreter(InplaceMixin, Interpreter):
             self._note_views(func, args, kwargs, w)
         return w
 
+    def process_custom(self, custom_fn, args):
+        """Note [Custom rules across levels]: one tape node whose vjp is the user's ``bwd``, or
+        the transposed jvp rule of a custom_jvp function (as JAX)."""
+        if custom_fn.bwd is None and custom_fn.jvp_rule is None:
+            return custom_fn.fn(*args)  # custom_vmap: differentiate fn itself
+        flat, spec = pt.tree_flatten(args)
+        primals, inputs = unwrap_level(self, flat, _entry_of)
+        p_args = pt.tree_unflatten(spec, primals)
+        if custom_fn.bwd is not None:
+            out, res = custom_fn.fwd(*p_args)
+            bwd = _custom_bwd(custom_fn, res, args, len(flat))
+        else:
+            out = custom_fn.fn(*p_args)
+            bwd = _transposed_jvp(custom_fn, primals, p_args, spec)
+        flat_out, out_spec = pt.tree_flatten(out)
+        single = isinstance(out, torch.Tensor)
+
+        def custom_vjp_rule(ct, _primals, _kwargs, _out, _needs):
+            if single:
+                return bwd(ct)
+            zeros = [c if c is not None else torch.zeros_like(o) for c, o in zip(ct, flat_out)]
+            return bwd(pt.tree_unflatten(out_spec, zeros))
+
+        saved = flat_out[0] if single else tuple(flat_out)
+        needs = [i is not None for i in inputs]
+        node = Node(custom_vjp_rule, primals, {}, saved, inputs, needs)
+        wrapped = [
+            wrap_grad(o, node, i, self) if is_floating(o) else o for i, o in enumerate(flat_out)
+        ]
+        return pt.tree_unflatten(out_spec, wrapped)
+
     def _rebind(self, w, value):
         if isinstance(value, GradTensor) and value._interp is self:
             w._primal, w._node, w._idx = value._primal, value._node, value._idx
@@ -192,6 +222,47 @@ class GradInterpreter(InplaceMixin, Interpreter):
 
     def _constant(self, primal):
         return wrap_grad(primal, Leaf(), 0, self)
+
+
+def _custom_bwd(custom_fn, res, args, n_leaves):
+    """The user's ``bwd`` as a function of the output cotangent, returning one cotangent per
+    argument leaf (``bwd`` returns one per positional argument, each a pytree like it)."""
+
+    def bwd(ct):
+        cts = custom_fn.bwd(res, ct)
+        if not isinstance(cts, tuple):
+            cts = (cts,)
+        leaves = pt.tree_leaves(cts)
+        if len(leaves) == n_leaves:
+            return leaves
+        out = []
+        for c, a in zip(cts, args):
+            n = len(pt.tree_leaves(a))
+            out.extend(pt.tree_leaves(c) if c is not None else [None] * n)
+        return out
+
+    return bwd
+
+
+def _transposed_jvp(custom_fn, primals, p_args, spec):
+    """Reverse mode of a custom_jvp function (as JAX): the transpose of its jvp rule at fixed
+    primals, which is linear in the tangents, computed by our own vjp."""
+    diff = [i for i, p in enumerate(primals) if isinstance(p, torch.Tensor) and is_floating(p)]
+
+    def lin(*ts):
+        tans = [torch.zeros_like(p) if isinstance(p, torch.Tensor) else p for p in primals]
+        for i, t in zip(diff, ts):
+            tans[i] = t
+        return custom_fn.jvp_rule(p_args, pt.tree_unflatten(spec, tans))[1]
+
+    def bwd(ct):
+        _, pull = vjp(lin, *[torch.zeros_like(primals[i]) for i in diff])
+        cts = [None] * len(primals)
+        for i, g in zip(diff, pull(ct)):
+            cts[i] = g
+        return cts
+
+    return bwd
 
 
 NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no derivative

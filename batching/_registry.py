@@ -1,4 +1,5 @@
-"""The one registry of batching rules, keyed by ``OpOverload``.
+"""The one registry of batching rules, keyed by ``OpOverload`` (``make_registry``, Note [One
+record per op] in functransforms/_ops.py).
 
 A batching rule has the frozen signature::
 
@@ -9,21 +10,18 @@ physical values (lists stay lists); ``bdims`` is parallel to ``args``: the batch
 physical tensor, ``None`` for an unbatched value, a list of those for a list argument. ``out``
 is a tensor or a tuple of tensors, ``out_bdims`` the matching int/None (tuple for tuples).
 ``interp.batch_size`` is the size of the mapped axis.
+
+Ops without a registered rule may still have one derived from their tags
+(``VMAP_RULES.derive_with``: every pointwise op shares one rule, batching/elementwise.py).
 """
 
 from __future__ import annotations
 
-VMAP_RULES: dict = {}
+from functransforms._ops import make_registry
+
+VMAP_RULES = make_registry("vmap", what="a batching rule")
 
 
 def register_vmap_rule(*ops):
     """Decorator: register ``rule`` as the batching rule of each op in ``ops``."""
-
-    def deco(rule):
-        for op in ops:
-            if op in VMAP_RULES:
-                raise ValueError(f"register_vmap_rule: {op} already has a batching rule")
-            VMAP_RULES[op] = rule
-        return rule
-
-    return deco
+    return VMAP_RULES.register(*ops)

@@ -6,13 +6,23 @@ import warnings
 
 import torch
 
+from functransforms import _pytree as pt
 from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
-from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
+from functransforms._vmap import vmap
+from functransforms.errors import (  # raise_*: re-exported for rule modules
+    FallbackWarning,
+    InplaceError,
+    raise_data_dependent,
+    raise_inplace_out_unbatched,
+    raise_inplace_unbatched,
+    raise_random,
+    raise_same_with_batched_parameters,  # noqa: F401  (re-exported)
+)
 
 from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
-from ._registry import VMAP_RULES
 
 _no_torch_function = torch._C._disabled_torch_function_impl
 _DATA_GET = torch.Tensor.data.__get__
@@ -151,49 +161,43 @@ class VmapInterpreter(Interpreter):
 
     # -- processing ------------------------------------------------------------------------
     def process(self, func, args, kwargs):
-        vals, bdims = self._unwrap(args)
-        f = facts(func)
-        if kwargs:
-            for k in f.written_kwargs:
-                v = kwargs.get(k)
-                if v is not None and not (isinstance(v, BatchedTensor) and v._interp is self):
-                    raise InplaceError(
-                        f"{self.call}: {op_name(func)} writes its result into `{k}=`, a tensor "
-                        f"that is not batched, but the result is batched. Expected: an `{k}=` "
-                        f"tensor that is batched too, or none. Do: drop `{k}=` and use the return "
-                        "value."
-                    )
-            for v in kwargs.values():
-                if isinstance(v, BatchedTensor) and v._interp is self:
-                    return self._fallback(func, args, kwargs)
-        rule = VMAP_RULES.get(func) or _derived_rule(func)
-        written = f.written  # self for add_, the target of prims.copy_to, ...
-        for i in written:
-            if bdims[i] is None and any(b is not None for b in bdims):
-                raise InplaceError(
-                    f"{self.call}: {op_name(func)} writes a batched value in place into a tensor "
-                    "that is not batched (captured from outside vmap or created inside it). "
-                    "Expected: the tensor written to is batched too. Do: write out of place "
-                    "(`y = x + z` instead of `x += z`), or make the target batched, e.g. "
-                    "`x = x.expand(...).clone()` per example."
-                )
-        if rule is None:
-            # Note [Composite ops inside rules] (autodiff/_util.py), then Note [Decomposition
-            # fallback]: composite kernels batch op by op, as under jvp and vjp.
-            d = _composite(func) or decomposition(func)
-            if d is not None and not written:
-                try:
-                    with _lazy_conj_enabled():
-                        return d(*args, **kwargs)
-                except InplaceError:  # it fills a fresh (unbatched) buffer: loop instead
-                    pass
+        f = facts(func)  # Note [One record per op]
+        if kwargs and self._batched_kwargs(func, f, kwargs):
             return self._fallback(func, args, kwargs)
+        vals, bdims = self._unwrap(args)
+        for i in f.written:  # self for add_, the target of prims.copy_to, ...
+            if bdims[i] is None and any(b is not None for b in bdims):
+                raise_inplace_unbatched(self, func)
+        rule = f.vmap_rule
+        if rule is None:
+            return self._without_rule(func, f, args, kwargs)
         out, out_bdim = rule(self, vals, bdims, kwargs)
         if f.inplace:
             return args[0]
         if f.inplace_view:
             return _set_view_inplace(args[0], out, out_bdim)
         return self._wrap(out, out_bdim)
+
+    def _batched_kwargs(self, func, f, kwargs):
+        """Whether a keyword argument is batched at this level (rules see positional arguments
+        only, so such an op loops); an ``out=`` tensor that is not batched raises."""
+        for k in f.written_kwargs:
+            v = kwargs.get(k)
+            if v is not None and not (isinstance(v, BatchedTensor) and v._interp is self):
+                raise_inplace_out_unbatched(self, func, k)
+        return any(isinstance(v, BatchedTensor) and v._interp is self for v in kwargs.values())
+
+    def _without_rule(self, func, f, args, kwargs):
+        # Note [Composite ops inside rules] (autodiff/_util.py), then Note [Decomposition
+        # fallback]: composite kernels batch op by op, as under jvp and vjp.
+        d = _composite(func) or decomposition(func)
+        if d is not None and not f.written:
+            try:
+                with _lazy_conj_enabled():
+                    return d(*args, **kwargs)
+            except InplaceError:  # it fills a fresh (unbatched) buffer: loop instead
+                pass
+        return self._fallback(func, args, kwargs)
 
     def _fallback(self, func, args, kwargs):
         """Note [vmap fallback]: run the op once per example and stack the results."""
@@ -239,6 +243,66 @@ class VmapInterpreter(Interpreter):
                 for j in range(len(first))
             )
         raise_data_dependent(self, func)
+
+    def process_custom(self, custom_fn, args):
+        """Note [Custom rules across levels]: the user's vmap rule, or a custom function whose
+        ``fn``, ``fwd``, ``bwd`` and jvp rule are this level's vmap of the originals, so the
+        custom rules stay visible to the levels below."""
+        flat, spec = pt.tree_flatten(args)
+        vals, bdims = self._unwrap(flat)
+        if custom_fn.vmap_rule is not None:
+            return self._user_vmap_rule(custom_fn, vals, bdims, spec)
+        in_dims = tuple(pt.tree_unflatten(spec, bdims))
+        fn, fwd, bwd, jvp_rule = custom_fn.generic_vmap or (
+            custom_fn.fn,
+            custom_fn.fwd,
+            custom_fn.bwd,
+            custom_fn.jvp_rule,
+        )
+        r = self.randomness
+        batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=r))
+        if bwd is not None:
+            batched.defvjp(
+                vmap(fwd, in_dims=in_dims, randomness=r),
+                vmap(bwd, in_dims=(0, 0), randomness=r),
+            )
+        if jvp_rule is not None:
+            batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=r))
+        out = batched(*pt.tree_unflatten(spec, vals))
+        return pt.tree_map(lambda o: wrap_batched(o, 0, self), out)
+
+    def _user_vmap_rule(self, cf, vals, bdims, spec):
+        """custom_vmap: the user's rule sees the batched arguments with the mapped dim in
+        front."""
+        front = [v if d is None else v.movedim(d, 0) for v, d in zip(vals, bdims)]
+        in_batched = [d is not None for d in bdims]
+        args = pt.tree_unflatten(spec, front)
+        out, out_batched = cf.vmap_rule(self.batch_size, in_batched, *args)
+        flat_out, out_spec = pt.tree_flatten(out)
+        flags = (
+            [out_batched] * len(flat_out)
+            if isinstance(out_batched, bool)
+            else pt.tree_leaves(out_batched)
+        )
+        if len(flags) != len(flat_out):
+            raise ValueError(
+                f"vmap rule of {cf.__name__}: returned out_batched={out_batched!r} for "
+                f"{len(flat_out)} outputs; expected one bool per output leaf (or one bool for "
+                "all)."
+            )
+        wrapped = []
+        for o, b in zip(flat_out, flags):
+            has_batch = (
+                isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == self.batch_size
+            )
+            if b and not has_batch:
+                got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+                raise ValueError(
+                    f"vmap rule of {cf.__name__}: an output marked batched has shape {got}; "
+                    f"expected the mapped dim of size {self.batch_size} in front."
+                )
+            wrapped.append(wrap_batched(o, 0, self) if b else o)
+        return pt.tree_unflatten(out_spec, wrapped)
 
 
 _WARNED: set = set()
@@ -291,22 +355,6 @@ class _lazy_conj_enabled:
         return False
 
 
-_DERIVED: dict = {}
-
-
-def _derived_rule(func):
-    """Rules that follow from an op's tags (every pointwise op shares one rule), cached."""
-    rule = _DERIVED.get(func, False)
-    if rule is False:
-        rule = None
-        if torch.Tag.pointwise in func.tags and not facts(func).random:
-            from .elementwise import make_pointwise_rule
-
-            rule = make_pointwise_rule(func)
-        _DERIVED[func] = rule
-    return rule
-
-
 def _select(a, interp, i):
     if isinstance(a, BatchedTensor) and a._interp is interp:
         return a._value.select(a._bdim, i)
@@ -325,35 +373,3 @@ def _set_view_inplace(self_wrapper, new_value, bdim):
     with torch._C._DisableTorchDispatch():
         self_wrapper.as_strided_(shape, st[:bdim] + st[bdim + 1 :])
     return self_wrapper
-
-
-def raise_random(interp, func):
-    raise RandomnessError(
-        f"{interp.call}: {op_name(func)} draws random numbers, but vmap was called with "
-        "randomness='error' (the default). Expected: no random ops, or an explicit choice. Do: "
-        "pass randomness='different' (independent draws per example) or randomness='same' "
-        "(one draw shared by the batch)."
-    )
-
-
-def raise_same_with_batched_parameters(interp, func):
-    """Note [randomness='same' with batched parameters]: one draw for the whole batch cannot
-    follow per-example distribution parameters (a batched mean, probability or rate); torch.func
-    refuses it, and so do we, rather than draw per example and call it 'same'."""
-    raise RandomnessError(
-        f"{interp.call}: {op_name(func)} draws random numbers from a batched tensor argument "
-        "(per-example distribution parameters), but vmap was called with randomness='same' (one "
-        "draw shared by the batch). Expected: unbatched parameters under 'same'. Do: pass "
-        "randomness='different', or make the parameters the same for every example."
-    )
-
-
-def raise_data_dependent(interp, func):
-    from functransforms.errors import DataDependentError
-
-    raise DataDependentError(
-        f"{interp.call}: {op_name(func)} reads a batched tensor as a Python value (`.item()`, "
-        "`bool(x)`, `if x > 0:`, `.tolist()`), which has one answer per example. Expected: tensor "
-        "code without data-dependent Python control flow. Do: use `torch.where(cond, a, b)` "
-        "instead of `if`, or move the check outside vmap."
-    )

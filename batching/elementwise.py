@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import register_vmap_rule
-from ._tensor import raise_data_dependent
+from functransforms._ops import facts
+from functransforms.errors import raise_data_dependent
+
+from ._registry import VMAP_RULES, register_vmap_rule
 from ._util import expand_front, pad_to, promote_like_logical, to_front
 
 aten = torch.ops.aten
@@ -38,6 +40,16 @@ def make_pointwise_rule(func):
         return func(*new, **kwargs), 0
 
     return pointwise_vmap_rule
+
+
+@VMAP_RULES.derive_with
+def pointwise_by_tag(func):
+    """Every op tagged ``torch.Tag.pointwise`` (and not random) without a rule of its own shares
+    one rule (Note [Batching pointwise ops]): new pointwise ops of a future torch batch without
+    code changes. Built on first use; the op's record caches it."""
+    if torch.Tag.pointwise in func.tags and not facts(func).random:
+        return make_pointwise_rule(func)
+    return None
 
 
 def _same_bdim_rule(func):

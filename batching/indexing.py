@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from functransforms.deterministic._ops import det_call
+from functransforms.errors import raise_data_dependent
 
 from ._registry import register_vmap_rule
-from ._tensor import raise_data_dependent
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
 
 aten = torch.ops.aten
@@ -372,8 +372,6 @@ def masked_select_vmap_rule(interp, args, bdims, kwargs):
     one gives each example its own count (a data-dependent shape, as in torch.func)."""
     x, mask = args[0], args[1]
     if bdims[1] is not None:
-        from ._tensor import raise_data_dependent
-
         raise_data_dependent(interp, aten.masked_select.default)
     xf = to_front(x, bdims[0])
     shape = torch.broadcast_shapes(tuple(xf.shape[1:]), tuple(mask.shape))

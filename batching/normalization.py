@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms.errors import InplaceError
+from functransforms.errors import raise_batch_norm_stats_unbatched
 
 from ._registry import register_vmap_rule
 from ._util import expand_front, pad_to, to_front
@@ -99,14 +99,7 @@ def def_batch_norm(op, stats_pos, training_pos):
                 if bdims[i] is None:
                     if training:
                         name = "running_mean" if i == stats_pos[0] else "running_var"
-                        raise InplaceError(
-                            f"vmap: batch_norm in training mode updates {name} in place, but "
-                            f"{name} is not batched while the input is, so every example would "
-                            "write its own statistics into one buffer. Do: pass "
-                            "running_mean=None and running_var=None (track_running_stats=False; "
-                            "for a model: functransforms.replace_all_batch_norm_modules_(model)), "
-                            "or batch the running statistics with the input (in_dims)."
-                        )
+                        raise_batch_norm_stats_unbatched(name)
                     a[i] = s.repeat(B)
                     continue
                 f = to_front(s, bdims[i])

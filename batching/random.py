@@ -21,15 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from functransforms._core import interpreter_stack
 from functransforms._ops import facts, op_name
-from functransforms.errors import RandomnessError
-
-from ._registry import register_vmap_rule
-from ._tensor import (
-    VmapInterpreter,
+from functransforms.errors import (
+    RandomnessError,
     raise_random,
     raise_same_with_batched_parameters,
-    wrap_batched,
 )
+
+from ._registry import register_vmap_rule
+from ._tensor import VmapInterpreter, wrap_batched
 from ._util import pad_to, to_front
 
 aten = torch.ops.aten

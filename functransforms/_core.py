@@ -35,7 +35,8 @@ _level_counter = itertools.count(1)  # shared by all threads: levels are globall
 
 
 class Interpreter:
-    """One active transform call. Subclasses implement ``process``."""
+    """One active transform call. Subclasses implement ``process`` (ops) and
+    ``process_custom`` (custom functions): the two ways into rules."""
 
     name = "transform"
 
@@ -44,9 +45,14 @@ class Interpreter:
         self.alive = True
 
     def process(self, func, args, kwargs):  # pragma: no cover - abstract
+        """An ATen op ``func`` whose arguments hold this level's wrappers (and none of a
+        higher level): unwrap this level, apply the rule, wrap the results."""
         raise NotImplementedError
 
     def process_custom(self, custom_fn, args):  # pragma: no cover - abstract
+        """A call of a custom function (``custom_vjp``/``custom_jvp``/``custom_vmap``, an
+        autograd.Function) with ``args`` holding this level's wrappers: Note [Custom rules
+        across levels] (functransforms/_custom.py)."""
         raise NotImplementedError
 
     def __enter__(self):
@@ -212,8 +218,9 @@ def _torch_autograd_wanted(interp, args, kwargs) -> bool:
     return False
 
 
-def _innermost(args, kwargs) -> Interpreter:
-    """The interpreter of the highest level among the wrappers in ``args``/``kwargs``."""
+def _innermost(args, kwargs) -> Interpreter | None:
+    """The interpreter of the highest level among the wrappers in ``args``/``kwargs`` (None if
+    there is no wrapper); a dead one raises (Note [Levels])."""
     best = None
     level = -1
     for a in args:
@@ -233,13 +240,20 @@ def _innermost(args, kwargs) -> Interpreter:
                 i = a._interp
                 if i.level > level:
                     best, level = i, i.level
-    if not best.alive:
+    if best is not None and not best.alive:
         raise EscapedTracerError(
             f"A {best.name} wrapper tensor (level {best.level}) was used after its "
             f"{best.name} call returned: a value leaked out of the transformed function "
             "(stored in a global, a closure or an attribute). Return it from the function instead."
         )
     return best
+
+
+def innermost(values) -> Interpreter | None:
+    """The interpreter that processes a call on ``values`` (a flat sequence, e.g. the leaves of
+    a custom function's arguments): the innermost level among its wrappers, None if there is
+    none. The same choice as for an op (Note [Levels])."""
+    return _innermost(values, None)
 
 
 def eager_under_compile(fn):

@@ -1,12 +1,15 @@
 """custom_vjp / custom_jvp / stop_gradient (JAX's extras).
 
 Note [Custom rules across levels]
-    A custom function is a single "op" to the transforms. Called with wrappers, it is processed
-    by the innermost level among its arguments: a grad level records one tape node whose vjp is
-    the user's ``bwd``; a jvp level calls the user's jvp rule; a vmap level calls a custom
-    function whose ``fn``, ``fwd``, ``bwd`` and jvp rule are themselves vmapped, so the custom
-    rule stays visible to every enclosing level. Forward mode of a vjp-only function and reverse
-    mode of a jvp-only function follow JAX: the latter transposes the (linear) jvp rule.
+    A custom function is a single "op" to the transforms, and it takes the ops' route: called
+    with wrappers, it goes to the innermost interpreter among its arguments, whose
+    ``process_custom`` (beside ``process``, as JAX's ``process_custom_jvp_call`` beside
+    ``process_primitive``) unwraps that level like any op: a grad level (autodiff/reverse.py)
+    records one tape node whose vjp is the user's ``bwd``; a jvp level (autodiff/forward.py)
+    calls the user's jvp rule; a vmap level (batching/_tensor.py) calls the user's vmap rule, or
+    a custom function whose ``fn``, ``fwd``, ``bwd`` and jvp rule are themselves vmapped, so the
+    custom rule stays visible to every enclosing level. Forward mode of a vjp-only function
+    raises (as JAX); reverse mode of a jvp-only function transposes the (linear) jvp rule.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import inspect
 import torch
 
 from . import _pytree as pt
-from ._core import TransformTensor, is_floating
+from ._core import innermost
 
 _SCALARS = (int, float, bool, complex, str, type(None))
 
@@ -99,16 +102,10 @@ class _CustomFunction:
             return self._closed_over_nondiff(args)
         if all(_plain(a) for a in args):
             return self.fn(*args)  # no transform can be involved: skip flattening (hot in linalg)
-        flat, spec = pt.tree_flatten(args)
-        interp = None
-        for x in flat:
-            if isinstance(x, TransformTensor) and (
-                interp is None or x._interp.level > interp.level
-            ):
-                interp = x._interp
+        interp = innermost(pt.tree_leaves(args))
         if interp is None:
             return self.fn(*args)
-        return _PROCESS[interp.name](self, interp, args)
+        return interp.process_custom(self, args)  # Note [Custom rules across levels]
 
     def _closed_over_nondiff(self, args):
         """The non-differentiable arguments become constants of a function of the others."""
@@ -258,178 +255,6 @@ def sequential_vmap(fn):
 
     cf.vmap_rule = loop
     return cf
-
-
-def _process_grad(cf, interp, args):
-    from functransforms.autodiff.reverse import GradTensor, Node, wrap_grad
-
-    flat, spec = pt.tree_flatten(args)
-    primals, inputs = [], []
-    for x in flat:
-        if isinstance(x, GradTensor) and x._interp is interp:
-            primals.append(x._primal)
-            inputs.append((x._node, x._idx))
-        else:
-            primals.append(x)
-            inputs.append(None)
-    p_args = pt.tree_unflatten(spec, primals)
-    if cf.bwd is not None:
-        out, res = cf.fwd(*p_args)
-
-        def bwd(ct):
-            cts = cf.bwd(res, ct)
-            if not isinstance(cts, tuple):
-                cts = (cts,)
-            return (
-                pt.tree_leaves(cts)
-                if len(pt.tree_leaves(cts)) == len(flat)
-                else _flat_cts(cts, args)
-            )
-    elif cf.jvp_rule is not None:
-        from ._ad import vjp
-
-        out = cf.fn(*p_args)
-        diff = [i for i, p in enumerate(primals) if isinstance(p, torch.Tensor) and is_floating(p)]
-
-        def lin(*ts):
-            # the jvp rule at fixed primals, as a (linear) function of the tangents
-            tans = [torch.zeros_like(p) if isinstance(p, torch.Tensor) else p for p in primals]
-            for i, t in zip(diff, ts):
-                tans[i] = t
-            return cf.jvp_rule(p_args, pt.tree_unflatten(spec, tans))[1]
-
-        def bwd(ct):
-            _, pull = vjp(lin, *[torch.zeros_like(primals[i]) for i in diff])
-            got = pull(ct)
-            cts = [None] * len(primals)
-            for i, g in zip(diff, got):
-                cts[i] = g
-            return cts
-    else:  # no derivative rule of its own (custom_vmap): differentiate fn itself
-        return cf.fn(*args)
-
-    flat_out, out_spec = pt.tree_flatten(out)
-    single = isinstance(out, torch.Tensor)
-
-    def rule(ct, _primals, _kwargs, _out, _needs):
-        if single:
-            c = ct
-        else:
-            c = pt.tree_unflatten(
-                out_spec,
-                [x if x is not None else torch.zeros_like(o) for x, o in zip(ct, flat_out)],
-            )
-        return bwd(c)
-
-    node = Node(
-        rule,
-        primals,
-        {},
-        flat_out[0] if single else tuple(flat_out),
-        inputs,
-        [i is not None for i in inputs],
-    )
-    wrapped = [
-        wrap_grad(o, node, i, interp) if is_floating(o) else o for i, o in enumerate(flat_out)
-    ]
-    return pt.tree_unflatten(out_spec, wrapped)
-
-
-def _flat_cts(cts, args):
-    # one cotangent per positional argument, each a pytree matching that argument
-    out = []
-    for c, a in zip(cts, args):
-        n = len(pt.tree_leaves(a))
-        out.extend(pt.tree_leaves(c) if c is not None else [None] * n)
-    return out
-
-
-def _process_jvp(cf, interp, args):
-    from functransforms.autodiff.forward import DualTensor, wrap_dual
-
-    flat, spec = pt.tree_flatten(args)
-    primals, tangents = [], []
-    for x in flat:
-        if isinstance(x, DualTensor) and x._interp is interp:
-            primals.append(x._primal)
-            tangents.append(x._tangent)
-        else:
-            primals.append(x)
-            tangents.append(torch.zeros_like(x) if isinstance(x, torch.Tensor) else x)
-    if cf.jvp_rule is None:
-        if cf.bwd is not None:
-            raise TypeError(
-                f"jvp of {cf.__name__}: it is a custom_vjp function, which defines only a "
-                "reverse-mode rule. Expected: a jvp rule too. Do: `f.defjvp(jvp_rule)` (a "
-                "function may have both)."
-            )
-        return cf.fn(*args)
-    out, t_out = cf.jvp_rule(pt.tree_unflatten(spec, primals), pt.tree_unflatten(spec, tangents))
-    return pt.tree_map(lambda o, t: wrap_dual(o, t, interp) if is_floating(o) else o, out, t_out)
-
-
-def _process_vmap(cf, interp, args):
-    from functransforms.batching._tensor import BatchedTensor, wrap_batched
-
-    from ._vmap import vmap
-
-    flat, spec = pt.tree_flatten(args)
-    vals, dims = [], []
-    for x in flat:
-        if isinstance(x, BatchedTensor) and x._interp is interp:
-            vals.append(x._value)
-            dims.append(x._bdim)
-        else:
-            vals.append(x)
-            dims.append(None)
-    if cf.vmap_rule is not None:
-        return _user_vmap_rule(cf, interp, vals, dims, spec)
-    in_dims = tuple(pt.tree_unflatten(spec, dims))
-    fn, fwd, bwd, jvp_rule = cf.generic_vmap or (cf.fn, cf.fwd, cf.bwd, cf.jvp_rule)
-    batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=interp.randomness))
-    if bwd is not None:
-        batched.defvjp(
-            vmap(fwd, in_dims=in_dims, randomness=interp.randomness),
-            vmap(bwd, in_dims=(0, 0), randomness=interp.randomness),
-        )
-    if jvp_rule is not None:
-        batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=interp.randomness))
-    out = batched(*pt.tree_unflatten(spec, vals))
-    return pt.tree_map(lambda o: wrap_batched(o, 0, interp), out)
-
-
-def _user_vmap_rule(cf, interp, vals, dims, spec):
-    """custom_vmap: the user's rule sees the batched arguments with the mapped dim in front."""
-    from functransforms.batching._tensor import wrap_batched
-
-    front = [v if d is None else v.movedim(d, 0) for v, d in zip(vals, dims)]
-    in_batched = [d is not None for d in dims]
-    out, out_batched = cf.vmap_rule(interp.batch_size, in_batched, *pt.tree_unflatten(spec, front))
-    flat_out, out_spec = pt.tree_flatten(out)
-    flags = (
-        [out_batched] * len(flat_out)
-        if isinstance(out_batched, bool)
-        else pt.tree_leaves(out_batched)
-    )
-    if len(flags) != len(flat_out):
-        raise ValueError(
-            f"vmap rule of {cf.__name__}: returned out_batched={out_batched!r} for "
-            f"{len(flat_out)} outputs; expected one bool per output leaf (or one bool for all)."
-        )
-    wrapped = []
-    for o, b in zip(flat_out, flags):
-        has_batch = isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == interp.batch_size
-        if b and not has_batch:
-            got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
-            raise ValueError(
-                f"vmap rule of {cf.__name__}: an output marked batched has shape {got}; expected "
-                f"the mapped dim of size {interp.batch_size} in front."
-            )
-        wrapped.append(wrap_batched(o, 0, interp) if b else o)
-    return pt.tree_unflatten(out_spec, wrapped)
-
-
-_PROCESS = {"grad": _process_grad, "jvp": _process_jvp, "vmap": _process_vmap}
 
 
 def stop_gradient(x):

@@ -1,7 +1,15 @@
-"""Facts about ATen op overloads that every interpreter needs, computed once per op and cached.
+"""One record per ATen op overload: the facts every interpreter needs and the op's rules.
 
-Reading an op's schema costs microseconds; the interpreters ask on every op, so the answer is
-kept in a plain dict keyed by the ``OpOverload``.
+Note [One record per op]
+    Reading an op's schema costs microseconds and every interpreter asks on every op, so the
+    answers are computed once per ``OpOverload`` and kept in an ``OpFacts`` record (a plain dict
+    lookup, ``facts(func)``). The record also holds the op's rule of each transform
+    (``vmap_rule``, ``jvp_rule``, ``vjp_rule``, ``vjp_forward``), filled from the registries on
+    first read, so an op that passes through ``vmap(grad(f))`` is hashed once per level, not
+    once more per registry. Rules can be registered at any time (rule modules import in any
+    order, users register their own): writing to a registry clears the slot of that op's
+    record, so the next read fills it again. A missing rule is cached as ``None`` only until
+    then.
 """
 
 from __future__ import annotations
@@ -22,9 +30,16 @@ class OpFacts:
         "written",
         "written_kwargs",
         "fresh_like",
+        "op",
+        # the op's rules, filled on first read from the registries (Note [One record per op])
+        "vmap_rule",
+        "jvp_rule",
+        "vjp_rule",
+        "vjp_forward",
     )
 
     def __init__(self, func):
+        self.op = func
         schema = func._schema
         namespace, _, base = schema.name.rpartition("::")
         self.name = f"{namespace or 'aten'}.{base}.{func._overloadname}"
@@ -52,6 +67,17 @@ class OpFacts:
             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
         )
         self.fresh_like = func in _FRESH_LIKE  # Note [Buffers held by kernels]
+
+    def __getattr__(self, slot):
+        # only reached for a slot not filled yet (Note [One record per op])
+        registry = _REGISTRIES.get(slot)
+        if registry is None:
+            if slot in _RULE_SLOTS:  # that registry's package is not imported yet: not cached
+                return None
+            raise AttributeError(f"OpFacts has no attribute {slot!r}")
+        rule = registry.lookup(self.op)
+        setattr(self, slot, rule)
+        return rule
 
 
 # in-place ops whose functional form has another overload name
@@ -98,6 +124,8 @@ _FRESH_LIKE = frozenset(
 )
 
 _FACTS: dict = {}
+_RULE_SLOTS = ("vmap_rule", "jvp_rule", "vjp_rule", "vjp_forward")
+_REGISTRIES: dict = {}  # record slot -> the Registry that fills it
 
 
 def facts(func) -> OpFacts:
@@ -110,3 +138,111 @@ def facts(func) -> OpFacts:
 def op_name(func) -> str:
     """The op as a user would type it: ``aten.add.Tensor``, ``prims.abs.default``."""
     return facts(func).name if hasattr(func, "_schema") else getattr(func, "__name__", str(func))
+
+
+class Registry(dict):
+    """One transform's rules, keyed by ``OpOverload`` (Note [One record per op]).
+
+    A dict, so ``op in RULES`` and ``RULES[op]`` work as before; every write also clears the
+    op's cached record slot. ``register(*ops)`` is the decorator that refuses duplicates.
+    """
+
+    def __init__(self, kind, slot, what):
+        super().__init__()
+        self.kind = kind  # 'vmap', 'jvp', 'vjp'
+        self.slot = slot  # the OpFacts slot this registry fills
+        self.decorator = f"register_{kind}_rule"
+        self.what = what  # for the duplicate error
+        self._derive = None
+
+    def register(self, *ops):
+        """Decorator: register ``rule`` for each op in ``ops``; an op registered twice raises."""
+
+        def deco(rule):
+            for op in ops:
+                if op in self:
+                    raise ValueError(f"{self.decorator}: {op} already has {self.what}")
+                self[op] = rule
+            return rule
+
+        return deco
+
+    def derive_with(self, derive):
+        """Decorator: ``derive(func) -> rule or None`` gives a rule to ops registered without
+        one (vmap: one shared rule for every op tagged pointwise). Returns ``derive``."""
+        self._derive = derive
+        self._forget_all()
+        return derive
+
+    def lookup(self, op):
+        """The registered rule of ``op``, else the derived one, else None (uncached: records
+        cache it)."""
+        rule = self.get(op)
+        if rule is None and self._derive is not None:
+            rule = self._derive(op)
+        return rule
+
+    def derived(self, op):
+        """The rule ``derive_with`` gives ``op``, or None (for docs/coverage.md)."""
+        return None if self._derive is None else self._derive(op)
+
+    # every write clears the cached slot, so a late registration is seen
+    def __setitem__(self, op, rule):
+        super().__setitem__(op, rule)
+        self._forget(op)
+
+    def __delitem__(self, op):
+        super().__delitem__(op)
+        self._forget(op)
+
+    def pop(self, op, *default):
+        out = super().pop(op, *default)
+        self._forget(op)
+        return out
+
+    def setdefault(self, op, rule=None):
+        if op not in self:
+            self[op] = rule
+        return self[op]
+
+    def update(self, *args, **kwargs):
+        for op, rule in dict(*args, **kwargs).items():
+            self[op] = rule
+
+    def popitem(self):
+        item = super().popitem()
+        self._forget(item[0])
+        return item
+
+    def clear(self):
+        super().clear()
+        self._forget_all()
+
+    def _forget(self, op):
+        record = _FACTS.get(op)
+        if record is not None:
+            try:
+                delattr(record, self.slot)
+            except AttributeError:  # not filled yet
+                pass
+
+    def _forget_all(self):
+        for op in list(_FACTS):
+            self._forget(op)
+
+
+def make_registry(kind, *, slot=None, what="a rule") -> Registry:
+    """The registry of ``kind`` ('vmap', 'jvp', 'vjp'), whose rules ``OpFacts`` records cache in
+    ``slot`` (default ``<kind>_rule``).
+
+    The first registry made for a slot is the one records read. A second one comes from a
+    second copy of a rule package (the doctest collector imports ``functransforms.functransforms
+    .batching`` through a source checkout's ``__path__``): it works as a dict but is not read by
+    the interpreters, which belong to the first copy.
+    """
+    slot = slot or f"{kind}_rule"
+    if slot not in _RULE_SLOTS:
+        raise ValueError(f"make_registry({kind!r}): no OpFacts slot {slot!r}; add it first.")
+    registry = Registry(kind, slot, what)
+    _REGISTRIES.setdefault(slot, registry)
+    return registry

@@ -16,11 +16,10 @@ import torch
 def _vmap_kind(op):
     from functransforms._decomp import decomposition
     from functransforms.batching import VMAP_RULES
-    from functransforms.batching._tensor import _derived_rule
 
     if op in VMAP_RULES:
         return "rule"
-    if _derived_rule(op) is not None:
+    if VMAP_RULES.derived(op) is not None:
         return "rule (pointwise)"
     if decomposition(op) is not None:
         return "decomposition"

@@ -1,7 +1,9 @@
-"""The library's own error conditions. Each names the call, what was expected and what was
-received."""
+"""The library's own error conditions, and the messages raised with them. Each names the call,
+what was expected and what was received, then what to do."""
 
 from __future__ import annotations
+
+from ._ops import facts, op_name
 
 
 class TransformError(RuntimeError):
@@ -30,3 +32,119 @@ class FallbackWarning(UserWarning):
 
 class JitFallbackWarning(UserWarning):
     """jit runs a call signature eagerly because its trace would not replay faithfully."""
+
+
+class MissingRuleError(NotImplementedError):
+    """An op reached a jvp/vjp level that has no rule for it (nor a decomposition)."""
+
+    def __init__(self, message, path):
+        super().__init__(message)
+        self.path = path  # the op, then what it decomposed into, down to the one without a rule
+
+
+# -- the messages, in one place ---------------------------------------------------------------
+# Each restates the public call (``interp.call``, e.g. ``vmap(f, in_dims=0)(<inputs>)``), then
+# expected vs received, then what to do. ``func`` is the ATen op overload.
+
+
+def missing_rule(func, call, kind, decorator, path=()):
+    """The error (returned, to be raised ``from None``) for an op without a ``kind`` ('jvp' /
+    'vjp') rule, under ``call``. ``path``: the ops ``func`` decomposed into, down to the one
+    without a rule."""
+    name = op_name(func)
+    if facts(func).written_kwargs:  # an out= variant: torch refuses these under autograd too
+        return RuntimeError(
+            f"{call}: {name} writes into `out=`, and functions with out= arguments do not "
+            "support automatic differentiation (as in torch and torch.func). Do: drop `out=` "
+            "and use the return value."
+        )
+    via = ""
+    if path:
+        steps = " -> ".join(op_name(p) for p in path)
+        via = f" (it decomposes as {name} -> {steps}, which has none)"
+    return MissingRuleError(
+        f"{call}: there is no {kind} rule for {name}{via}, so it cannot be differentiated. "
+        f"Register one with `@functransforms.autodiff.{decorator}({name})` (signatures in "
+        "functransforms/autodiff/_registry.py), or wrap the computation in "
+        "`functransforms.custom_vjp` / `custom_jvp`.",
+        (func,) + tuple(path),
+    )
+
+
+def raise_random(interp, func):
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers, but vmap was called with "
+        "randomness='error' (the default). Expected: no random ops, or an explicit choice. Do: "
+        "pass randomness='different' (independent draws per example) or randomness='same' "
+        "(one draw shared by the batch)."
+    )
+
+
+def raise_same_with_batched_parameters(interp, func):
+    """Note [randomness='same' with batched parameters]: one draw for the whole batch cannot
+    follow per-example distribution parameters (a batched mean, probability or rate); torch.func
+    refuses it, and so do we, rather than draw per example and call it 'same'."""
+    raise RandomnessError(
+        f"{interp.call}: {op_name(func)} draws random numbers from a batched tensor argument "
+        "(per-example distribution parameters), but vmap was called with randomness='same' (one "
+        "draw shared by the batch). Expected: unbatched parameters under 'same'. Do: pass "
+        "randomness='different', or make the parameters the same for every example."
+    )
+
+
+def raise_data_dependent(interp, func):
+    raise DataDependentError(
+        f"{interp.call}: {op_name(func)} reads a batched tensor as a Python value (`.item()`, "
+        "`bool(x)`, `if x > 0:`, `.tolist()`), which has one answer per example. Expected: tensor "
+        "code without data-dependent Python control flow. Do: use `torch.where(cond, a, b)` "
+        "instead of `if`, or move the check outside vmap."
+    )
+
+
+def raise_inplace_out_unbatched(interp, func, key):
+    """vmap: an op writes its batched result into an ``out=`` tensor that is not batched."""
+    raise InplaceError(
+        f"{interp.call}: {op_name(func)} writes its result into `{key}=`, a tensor "
+        f"that is not batched, but the result is batched. Expected: an `{key}=` "
+        f"tensor that is batched too, or none. Do: drop `{key}=` and use the return "
+        "value."
+    )
+
+
+def raise_inplace_unbatched(interp, func):
+    """vmap: an in-place op writes a batched value into a tensor that is not batched."""
+    raise InplaceError(
+        f"{interp.call}: {op_name(func)} writes a batched value in place into a tensor "
+        "that is not batched (captured from outside vmap or created inside it). "
+        "Expected: the tensor written to is batched too. Do: write out of place "
+        "(`y = x + z` instead of `x += z`), or make the target batched, e.g. "
+        "`x = x.expand(...).clone()` per example."
+    )
+
+
+def raise_inplace_untracked(interp, func, why):
+    """jvp/grad: a value with derivatives is written into a plain tensor that cannot be
+    promoted (Note [Writing into a plain tensor]); ``why`` says which condition refused."""
+    raise InplaceError(
+        f"{interp.call}: {op_name(func)} writes a value that carries derivatives in place into a "
+        f"tensor that the transform does not track, and {why}. Do: build the result out "
+        "of place (torch.stack / torch.cat / torch.where / index_put), or create the "
+        "buffer inside the transformed function."
+    )
+
+
+def raise_inplace_view_outside_base(interp, func):
+    raise InplaceError(f"{interp.call}: {op_name(func)}: the target view reaches outside its base.")
+
+
+def raise_batch_norm_stats_unbatched(name):
+    """vmap of batch_norm in training mode with running statistics that are not batched."""
+    raise InplaceError(
+        f"vmap: batch_norm in training mode updates {name} in place, but "
+        f"{name} is not batched while the input is, so every example would "
+        "write its own statistics into one buffer. Do: pass "
+        "running_mean=None and running_var=None (track_running_stats=False; "
+        "for a model: functransforms.replace_all_batch_norm_modules_(model)), "
+        "or batch the running statistics with the input (in_dims)."
+    )
+
