@@ -26,7 +26,6 @@ VJP_RULES = make_registry("vjp")
 VJP_FORWARD = make_registry("vjp_forward", slot="vjp_forward")
 
 
-
 def register_jvp_rule(*ops):
     """Decorator: register a forward-mode (jvp) rule for each op in ``ops``."""
     return JVP_RULES.register(*ops)

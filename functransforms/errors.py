@@ -147,4 +147,3 @@ def raise_batch_norm_stats_unbatched(name):
         "for a model: functransforms.replace_all_batch_norm_modules_(model)), "
         "or batch the running statistics with the input (in_dims)."
     )
-
