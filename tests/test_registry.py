@@ -1,0 +1,111 @@
+"""The rule registries and the per-op record (Note [One record per op], functransforms/_ops.py),
+and the one route of custom functions into rules (Note [Custom rules across levels])."""
+
+import warnings
+
+import pytest
+import torch
+from functransforms.autodiff import JVP_RULES, VJP_RULES, register_jvp_rule
+from functransforms.autodiff.forward import JvpInterpreter
+from functransforms.autodiff.reverse import GradInterpreter
+from functransforms.batching import VMAP_RULES, register_vmap_rule
+from functransforms.batching import _tensor as batching_tensor
+from functransforms.batching._tensor import VmapInterpreter
+
+import functransforms as ft
+from functransforms._ops import facts
+from functransforms.errors import FallbackWarning, MissingRuleError
+
+aten = torch.ops.aten
+DT = torch.float64
+
+
+def test_a_rule_registered_after_the_record_was_filled_is_seen(monkeypatch):
+    # the first call caches "no vmap rule" in the op's record (the loop runs); a rule
+    # registered later must replace it, and removing it must bring the loop back
+    monkeypatch.setattr(batching_tensor, "_WARNED", set())
+    op = aten._pdist_forward.default
+    assert op not in VMAP_RULES
+    x = torch.rand(3, 4, 2, dtype=DT)
+    with pytest.warns(FallbackWarning, match="_pdist_forward"):
+        expected = ft.vmap(torch.pdist)(x)
+    assert facts(op).vmap_rule is None
+    calls = []
+
+    def pdist_vmap_rule(interp, args, bdims, kwargs):
+        calls.append(bdims)
+        return torch.stack([op(v, *args[1:]) for v in args[0].movedim(bdims[0], 0)]), 0
+
+    monkeypatch.setitem(VMAP_RULES, op, pdist_vmap_rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        torch.testing.assert_close(ft.vmap(torch.pdist)(x), expected)
+    assert calls == [[0]]
+    monkeypatch.undo()
+    assert facts(op).vmap_rule is None and op not in VMAP_RULES
+
+
+def test_a_missing_derivative_is_not_cached_for_good(monkeypatch):
+    op = aten.special_bessel_j0.default
+    x = torch.rand(3, dtype=DT) + 0.5
+    with pytest.raises(MissingRuleError):
+        ft.jvp(torch.special.bessel_j0, (x,), (torch.ones_like(x),))
+
+    def bessel_j0_jvp_rule(primals, tangents, kwargs):  # d/dx J0(x) = -J1(x)
+        (x,), (t,) = primals, tangents
+        return op(x), -torch.special.bessel_j1(x) * t
+
+    monkeypatch.setitem(JVP_RULES, op, bessel_j0_jvp_rule)
+    _, t = ft.jvp(torch.special.bessel_j0, (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(t, -torch.special.bessel_j1(x))
+    monkeypatch.undo()
+    with pytest.raises(MissingRuleError):
+        ft.jvp(torch.special.bessel_j0, (x,), (torch.ones_like(x),))
+
+
+def test_the_record_holds_the_registered_rules():
+    f = facts(aten.mm.default)
+    assert f.vmap_rule is VMAP_RULES[aten.mm.default]
+    assert f.jvp_rule is JVP_RULES[aten.mm.default]
+    assert f.vjp_rule is VJP_RULES[aten.mm.default]
+    # pointwise ops without a rule of their own get the shared rule from their tag
+    assert aten.sinh.default not in VMAP_RULES
+    assert facts(aten.sinh.default).vmap_rule is not None
+
+
+@pytest.mark.parametrize(
+    "register, op",
+    [(register_vmap_rule, aten.mm.default), (register_jvp_rule, aten.sin.default)],
+)
+def test_registering_twice_raises(register, op):
+    with pytest.raises(ValueError, match=rf"{register.__name__}: .* already has"):
+        register(op)(lambda *a: None)
+
+
+@pytest.mark.parametrize(
+    "interp_cls, transform",
+    [
+        (VmapInterpreter, lambda f, x: ft.vmap(f)(x)),
+        (JvpInterpreter, lambda f, x: ft.jvp(f, (x,), (torch.ones_like(x),))[1]),
+        (GradInterpreter, lambda f, x: ft.grad(lambda y: f(y).sum())(x)),
+    ],
+    ids=["vmap", "jvp", "grad"],
+)
+def test_custom_functions_reach_the_innermost_interpreter(monkeypatch, interp_cls, transform):
+    @ft.custom_jvp
+    def f(x):
+        return x.sin()
+
+    f.defjvp(lambda p, t: (p[0].sin(), p[0].cos() * t[0]))
+    seen = []
+    original = interp_cls.process_custom
+
+    def spy(self, custom_fn, args):
+        seen.append((type(self), custom_fn))
+        return original(self, custom_fn, args)
+
+    monkeypatch.setattr(interp_cls, "process_custom", spy)
+    x = torch.rand(3, dtype=DT)
+    out = transform(f, x)
+    assert seen == [(interp_cls, f)]
+    torch.testing.assert_close(out, transform(torch.sin, x))
