@@ -19,7 +19,6 @@ from . import (  # noqa: F401  (registration)
     indexing,
     linalg,
     nn,
-    nn_more,
     normalization,
     pooling,
     reductions,
