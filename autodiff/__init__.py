@@ -21,6 +21,7 @@ from . import (  # noqa: F401  (registration)
     nn,
     normalization,
     pooling,
+    random,
     reductions,
     scans,
     sorting,

@@ -50,41 +50,13 @@ def _same_bdim_rule(func):
 
 
 for _op in (
-    aten.alias.default,
     aten.detach.default,
-    aten._to_copy.default,
-    aten.lift_fresh.default,
     aten.empty_like.default,
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.full_like.default,
-    aten.resolve_conj.default,
-    aten.resolve_neg.default,
-    aten._conj.default,
-    aten.view_as_real.default,
-    aten.view_as_complex.default,
 ):
     register_vmap_rule(_op)(_same_bdim_rule(_op))
-
-
-@register_vmap_rule(aten.copy.default)
-def copy_vmap_rule(interp, args, bdims, kwargs):
-    """copy(self, src): src broadcast to self's shape, in self's dtype (functional copy_)."""
-    self_, src = args[0], args[1]
-    n = max(self_.dim() - (bdims[0] is not None), src.dim() - (bdims[1] is not None))
-    dst = pad_to(expand_front(self_, bdims[0], interp.batch_size), n)
-    s = src if bdims[1] is None else pad_to(to_front(src, bdims[1]), n)
-    return aten.copy.default(dst, s, *args[2:], **kwargs), 0
-
-
-@register_vmap_rule(aten.copy_.default)
-def copy__vmap_rule(interp, args, bdims, kwargs):
-    """copy_(self, src): broadcast src into the (batched) self."""
-    self_, src = args[0], args[1]
-    sb = bdims[1]
-    dst = to_front(self_, bdims[0])
-    dst.copy_(src if sb is None else pad_to(to_front(src, sb), dst.dim() - 1), *args[2:])
-    return self_, bdims[0]
 
 
 def _data_dependent(func):
@@ -197,3 +169,30 @@ for _name in (
     "shift_right_arithmetic sub zeta where"
 ).split():
     _prims_elementwise(getattr(torch.ops.prims, _name).default)
+
+
+def _new_factory(func):
+    """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
+    as torch.func makes it (code writes per-example values into it, or draws into it under
+    randomness='different')."""
+
+    def new_factory_vmap_rule(interp, args, bdims, kwargs):
+        a = list(args)
+        size = [int(s) for s in a[1]]
+        a[1] = [interp.batch_size, *size]
+        if func is aten.new_empty_strided.default:
+            span = 1 + sum((s - 1) * st for s, st in zip(size, a[2])) if all(size) else 1
+            a[2] = [span, *a[2]]
+        return func(*a, **kwargs), 0
+
+    register_vmap_rule(func)(new_factory_vmap_rule)
+
+
+for _op in (
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
+    aten.new_empty_strided.default,
+):
+    _new_factory(_op)

@@ -1,5 +1,5 @@
 """Batching rules for indexing: advanced indexing, index_put, gather/scatter, index_* ops,
-``*_scatter`` ops, embedding, masked_fill and the ``new_*`` factories.
+``*_scatter`` ops, as_strided / as_strided_scatter, embedding and masked_fill.
 
 Note [Batching advanced indexing]
     ``x[i0, ..., ik]`` (``aten.index.Tensor``) with indices that are all unbatched: prepend a
@@ -395,28 +395,27 @@ def embedding_vmap_rule(interp, args, bdims, kwargs):
     return aten.embedding.default(w.reshape(B * V, -1), idx, *args[2:], **kwargs), 0
 
 
-def _new_factory(func):
-    """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
-    as torch.func makes it (code writes per-example values into it, or draws into it under
-    randomness='different')."""
-
-    def new_factory_vmap_rule(interp, args, bdims, kwargs):
-        a = list(args)
-        size = [int(s) for s in a[1]]
-        a[1] = [interp.batch_size, *size]
-        if func is aten.new_empty_strided.default:
-            span = 1 + sum((s - 1) * st for s, st in zip(size, a[2])) if all(size) else 1
-            a[2] = [span, *a[2]]
-        return func(*a, **kwargs), 0
-
-    register_vmap_rule(func)(new_factory_vmap_rule)
+@register_vmap_rule(aten.as_strided.default)
+def as_strided_vmap_rule(interp, args, bdims, kwargs):
+    """as_strided(x, size, stride, offset) per example: the wrapper reports each example's
+    strides and a storage offset of 0, so sizes, strides and offset are relative to where the
+    example starts; the batch dim keeps its own physical stride."""
+    x = to_front(args[0], bdims[0])
+    size, stride = args[1], args[2]
+    offset = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
+    start = x.storage_offset() + (offset or 0)
+    return x.as_strided((x.shape[0], *size), (x.stride(0), *stride), start), 0
 
 
-for _op in (
-    aten.new_zeros.default,
-    aten.new_ones.default,
-    aten.new_full.default,
-    aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
-    aten.new_empty_strided.default,
-):
-    _new_factory(_op)
+@register_vmap_rule(aten.as_strided_scatter.default)
+def as_strided_scatter_vmap_rule(interp, args, bdims, kwargs):
+    """as_strided_scatter(x, src, size, stride, offset): per example, src goes into a
+    contiguous copy of x at positions relative to that copy's start (as in a loop)."""
+    B = interp.batch_size
+    out = expand_front(args[0], bdims[0], B).clone(memory_format=torch.contiguous_format)
+    src = expand_front(args[1], bdims[1], B)
+    size, stride = args[2], args[3]
+    offset = args[4] if len(args) > 4 and args[4] is not None else kwargs.get("storage_offset")
+    per_example = out[0].numel() if B else 0
+    out.as_strided((B, *size), (per_example, *stride), offset or 0).copy_(src)
+    return out, 0

@@ -1,5 +1,6 @@
 """Batching rules for the neural-network ops that reach the dispatcher undecomposed: losses,
-and the softmax backward ops (convolution, pooling and normalization: files of those names).
+softmax and its backward ops, grid_sampler_3d (convolution, pooling and normalization: files of
+those names).
 
 Note [Batching losses]
     A loss with ``reduction='mean'|'sum'`` reduces over every logical dim, so the per-example
@@ -13,7 +14,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
-from .pooling import def_pool
+from .reductions import def_dim
 
 aten = torch.ops.aten
 
@@ -151,6 +152,11 @@ def def_fold_both(op):
 
 
 def_fold_both(aten.grid_sampler_3d.default)
-# upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
-def_pool(aten._upsample_bilinear2d_aa.default, 2)
-def_pool(aten._upsample_bicubic2d_aa.default, 2)
+
+
+# softmax along one dim: (op, position of dim)
+for _op, _pos in (
+    (aten._softmax.default, 1),
+    (aten._log_softmax.default, 1),
+):
+    def_dim(_op, _pos)
