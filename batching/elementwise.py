@@ -40,13 +40,20 @@ def make_pointwise_rule(func):
     return pointwise_vmap_rule
 
 
-def _same_bdim_rule(func):
-    """Ops of one tensor argument that act per element or on metadata only."""
+def def_same_bdim(op):
+    """Ops of one tensor argument that act per element or on metadata only: the output keeps
+    the input's batch dim."""
 
     def same_bdim_vmap_rule(interp, args, bdims, kwargs):
-        return func(*args, **kwargs), bdims[0]
+        return op(*args, **kwargs), bdims[0]
 
-    return same_bdim_vmap_rule
+    register_vmap_rule(op)(same_bdim_vmap_rule)
+
+
+def def_pointwise(op):
+    """A pointwise op torch does not tag ``pointwise``: the shared rule of Note [Batching
+    pointwise ops], registered by name."""
+    register_vmap_rule(op)(make_pointwise_rule(op))
 
 
 for _op in (
@@ -56,10 +63,10 @@ for _op in (
     aten.ones_like.default,
     aten.full_like.default,
 ):
-    register_vmap_rule(_op)(_same_bdim_rule(_op))
+    def_same_bdim(_op)
 
 
-def _data_dependent(func):
+def def_data_dependent(func):
     """``.item()``, ``bool(x)``, ``torch.equal``: one Python answer per example is impossible."""
 
     def data_dependent_vmap_rule(interp, args, bdims, kwargs):
@@ -69,10 +76,10 @@ def _data_dependent(func):
 
 
 for _op in (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default):
-    _data_dependent(_op)
+    def_data_dependent(_op)
 
 
-def _fill(func):
+def def_fill(func):
     """fill(self, value) / fill_ / zero_: a batched 0-d ``value`` fills each example's slice."""
     inplace = func._schema.name.endswith("_")
 
@@ -99,7 +106,7 @@ for _op in (
     aten.fill_.Tensor,
     aten.zero_.default,
 ):
-    _fill(_op)
+    def_fill(_op)
 
 
 for _op in (
@@ -107,7 +114,7 @@ for _op in (
     aten.to.device,
     aten.to.dtype_layout,
 ):
-    register_vmap_rule(_op)(_same_bdim_rule(_op))
+    def_same_bdim(_op)
 
 # pointwise ops that reach the dispatcher without the pointwise tag: dunder spellings, and
 # polar/complex (their decompositions write into a fresh, unbatched result in place)
@@ -121,7 +128,7 @@ for _op in (
     aten.__or__.Scalar,
     aten.__xor__.Scalar,
 ):
-    register_vmap_rule(_op)(make_pointwise_rule(_op))
+    def_pointwise(_op)
 
 
 @register_vmap_rule(aten.broadcast_tensors.default)
@@ -140,7 +147,7 @@ def broadcast_tensors_vmap_rule(interp, args, bdims, kwargs):
     return tuple(outs), tuple(None if b is None else 0 for b in bds)
 
 
-def _prims_elementwise(func):
+def def_prims_elementwise(func):
     """Elementwise prims (what torch._refs decompositions emit) want operands of one shape:
     every tensor gets the batch dim in front and is expanded to ``[B, *logical shape]``."""
 
@@ -168,10 +175,10 @@ for _name in (
     "igammac le lt maximum minimum mul ne nextafter pow remainder shift_left "
     "shift_right_arithmetic sub zeta where"
 ).split():
-    _prims_elementwise(getattr(torch.ops.prims, _name).default)
+    def_prims_elementwise(getattr(torch.ops.prims, _name).default)
 
 
-def _new_factory(func):
+def def_new_factory(func):
     """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
     as torch.func makes it (code writes per-example values into it, or draws into it under
     randomness='different')."""
@@ -195,4 +202,4 @@ for _op in (
     aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
     aten.new_empty_strided.default,
 ):
-    _new_factory(_op)
+    def_new_factory(_op)

@@ -101,7 +101,7 @@ def index_vmap_rule(interp, args, bdims, kwargs):
     return _move_block(aten.index.Tensor(x, new), R, p), 0
 
 
-def _index_put(func):
+def def_index_put(func):
     inplace = func in (aten.index_put_.default, aten._index_put_impl_.default)
 
     def index_put_vmap_rule(interp, args, bdims, kwargs):
@@ -126,7 +126,7 @@ def _index_put(func):
 
 
 for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
-    _index_put(_op)
+    def_index_put(_op)
 
 
 def _both_front(interp, args, bdims, k):
@@ -149,7 +149,7 @@ def gather_vmap_rule(interp, args, bdims, kwargs):
     return (out[:, 0] if m == 0 else out), 0
 
 
-def _scatter(func):
+def def_scatter(func):
     """scatter / scatter_add / scatter_reduce and their in-place forms: (self, dim, index, src?)."""
     inplace = func._schema.name.endswith("_")
 
@@ -189,7 +189,7 @@ for _op in (
     aten.scatter_reduce.two,
     aten.scatter_reduce_.two,
 ):
-    _scatter(_op)
+    def_scatter(_op)
 
 
 @register_vmap_rule(aten.index_select.default)
@@ -210,7 +210,7 @@ def index_select_vmap_rule(interp, args, bdims, kwargs):
     return index_vmap_rule(interp, [x, [None] * d + [idx]], [bdims[0], [None] * d + [0]], {})
 
 
-def _index_dim_op(func, src_pos):
+def def_index_dim(func, src_pos):
     """index_add / index_copy / index_fill: ``(self, dim, index, source_or_value, ...)``
     (Note [Batching index_* ops with a batched index])."""
     inplace = func._schema.name.endswith("_")
@@ -289,7 +289,7 @@ for _op, _src in (
     (aten.index_fill.int_Tensor, None),
     (aten.index_fill_.int_Tensor, None),
 ):
-    _index_dim_op(_op, _src)
+    def_index_dim(_op, _src)
 
 
 _SCATTER_DEFAULTS = {
@@ -299,7 +299,7 @@ _SCATTER_DEFAULTS = {
 }
 
 
-def _scatter_op(func):
+def def_view_scatter(func):
     """slice_scatter / select_scatter / diagonal_scatter: ``(self, src, ...)`` with logical dim
     arguments at the positions listed in ``_SCATTER_DEFAULTS``."""
     defaults, dim_pos = _SCATTER_DEFAULTS[func]
@@ -317,10 +317,10 @@ def _scatter_op(func):
 
 
 for _op in _SCATTER_DEFAULTS:
-    _scatter_op(_op)
+    def_view_scatter(_op)
 
 
-def _masked_fill(func):
+def def_masked_fill(func):
     """masked_fill(self, mask, value); a batched 0-d ``value`` becomes ``where``."""
     inplace = func._schema.name.endswith("_")
 
@@ -351,7 +351,7 @@ def _masked_fill(func):
 
 
 for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor):
-    _masked_fill(_op)
+    def_masked_fill(_op)
 
 
 @register_vmap_rule(aten.take.default)

@@ -121,7 +121,7 @@ def nll_loss_forward_vmap_rule(interp, args, bdims, kwargs):
     return (summed / total, total), (0, 0)
 
 
-def _softmax_backward(op):
+def def_softmax_backward(op):
     """(grad_output, output, dim, input_dtype): both aligned, dim shifted."""
 
     def softmax_backward_vmap_rule(interp, args, bdims, kwargs):
@@ -134,8 +134,8 @@ def _softmax_backward(op):
     register_vmap_rule(op)(softmax_backward_vmap_rule)
 
 
-_softmax_backward(aten._softmax_backward_data.default)
-_softmax_backward(aten._log_softmax_backward_data.default)
+def_softmax_backward(aten._softmax_backward_data.default)
+def_softmax_backward(aten._log_softmax_backward_data.default)
 
 
 def def_fold_both(op):

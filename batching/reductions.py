@@ -112,7 +112,7 @@ for _op, _pos in (
     def_dim(_op, _pos)
 
 
-def _full(op, via):
+def def_full(op, via):
     """Full reductions (``x.sum()``) become the dim version over every logical dim."""
 
     def full_vmap_rule(interp, args, bdims, kwargs):
@@ -122,10 +122,10 @@ def _full(op, via):
     register_vmap_rule(op)(full_vmap_rule)
 
 
-_full(aten.sum.default, lambda x, **kw: aten.sum.dim_IntList(x, [1], False, **kw))
-_full(aten.mean.default, lambda x, **kw: aten.mean.dim(x, [1], False, **kw))
-_full(aten.prod.default, lambda x, **kw: aten.prod.dim_int(x, 1, False, **kw))
-_full(aten.max.default, lambda x: aten.amax.default(x, [1]))
-_full(aten.min.default, lambda x: aten.amin.default(x, [1]))
-_full(aten.any.default, lambda x: aten.any.dim(x, 1))
-_full(aten.all.default, lambda x: aten.all.dim(x, 1))
+def_full(aten.sum.default, lambda x, **kw: aten.sum.dim_IntList(x, [1], False, **kw))
+def_full(aten.mean.default, lambda x, **kw: aten.mean.dim(x, [1], False, **kw))
+def_full(aten.prod.default, lambda x, **kw: aten.prod.dim_int(x, 1, False, **kw))
+def_full(aten.max.default, lambda x: aten.amax.default(x, [1]))
+def_full(aten.min.default, lambda x: aten.amin.default(x, [1]))
+def_full(aten.any.default, lambda x: aten.any.dim(x, 1))
+def_full(aten.all.default, lambda x: aten.all.dim(x, 1))

@@ -7,7 +7,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._util import flat_batch, to_front
-from .reductions import _full, def_dim
+from .reductions import def_dim, def_full
 
 aten = torch.ops.aten
 
@@ -36,8 +36,8 @@ for _op, _pos in (
 ):
     def_dim(_op, _pos, default=-1 if _op in _LAST_BY_DEFAULT else None)
 
-_full(aten.median.default, lambda x: aten.median.dim(x, 1)[0])
-_full(aten.nanmedian.default, lambda x: aten.nanmedian.dim(x, 1)[0])
+def_full(aten.median.default, lambda x: aten.median.dim(x, 1)[0])
+def_full(aten.nanmedian.default, lambda x: aten.nanmedian.dim(x, 1)[0])
 
 
 @register_vmap_rule(aten.searchsorted.Tensor)

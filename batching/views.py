@@ -6,7 +6,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
-from .elementwise import _same_bdim_rule
+from .elementwise import def_same_bdim
 
 aten = torch.ops.aten
 
@@ -199,7 +199,7 @@ def movedim_vmap_rule(interp, args, bdims, kwargs):
     return x.movedim([wrap_dim(d, n) + 1 for d in src], [wrap_dim(d, n) + 1 for d in dst]), 0
 
 
-def _last_two(func):
+def def_last_two(func):
     """tril/triu act on the last two dims: the batch dim in front is one more leading dim."""
 
     def last_two_vmap_rule(interp, args, bdims, kwargs):
@@ -211,7 +211,7 @@ def _last_two(func):
 
 
 for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):
-    _last_two(_op)
+    def_last_two(_op)
 
 
 @register_vmap_rule(aten.diag_embed.default)
@@ -233,7 +233,7 @@ def diag_vmap_rule(interp, args, bdims, kwargs):
 
 
 # mT / mH / adjoint are composite, but arrive whole when a rule of an outer level calls them
-def _matrix_transpose(conj):
+def def_matrix_transpose(op, conj):
     def matrix_transpose_vmap_rule(interp, args, bdims, kwargs):
         x, n = _front(args, bdims)
         if n < 2:
@@ -244,11 +244,12 @@ def _matrix_transpose(conj):
         t = x.transpose(-2, -1)
         return (t.conj() if conj and t.is_complex() else t), 0
 
-    return matrix_transpose_vmap_rule
+    register_vmap_rule(op)(matrix_transpose_vmap_rule)
 
 
-register_vmap_rule(aten.mT.default)(_matrix_transpose(False))
-register_vmap_rule(aten.mH.default, aten.adjoint.default)(_matrix_transpose(True))
+def_matrix_transpose(aten.mT.default, conj=False)
+def_matrix_transpose(aten.mH.default, conj=True)
+def_matrix_transpose(aten.adjoint.default, conj=True)
 
 
 # ops whose output keeps the input's layout (metadata, conj/neg bits, complex views)
@@ -262,7 +263,7 @@ for _op in (
     aten.view_as_real.default,
     aten.view_as_complex.default,
 ):
-    register_vmap_rule(_op)(_same_bdim_rule(_op))
+    def_same_bdim(_op)
 
 
 @register_vmap_rule(aten.copy.default)
