@@ -5,8 +5,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from functransforms import _compat
 from functransforms._core import TransformTensor
 from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import (
@@ -57,7 +57,7 @@ def composite_implicit(func):
     d = _COMPOSITE.get(func, False)
     if d is False:
         has = getattr(func, "has_kernel_for_dispatch_key", None)
-        ok = has is not None and has(torch._C.DispatchKey.CompositeImplicitAutograd)
+        ok = has is not None and has(_compat.CompositeImplicitAutograd)
         d = _COMPOSITE[func] = func.decompose if ok else None
     return d
 
@@ -100,7 +100,7 @@ def restride(w):
     created with their primal's strides (so torch's view-or-copy decisions are right)."""
     p = w._primal
     if w.shape != p.shape or w.stride() != p.stride():
-        with torch._C._DisableTorchDispatch():
+        with _compat.DisableTorchDispatch():
             w.as_strided_(p.shape, p.stride())
 
 
@@ -175,7 +175,7 @@ class _IndexStep:
 
 def _index_scatter(base, v, positions, func):
     flat = positions.reshape(-1)
-    with torch._C._DisableTorchDispatch():  # positions are metadata: no traced read (jit)
+    with _compat.DisableTorchDispatch():  # positions are metadata: no traced read (jit)
         overlap = positions.dtype != torch.long or flat.unique().numel() != flat.numel()
     if overlap:
         what = op_name(func) if func is not None else "this view"
@@ -278,7 +278,7 @@ class _Redirect(torch.Tensor):
             return a.__dict__["_target"] if type(a) is _Redirect else a
 
         args, kwargs = pt.tree_map(redirect, (args, kwargs or {}))
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
@@ -286,7 +286,7 @@ def _swap(a, b):
     """Exchange the contents (impl, class, attributes) of two tensor objects, keeping identities."""
     a.__class__, b.__class__ = b.__class__, a.__class__
     a.__dict__, b.__dict__ = b.__dict__, a.__dict__
-    torch._C._swap_tensor_impl(a, b)
+    _compat.swap_tensor_impl(a, b)
 
 
 def _give_back(obj, holder):
@@ -297,7 +297,7 @@ def _give_back(obj, holder):
     call; while someone keeps the holder (``out = buf.add_(x)``), both see the same memory."""
     # bookkeeping of a user's Python object, not part of the computation: no mode (a jit trace,
     # an audit) may see it
-    with torch._C.DisableTorchFunction(), _disable_current_modes():
+    with _compat.DisableTorchFunction(), _compat.disable_current_modes():
         alias = holder.new_empty(0).set_(
             holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
         )
@@ -447,11 +447,11 @@ class InplaceMixin:
             root = target._base if target._base is not None else target
             if type(root) is not torch.Tensor or root.requires_grad:
                 why = "the target is a view of a tensor that cannot be promoted"
-            elif torch._debug_has_internal_overlap(root) != 0 or root.dtype != target.dtype:
+            elif _compat.has_internal_overlap(root) != 0 or root.dtype != target.dtype:
                 why = "the target's memory overlaps itself or is reinterpreted"
             else:
                 known = 1 if root is target else 2
-                if torch._C._storage_Use_Count(root.untyped_storage()._cdata) != known + 1:
+                if _compat.storage_use_count(root.untyped_storage()._cdata) != known + 1:
                     why = "other tensors share its memory (views or aliases of it are alive)"
                 elif self._is_fresh(root) and root._use_count() > (3 if root is target else 2):
                     # Note [Buffers held by kernels]: a buffer made at this level by a *_like
@@ -468,7 +468,7 @@ class InplaceMixin:
         if root is not target:
             # Positions depend on metadata only: computed with dispatch off, they are
             # constants to a tracer (jit), and the check below is no data-dependent read.
-            with torch._C._DisableTorchDispatch():
+            with _compat.DisableTorchDispatch():
                 n = root.untyped_storage().nbytes() // root.element_size()
                 store = torch.full((n,), -1, dtype=torch.long, device=root.device)
                 store.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(

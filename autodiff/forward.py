@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._decomp import decomposition
@@ -18,9 +19,9 @@ from ._util import (
     unwrap_level,
 )
 
-_mk = torch.Tensor._make_wrapper_subclass
-_fwd_enabled = torch._C._is_fwd_grad_enabled
-_set_fwd = torch._C._set_fwd_grad_enabled
+_mk = _compat.make_wrapper_subclass
+_fwd_enabled = _compat.is_fwd_grad_enabled
+_set_fwd = _compat.set_fwd_grad_enabled
 
 
 class DualTensor(TransformTensor):

@@ -1,14 +1,19 @@
-"""Derivative rules of indexing ops that select, scatter or reduce by an index or a mask:
-masked_select / masked_scatter, put, scatter_reduce and index_reduce (every reduction, both
-``include_self``), as_strided / as_strided_scatter (through flat storage positions), and
-addbmm. Indices and masks are constants; every rule is ordinary differentiable, batchable ops."""
+"""Derivative rules of indexing ops that select, scatter or reduce by an index or a mask: index
+/ index_select / gather (linear, transposed by the matching accumulate), index_put, masked_fill,
+the ``*_scatter`` ops, masked_select / masked_scatter, put, scatter_reduce and index_reduce
+(every reduction, both ``include_self``), as_strided / as_strided_scatter (through flat storage
+positions), segment_reduce and embedding_bag. Indices and masks are constants; every rule is
+ordinary differentiable, batchable ops."""
 
 from __future__ import annotations
 
 import torch
 
+from functransforms.deterministic import _ops as _det
+
 from ._registry import register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
+from .views import def_linear
 
 aten = torch.ops.aten
 
@@ -303,52 +308,6 @@ def as_strided_scatter_vjp_rule(ct, primals, kwargs, out, needs):
     return (gx, gs) + (None,) * (len(primals) - 2)
 
 
-# -- addbmm ---------------------------------------------------------------------------------------
-def _scalars(primals, kwargs):
-    beta = kwargs.get("beta", primals[3] if len(primals) > 3 else 1)
-    alpha = kwargs.get("alpha", primals[4] if len(primals) > 4 else 1)
-    return beta, alpha
-
-
-def _conj_scalar(a):
-    return a.conjugate() if isinstance(a, complex) else a
-
-
-@register_jvp_rule(aten.addbmm.default)
-def addbmm_jvp_rule(primals, tangents, kwargs):
-    """addbmm(c, A, B) = beta c + alpha sum_b A_b B_b"""
-    c, A, B = primals[:3]
-    beta, alpha = _scalars(primals, kwargs)
-    out = aten.addbmm.default(*primals, **kwargs)
-    tc, tA, tB = tangents[:3]
-    t = None
-    if tc is not None and beta != 0:
-        t = (tc * beta).expand(out.shape)
-    for prod in (
-        None if tA is None else torch.bmm(tA, B),
-        None if tB is None else torch.bmm(A, tB),
-    ):
-        if prod is not None:
-            p = prod.sum(0) * alpha
-            t = p if t is None else t + p
-    return out, t
-
-
-@register_vjp_rule(aten.addbmm.default)
-def addbmm_vjp_rule(ct, primals, kwargs, out, needs):
-    c, A, B = primals[:3]
-    beta, alpha = _scalars(primals, kwargs)
-    a = _conj_scalar(alpha)
-    gc = gA = gB = None
-    if needs[0]:
-        gc = unbroadcast(ct * _conj_scalar(beta), c.shape) if beta != 0 else torch.zeros_like(c)
-    if needs[1]:
-        gA = torch.matmul(ct.unsqueeze(0), _cphys(B).transpose(-1, -2)) * a
-    if needs[2]:
-        gB = torch.matmul(_cphys(A).transpose(-1, -2), ct.unsqueeze(0)) * a
-    return (gc, gA, gB) + (None,) * (len(primals) - 3)
-
-
 # -- segment_reduce -------------------------------------------------------------------------------
 _SEGMENT_AS_SCATTER = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin", "prod": "prod"}
 
@@ -399,3 +358,244 @@ def segment_reduce_vjp_rule(ct, primals, kwargs, out, needs):
     base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
     w = _group_weights(base, axis, index, data, red, include_self)[1]
     return (ct.gather(axis, index) * _cphys(w),) + (None,) * (len(primals) - 1)
+
+
+# -- index_select / gather / index: linear in x, transposed by the matching accumulate -------
+for _op, _tr in (
+    (
+        aten.index_select.default,
+        lambda ct, x, dim, idx: _det.det_call(
+            aten.index_add.default, _zeros_of(x, ct), dim, idx, ct
+        ),
+    ),
+    (
+        aten.gather.default,
+        lambda ct, x, dim, idx, **k: _det.det_call(
+            aten.scatter_add.default, _zeros_of(x, ct), dim, idx, ct
+        ),
+    ),
+    (
+        aten.index.Tensor,
+        lambda ct, x, indices: _det.det_call(
+            aten.index_put.default, _zeros_of(x, ct), indices, ct, True
+        ),
+    ),
+):
+    def_linear(_op, _tr)
+
+
+@register_jvp_rule(aten.masked_fill.Scalar)
+def masked_fill_jvp_rule(primals, tangents, kwargs):
+    out = aten.masked_fill.Scalar(*primals)
+    t = tangents[0]
+    return out, None if t is None else t.masked_fill(primals[1], 0).expand(out.shape)
+
+
+@register_vjp_rule(aten.masked_fill.Scalar)
+def masked_fill_vjp_rule(ct, primals, kwargs, out, needs):
+    return unbroadcast(ct.masked_fill(primals[1], 0), primals[0].shape), None, None
+
+
+# scatter-style ops: linear in (base, src) jointly; the src cotangent is the matching view
+def def_scatter(op, view):
+    def scatter_jvp_rule(primals, tangents, kwargs):
+        base, src = primals[0], primals[1]
+        out = op(*primals, **kwargs)
+        tb, ts = tangents[0], tangents[1]
+        if tb is None and ts is None:
+            return out, None
+        tb = tb if tb is not None else torch.zeros_like(base)
+        ts = ts if ts is not None else torch.zeros_like(src)
+        return out, op(tb, ts, *primals[2:], **kwargs)
+
+    def scatter_vjp_rule(ct, primals, kwargs, out, needs):
+        src = primals[1]
+        gb = (
+            op(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs)
+            if needs[0]
+            else None
+        )
+        gs = view(ct, *primals[2:], **kwargs) if needs[1] else None
+        return (gb, gs) + (None,) * (len(primals) - 2)
+
+    register_jvp_rule(op)(scatter_jvp_rule)
+    register_vjp_rule(op)(scatter_vjp_rule)
+
+
+def_scatter(aten.select_scatter.default, lambda ct, dim, i: ct.select(dim, i))
+def_scatter(
+    aten.slice_scatter.default,
+    lambda ct, dim=0, start=None, end=None, step=1: aten.slice.Tensor(ct, dim, start, end, step),
+)
+def_scatter(
+    aten.diagonal_scatter.default, lambda ct, offset=0, d1=0, d2=1: ct.diagonal(offset, d1, d2)
+)
+
+
+@register_jvp_rule(aten.index_put.default)
+def index_put_jvp_rule(primals, tangents, kwargs):
+    """index_put(x, indices, v, accumulate) is linear in (x, v) jointly."""
+    indices, v = primals[1], primals[2]
+    out = aten.index_put.default(*primals, **kwargs)
+    tx, tv = tangents[0], tangents[2]
+    if tx is None and tv is None:
+        return out, None
+    tx = tx if tx is not None else torch.zeros_like(out)
+    tv = tv if tv is not None else torch.zeros(v.shape, dtype=out.dtype, device=out.device)
+    return out, _det.det_call(aten.index_put.default, tx, indices, tv, *primals[3:], **kwargs)
+
+
+@register_vjp_rule(aten.index_put.default)
+def index_put_vjp_rule(ct, primals, kwargs, out, needs):
+    indices, v = primals[1], primals[2]
+    accumulate = primals[3] if len(primals) > 3 else kwargs.get("accumulate", False)
+    gx = gv = None
+    if needs[0]:  # overwritten positions get no cotangent unless accumulating
+        gx = ct if accumulate else aten.index_put.default(ct, indices, _zeros_of(v, ct))
+    if needs[2]:
+        gv = unbroadcast(aten.index.Tensor(ct, indices), v.shape)
+    return (gx, None, gv) + (None,) * (len(primals) - 3)
+
+
+def def_scatter_src(op, accumulate):
+    """``op(x, dim, index, src)``, linear in (x, src) jointly: scatter_add adds src at index,
+    scatter overwrites (then the overwritten entries of x get no cotangent)."""
+
+    def scatter_src_jvp_rule(primals, tangents, kwargs):
+        x, dim, index, src = primals[:4]
+        out = op(*primals, **kwargs)
+        tx, ts = tangents[0], tangents[3]
+        if tx is None and ts is None:
+            return out, None
+        tx = tx if tx is not None else torch.zeros_like(out)
+        ts = ts if ts is not None else torch.zeros(src.shape, dtype=out.dtype, device=out.device)
+        return out, _det.det_call(op, tx, dim, index, ts, *primals[4:], **kwargs)
+
+    def scatter_src_vjp_rule(ct, primals, kwargs, out, needs):
+        x, dim, index, src = primals[:4]
+        gx = gs = None
+        if needs[0]:
+            gx = ct if accumulate else ct.scatter(dim, index, 0.0)
+        if needs[3]:
+            gs = ct.gather(dim, index)
+        return (gx, None, None, gs) + (None,) * (len(primals) - 4)
+
+    register_jvp_rule(op)(scatter_src_jvp_rule)
+    register_vjp_rule(op)(scatter_src_vjp_rule)
+
+
+def_scatter_src(aten.scatter_add.default, accumulate=True)
+def_scatter_src(aten.scatter.src, accumulate=False)
+
+
+@register_jvp_rule(aten.scatter.value)
+def scatter_value_jvp_rule(primals, tangents, kwargs):
+    """scatter(x, dim, index, value): x with constants written at index."""
+    out = aten.scatter.value(*primals, **kwargs)
+    t = tangents[0]
+    return out, None if t is None else t.scatter(primals[1], primals[2], 0.0)
+
+
+@register_vjp_rule(aten.scatter.value)
+def scatter_value_vjp_rule(ct, primals, kwargs, out, needs):
+    return (ct.scatter(primals[1], primals[2], 0.0),) + (None,) * (len(primals) - 1)
+
+
+# -- embedding_bag ---------------------------------------------------------------------------------
+def _bags(indices, offsets, include_last_offset, n_bags):
+    """The bag of each index (indices 1-d with offsets)."""
+    pos = torch.arange(indices.shape[0], device=indices.device)
+    starts = offsets[:n_bags]
+    return (starts.unsqueeze(-1) <= pos).sum(0) - 1
+
+
+def _embedding_bag_parts(primals):
+    weight, indices, offsets = primals[:3]
+    mode = primals[4] if len(primals) > 4 else 0
+    psw = primals[6] if len(primals) > 6 else None
+    include_last = primals[7] if len(primals) > 7 else False
+    padding_idx = primals[8] if len(primals) > 8 else -1
+    if indices.dim() == 2:  # fixed-size bags, no offsets
+        n_bags, size = indices.shape
+        bag = torch.arange(n_bags, device=indices.device).repeat_interleave(size)
+        indices = indices.reshape(-1)
+        if psw is not None:
+            psw = psw.reshape(-1)
+    else:
+        n_bags = offsets.shape[0] - (1 if include_last else 0)
+        bag = _bags(indices, offsets, include_last, n_bags)
+    keep = indices != padding_idx if padding_idx is not None and padding_idx >= 0 else None
+    return weight, indices, bag, n_bags, mode, psw, keep
+
+
+def _bag_scale(bag, n_bags, keep, dtype):
+    """1 / (members of each bag), for mode='mean' (empty bags: 0)."""
+    ones = torch.ones(bag.shape, dtype=dtype, device=bag.device)
+    if keep is not None:
+        ones = ones * keep
+    count = torch.zeros(n_bags, dtype=dtype, device=bag.device).index_add(0, bag, ones)
+    return torch.where(count > 0, 1 / count.clamp_min(1), torch.zeros_like(count))
+
+
+def _embedding_bag_linear(primals, out, tw, tpsw):
+    """d out for weight tangent tw and per-sample-weights tangent tpsw (sum/mean: linear in
+    weight and in psw; max: the selected rows)."""
+    weight, indices, bag, n_bags, mode, psw, keep = _embedding_bag_parts(primals)
+    if mode == 2:  # the selected rows; an empty bag's max_indices are filler (bag_size 0)
+        if tw is None:
+            return None
+        return tw.gather(0, out[3]) * (out[2] > 0).unsqueeze(-1)
+    rows = 0
+    if tw is not None:
+        rows = tw[indices] if psw is None else tw[indices] * psw.unsqueeze(-1)
+    if tpsw is not None:
+        rows = rows + weight[indices] * tpsw.unsqueeze(-1)
+    if keep is not None:
+        rows = rows * keep.unsqueeze(-1)
+    res = torch.zeros((n_bags, weight.shape[1]), dtype=out[0].dtype, device=weight.device)
+    res = res.index_add(0, bag, rows)
+    if mode == 1:
+        res = res * _bag_scale(bag, n_bags, keep, res.dtype).unsqueeze(-1)
+    return res
+
+
+def def_embedding_bag(op):
+    def embedding_bag_jvp_rule(primals, tangents, kwargs):
+        """Ours only."""
+        out = op(*primals, **kwargs)
+        tw = tangents[0]
+        tpsw = tangents[6] if len(tangents) > 6 else None
+        if tw is None and tpsw is None:
+            return out, None
+        return out, (_embedding_bag_linear(primals, out, tw, tpsw), None, None, None)
+
+    def embedding_bag_vjp_rule(cts, primals, kwargs, out, needs):
+        ct = cts[0]
+        res = [None] * len(primals)
+        if ct is None:
+            return tuple(res)
+        weight, indices, bag, n_bags, mode, psw, keep = _embedding_bag_parts(primals)
+        if mode == 2:
+            if needs[0]:
+                g = torch.zeros(weight.shape, dtype=ct.dtype, device=ct.device)
+                res[0] = g.scatter_add(0, out[3], ct * (out[2] > 0).unsqueeze(-1))
+            return tuple(res)
+        if mode == 1:
+            ct = ct * _bag_scale(bag, n_bags, keep, ct.dtype).unsqueeze(-1)
+        per_index = ct[bag]
+        if keep is not None:
+            per_index = per_index * keep.unsqueeze(-1)
+        if needs[0]:
+            rows = per_index if psw is None else per_index * psw.unsqueeze(-1)
+            g = torch.zeros(weight.shape, dtype=ct.dtype, device=ct.device)
+            res[0] = g.index_add(0, indices, rows)
+        if len(primals) > 6 and psw is not None and needs[6]:
+            res[6] = (per_index * weight[indices]).sum(-1).reshape(primals[6].shape)
+        return tuple(res)
+
+    register_jvp_rule(op)(embedding_bag_jvp_rule)
+    register_vjp_rule(op)(embedding_bag_vjp_rule)
+
+
+def_embedding_bag(aten._embedding_bag_forward_only.default)
+def_embedding_bag(aten._embedding_bag.default)

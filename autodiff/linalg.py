@@ -1,5 +1,8 @@
-"""Derivative rules of matrix products (bilinear: each factor's vjp is the product with the
-other's conjugate transpose)."""
+"""Derivative rules of linear algebra: matrix products (bilinear: each factor's vjp is the
+product with the other's conjugate transpose; addbmm, ``_trilinear``), factorizations, solvers
+and determinants, and the pairwise distances ``_cdist_forward`` / ``_pdist_forward``. Forward
+mode for cdist and pdist is ours only (torch has none); tests/autodiff/test_ad_misc.py checks it
+by finite differences."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import torch
 
 from ._registry import register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
+from .reductions import _norm_weight
 
 aten = torch.ops.aten
 
@@ -542,3 +546,152 @@ def _cholesky_inverse_vjp(bars, out, needs, L, upper):
 
 
 def_linalg(aten.cholesky_inverse.default, _cholesky_inverse_jvp, _cholesky_inverse_vjp)
+
+
+def _cphys(t):
+    return torch.conj_physical(t) if t.is_complex() else t
+
+
+# -- addbmm ---------------------------------------------------------------------------------------
+def _scalars(primals, kwargs):
+    beta = kwargs.get("beta", primals[3] if len(primals) > 3 else 1)
+    alpha = kwargs.get("alpha", primals[4] if len(primals) > 4 else 1)
+    return beta, alpha
+
+
+@register_jvp_rule(aten.addbmm.default)
+def addbmm_jvp_rule(primals, tangents, kwargs):
+    """addbmm(c, A, B) = beta c + alpha sum_b A_b B_b"""
+    c, A, B = primals[:3]
+    beta, alpha = _scalars(primals, kwargs)
+    out = aten.addbmm.default(*primals, **kwargs)
+    tc, tA, tB = tangents[:3]
+    t = None
+    if tc is not None and beta != 0:
+        t = (tc * beta).expand(out.shape)
+    for prod in (
+        None if tA is None else torch.bmm(tA, B),
+        None if tB is None else torch.bmm(A, tB),
+    ):
+        if prod is not None:
+            p = prod.sum(0) * alpha
+            t = p if t is None else t + p
+    return out, t
+
+
+@register_vjp_rule(aten.addbmm.default)
+def addbmm_vjp_rule(ct, primals, kwargs, out, needs):
+    c, A, B = primals[:3]
+    beta, alpha = _scalars(primals, kwargs)
+    a = _conj_scalar(alpha)
+    gc = gA = gB = None
+    if needs[0]:
+        gc = unbroadcast(ct * _conj_scalar(beta), c.shape) if beta != 0 else torch.zeros_like(c)
+    if needs[1]:
+        gA = torch.matmul(ct.unsqueeze(0), _cphys(B).transpose(-1, -2)) * a
+    if needs[2]:
+        gB = torch.matmul(_cphys(A).transpose(-1, -2), ct.unsqueeze(0)) * a
+    return (gc, gA, gB) + (None,) * (len(primals) - 3)
+
+
+# -- _trilinear: out = sum_{sumdim} i1[expand1] * i2[expand2] * i3[expand3] ----------------------
+def _expanded(t, dims):
+    for d in sorted(dims):
+        t = t.unsqueeze(d)
+    return t
+
+
+@register_jvp_rule(aten._trilinear.default)
+def trilinear_jvp_rule(primals, tangents, kwargs):
+    """Multilinear: the sum of the op with one argument replaced by its tangent."""
+    out = aten._trilinear.default(*primals, **kwargs)
+    t = None
+    for k in range(3):
+        if tangents[k] is None:
+            continue
+        args = list(primals)
+        args[k] = tangents[k]
+        tk = aten._trilinear.default(*args, **kwargs)
+        t = tk if t is None else t + tk
+    return out, t
+
+
+@register_vjp_rule(aten._trilinear.default)
+def trilinear_vjp_rule(ct, primals, kwargs, out, needs):
+    ins, expands, sumdim = primals[:3], primals[3:6], primals[6]
+    full = [_expanded(x, e) for x, e in zip(ins, expands)]
+    ct_full = _expanded(ct, sumdim)
+    grads = []
+    for k in range(3):
+        if not needs[k]:
+            grads.append(None)
+            continue
+        others = [full[j] for j in range(3) if j != k]
+        g = ct_full * _cphys(others[0] * others[1])
+        g = unbroadcast(g, full[k].shape) if g.shape != full[k].shape else g
+        grads.append(g.reshape(ins[k].shape))
+    return tuple(grads) + (None,) * (len(primals) - 3)
+
+
+# -- cdist / pdist ------------------------------------------------------------------------------
+# d_ij = ||x1_i - x2_j||_p: d d_ij = <w_ij, dx1_i - dx2_j> with w the derivative of the p-norm
+# (reductions._norm_weight: zero at d = 0, the p = inf ties split, p = 0 piecewise constant).
+def _pair_weights(diff, d, p):
+    return _norm_weight(diff, d.unsqueeze(-1), -1, (diff, p), {})
+
+
+@register_jvp_rule(aten._cdist_forward.default)
+def cdist_jvp_rule(primals, tangents, kwargs):
+    """Ours only: d d_ij = <w_ij, dx1_i - dx2_j>."""
+    x1, x2, p = primals[:3]
+    out = aten._cdist_forward.default(*primals, **kwargs)
+    t1, t2 = tangents[0], tangents[1]
+    if t1 is None and t2 is None:
+        return out, None
+    w = _pair_weights(x1.unsqueeze(-2) - x2.unsqueeze(-3), out, p)
+    dt = 0
+    if t1 is not None:
+        dt = dt + t1.unsqueeze(-2)
+    if t2 is not None:
+        dt = dt - t2.unsqueeze(-3)
+    return out, (w * dt).sum(-1)
+
+
+@register_vjp_rule(aten._cdist_forward.default)
+def cdist_vjp_rule(ct, primals, kwargs, out, needs):
+    x1, x2, p = primals[:3]
+    w = _pair_weights(x1.unsqueeze(-2) - x2.unsqueeze(-3), out, p)
+    cw = ct.unsqueeze(-1) * w
+    g1 = unbroadcast(cw.sum(-2), x1.shape) if needs[0] else None
+    g2 = unbroadcast(-cw.sum(-3), x2.shape) if needs[1] else None
+    return (g1, g2) + (None,) * (len(primals) - 2)
+
+
+def _pdist_pairs(x):
+    n = x.shape[0]
+    i, j = torch.triu_indices(n, n, 1, device=x.device)
+    return i, j
+
+
+@register_jvp_rule(aten._pdist_forward.default)
+def pdist_jvp_rule(primals, tangents, kwargs):
+    """Ours only: the pairs i < j of cdist(x, x), row-major."""
+    x = primals[0]
+    p = primals[1] if len(primals) > 1 else kwargs.get("p", 2.0)
+    out = aten._pdist_forward.default(*primals, **kwargs)
+    t = tangents[0]
+    if t is None:
+        return out, None
+    i, j = _pdist_pairs(x)
+    w = _pair_weights(x[i] - x[j], out, p)
+    return out, (w * (t[i] - t[j])).sum(-1)
+
+
+@register_vjp_rule(aten._pdist_forward.default)
+def pdist_vjp_rule(ct, primals, kwargs, out, needs):
+    x = primals[0]
+    p = primals[1] if len(primals) > 1 else kwargs.get("p", 2.0)
+    i, j = _pdist_pairs(x)
+    cw = ct.unsqueeze(-1) * _pair_weights(x[i] - x[j], out, p)
+    g = torch.zeros(x.shape, dtype=cw.dtype, device=cw.device)
+    return (g.index_add(0, i, cw).index_add(0, j, -cw),) + (None,) * (len(primals) - 1)

@@ -1,6 +1,8 @@
-"""Derivative rules of the neural-network ops that reach dispatch undecomposed. Every vjp is
-written in ordinary differentiable, batchable ops, so backward passes compose with vmap and
-higher-order derivatives."""
+"""Derivative rules of the neural-network ops outside the convolution, pooling and
+normalization families that reach dispatch undecomposed: softmax, the losses (ctc_loss's
+forward mode is ours only) and grid_sampler_3d. Every vjp is written in ordinary
+differentiable, batchable ops, so backward passes compose with vmap and higher-order
+derivatives (ctc_loss's vjp is torch's kernel, which has no derivative: second order raises)."""
 
 from __future__ import annotations
 
@@ -137,3 +139,75 @@ def mse_loss_vjp_rule(ct, primals, kwargs, out, needs):
     gx = unbroadcast(g, x.shape) if needs[0] else None
     gy = unbroadcast(-g, y.shape) if needs[1] else None
     return gx, gy, None
+
+
+# -- ctc_loss --------------------------------------------------------------------------------------
+def def_ctc_loss(op, backward):
+    def ctc_grad(primals, out, grad):
+        log_probs, targets, input_lengths, target_lengths = primals[:4]
+        blank = primals[4] if len(primals) > 4 else 0
+        zero_infinity = primals[5] if len(primals) > 5 else False
+        return backward(
+            grad, log_probs, targets, input_lengths, target_lengths, out[0], out[1], blank,
+            zero_infinity,
+        )  # fmt: skip
+
+    def ctc_loss_jvp_rule(primals, tangents, kwargs):
+        """Ours only: d nll_b = <G_b, d log_probs_b>, G = torch's backward kernel at grad 1."""
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        if t is None:
+            return out, None
+        nll = out[0]
+        G = ctc_grad(primals, out, torch.ones_like(nll))  # (T, B, C) or (T, C)
+        dnll = (G * t).sum((0, 2)) if G.dim() == 3 else (G * t).sum()
+        return out, (dnll.reshape(nll.shape), None)
+
+    def ctc_loss_vjp_rule(cts, primals, kwargs, out, needs):
+        """torch's kernel, which has no derivative of its own: second order raises naming it."""
+        ct = cts[0]
+        if ct is None:
+            return (None,) * len(primals)
+        return (ctc_grad(primals, out, ct),) + (None,) * (len(primals) - 1)
+
+    register_jvp_rule(op)(ctc_loss_jvp_rule)
+    register_vjp_rule(op)(ctc_loss_vjp_rule)
+
+
+def_ctc_loss(aten._ctc_loss.Tensor, aten._ctc_loss_backward.Tensor)
+def_ctc_loss(aten._ctc_loss.default, aten._ctc_loss_backward.default)
+
+
+# -- grid_sampler_3d ------------------------------------------------------------------------------
+# Linear in the input (the jvp is the op on the tangent, the vjp torch's backward kernel). The
+# jvp in the grid (ours only) comes from the same kernel: with the channels moved into the batch
+# and a cotangent of ones, its grid gradient is d out[n, c, p] / d grid[n, p, :] for each channel
+# separately, which is contracted with the grid tangent: one kernel call.
+@register_jvp_rule(aten.grid_sampler_3d.default)
+def grid_sampler_3d_jvp_rule(primals, tangents, kwargs):
+    x, grid, mode, padding, align = primals
+    out = aten.grid_sampler_3d.default(*primals)
+    tx, tg = tangents[0], tangents[1]
+    t = None
+    if tx is not None:
+        t = aten.grid_sampler_3d.default(tx, grid, mode, padding, align)
+    if tg is not None:
+        N, C = x.shape[:2]
+        xs = x.reshape((N * C, 1) + tuple(x.shape[2:]))
+        gs = grid.repeat_interleave(C, 0)
+        ones = torch.ones((N * C, 1) + tuple(out.shape[2:]), dtype=out.dtype, device=out.device)
+        _, dgrid = aten.grid_sampler_3d_backward.default(
+            ones, xs, gs, mode, padding, align, [False, True]
+        )
+        t2 = (dgrid * tg.repeat_interleave(C, 0)).sum(-1).reshape(out.shape)
+        t = t2 if t is None else t + t2
+    return out, t
+
+
+@register_vjp_rule(aten.grid_sampler_3d.default)
+def grid_sampler_3d_vjp_rule(ct, primals, kwargs, out, needs):
+    x, grid, mode, padding, align = primals
+    gx, gg = aten.grid_sampler_3d_backward.default(
+        ct, x, grid, mode, padding, align, [bool(needs[0]), bool(needs[1])]
+    )
+    return (gx if needs[0] else None, gg if needs[1] else None, None, None, None)

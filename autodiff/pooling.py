@@ -1,4 +1,5 @@
-"""Derivative rules of pooling.
+"""Derivative rules of pooling and of the antialiased upsampling kernels (linear, with torch's
+backward kernel as the transpose, like average pooling).
 
 Note [Pooling derivatives]
     Two shapes cover every pooling op that reaches dispatch (the 1-d ops arrive as their 2-d
@@ -136,3 +137,42 @@ def_linear_pool(
 def_linear_pool(
     aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default, 3, True
 )
+
+
+# -- antialiased upsampling: linear in the input, with torch's backward kernel as the transpose ----
+def def_upsample_aa(op, backward):
+    def upsample_aa_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else op(t, *primals[1:], **kwargs)
+
+    def upsample_aa_vjp_rule(ct, primals, kwargs, out, needs):
+        x, output_size, align_corners = primals[:3]
+        scales = list(primals[3:]) + [None] * (5 - len(primals))
+        scales_h = kwargs.get("scales_h", scales[0])
+        scales_w = kwargs.get("scales_w", scales[1])
+        g = backward(ct, output_size, list(x.shape), align_corners, scales_h, scales_w)
+        return (g,) + (None,) * (len(primals) - 1)
+
+    def backward_jvp_rule(primals, tangents, kwargs):
+        out = backward(*primals, **kwargs)
+        t = tangents[0]
+        return out, None if t is None else backward(t, *primals[1:], **kwargs)
+
+    def backward_vjp_rule(ct, primals, kwargs, out, needs):
+        _, output_size, input_size, align_corners = primals[:4]
+        rest = list(primals[4:]) + [None] * (6 - len(primals))
+        scales_h = kwargs.get("scales_h", rest[0])
+        scales_w = kwargs.get("scales_w", rest[1])
+        return (op(ct, output_size, align_corners, scales_h, scales_w),) + (None,) * (
+            len(primals) - 1
+        )
+
+    register_jvp_rule(op)(upsample_aa_jvp_rule)
+    register_vjp_rule(op)(upsample_aa_vjp_rule)
+    register_jvp_rule(backward)(backward_jvp_rule)
+    register_vjp_rule(backward)(backward_vjp_rule)
+
+
+def_upsample_aa(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_backward.default)
+def_upsample_aa(aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default)

@@ -26,6 +26,7 @@ import itertools
 
 import torch
 
+from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
 from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
@@ -43,7 +44,7 @@ from ._util import (
     unwrap_level,
 )
 
-_mk = torch.Tensor._make_wrapper_subclass
+_mk = _compat.make_wrapper_subclass
 _ids = itertools.count()
 _grad_enabled = torch.is_grad_enabled
 
@@ -121,14 +122,14 @@ class GradInterpreter(InplaceMixin, Interpreter):
         # caller's grad mode, and the caller's mode is restored on exit.
         self.prev_grad = torch.is_grad_enabled()
         super().__enter__()
-        torch._C._set_grad_enabled(True)
+        _compat.set_grad_enabled(True)
         return self
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            torch._C._set_grad_enabled(self.prev_grad)
+            _compat.set_grad_enabled(self.prev_grad)
 
     def process(self, func, args, kwargs):
         f = facts(func)

@@ -1,13 +1,14 @@
-"""Derivative rules of scans along a dim: cumprod, logcumsumexp, cummax and cummin (cumsum is
-linear: autodiff/views.py). Each jvp is written as a linear map of the tangent in cumsums and
-masks, and each vjp is that map's transpose (reverse cumsums), so both are made of ordinary
-differentiable, batchable ops, with no branch on the data (the rules run under vmap)."""
+"""Derivative rules of scans along a dim: cumsum (linear: its transpose is the reversed cumsum),
+cumprod, logcumsumexp, cummax and cummin. Each jvp is written as a linear map of the tangent in
+cumsums and masks, and each vjp is that map's transpose (reverse cumsums), so both are made of
+ordinary differentiable, batchable ops, with no branch on the data (the rules run under vmap)."""
 
 from __future__ import annotations
 
 import torch
 
 from ._registry import register_jvp_rule, register_vjp_rule
+from .views import def_linear
 
 aten = torch.ops.aten
 
@@ -146,3 +147,12 @@ def def_cumext(op):
 
 def_cumext(aten.cummax.default)
 def_cumext(aten.cummin.default)
+
+
+def _cumsum_transpose(ct, dim):
+    if ct.dim() == 0:  # a 0-d cumsum is the identity (and flip of a 0-d batched value is not)
+        return ct
+    return ct.flip(dim).cumsum(dim).flip(dim)
+
+
+def_linear(aten.cumsum.default, lambda ct, x, dim, **k: _cumsum_transpose(ct, dim))

@@ -1,12 +1,11 @@
-"""Derivative rules of linear data-movement ops (views, shape ops, copies, cat/stack/split,
-indexing). For a linear op the jvp is the op applied to the tangent and the vjp is its
-transpose, so each op is one line: its transpose."""
+"""Derivative rules of linear data-movement ops (views, shape ops, copies, cat/stack/split).
+Indexing ops are in autodiff/indexing.py, cumsum in autodiff/scans.py. For a linear op the jvp
+is the op applied to the tangent and the vjp is its transpose, so each op is one line: its
+transpose."""
 
 from __future__ import annotations
 
 import torch
-
-from functransforms.deterministic import _ops as _det
 
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
@@ -99,23 +98,6 @@ for _op, _tr in (
     (aten.imag.default, lambda ct, x: ct * 1j),
     (aten.view_as_real.default, lambda ct, x: torch.view_as_complex(ct.contiguous())),
     (aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct)),
-    (
-        aten.index_select.default,
-        lambda ct, x, dim, idx: _det.det_call(aten.index_add.default, _zeros(x, ct), dim, idx, ct),
-    ),
-    (
-        aten.gather.default,
-        lambda ct, x, dim, idx, **k: _det.det_call(
-            aten.scatter_add.default, _zeros(x, ct), dim, idx, ct
-        ),
-    ),
-    (
-        aten.index.Tensor,
-        lambda ct, x, indices: _det.det_call(
-            aten.index_put.default, _zeros(x, ct), indices, ct, True
-        ),
-    ),
-    (aten.cumsum.default, lambda ct, x, dim, **k: _cumsum_transpose(ct, dim)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
 ):
     def_linear(_op, _tr)
@@ -149,12 +131,6 @@ for _op, _f in (
     register_jvp_rule(_op)(_j)
     register_vjp_rule(_op)(_v)
     VJP_FORWARD[_op] = _f
-
-
-def _cumsum_transpose(ct, dim):
-    if ct.dim() == 0:  # a 0-d cumsum is the identity (and flip of a 0-d batched value is not)
-        return ct
-    return ct.flip(dim).cumsum(dim).flip(dim)
 
 
 def _repeat_transpose(ct, x, reps):
@@ -283,120 +259,3 @@ def where_vjp_rule(ct, primals, kwargs, out, needs):
     gx = unbroadcast(torch.where(c, ct, zero), x.shape) if needs[1] else None
     gy = unbroadcast(torch.where(c, zero, ct), y.shape) if needs[2] else None
     return None, gx, gy
-
-
-@register_jvp_rule(aten.masked_fill.Scalar)
-def masked_fill_jvp_rule(primals, tangents, kwargs):
-    out = aten.masked_fill.Scalar(*primals)
-    t = tangents[0]
-    return out, None if t is None else t.masked_fill(primals[1], 0).expand(out.shape)
-
-
-@register_vjp_rule(aten.masked_fill.Scalar)
-def masked_fill_vjp_rule(ct, primals, kwargs, out, needs):
-    return unbroadcast(ct.masked_fill(primals[1], 0), primals[0].shape), None, None
-
-
-# scatter-style ops: linear in (base, src) jointly; the src cotangent is the matching view
-def def_scatter(op, view):
-    def scatter_jvp_rule(primals, tangents, kwargs):
-        base, src = primals[0], primals[1]
-        out = op(*primals, **kwargs)
-        tb, ts = tangents[0], tangents[1]
-        if tb is None and ts is None:
-            return out, None
-        tb = tb if tb is not None else torch.zeros_like(base)
-        ts = ts if ts is not None else torch.zeros_like(src)
-        return out, op(tb, ts, *primals[2:], **kwargs)
-
-    def scatter_vjp_rule(ct, primals, kwargs, out, needs):
-        src = primals[1]
-        gb = (
-            op(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs)
-            if needs[0]
-            else None
-        )
-        gs = view(ct, *primals[2:], **kwargs) if needs[1] else None
-        return (gb, gs) + (None,) * (len(primals) - 2)
-
-    register_jvp_rule(op)(scatter_jvp_rule)
-    register_vjp_rule(op)(scatter_vjp_rule)
-
-
-def_scatter(aten.select_scatter.default, lambda ct, dim, i: ct.select(dim, i))
-def_scatter(
-    aten.slice_scatter.default,
-    lambda ct, dim=0, start=None, end=None, step=1: aten.slice.Tensor(ct, dim, start, end, step),
-)
-def_scatter(
-    aten.diagonal_scatter.default, lambda ct, offset=0, d1=0, d2=1: ct.diagonal(offset, d1, d2)
-)
-
-
-@register_jvp_rule(aten.index_put.default)
-def index_put_jvp_rule(primals, tangents, kwargs):
-    """index_put(x, indices, v, accumulate) is linear in (x, v) jointly."""
-    indices, v = primals[1], primals[2]
-    out = aten.index_put.default(*primals, **kwargs)
-    tx, tv = tangents[0], tangents[2]
-    if tx is None and tv is None:
-        return out, None
-    tx = tx if tx is not None else torch.zeros_like(out)
-    tv = tv if tv is not None else torch.zeros(v.shape, dtype=out.dtype, device=out.device)
-    return out, _det.det_call(aten.index_put.default, tx, indices, tv, *primals[3:], **kwargs)
-
-
-@register_vjp_rule(aten.index_put.default)
-def index_put_vjp_rule(ct, primals, kwargs, out, needs):
-    indices, v = primals[1], primals[2]
-    accumulate = primals[3] if len(primals) > 3 else kwargs.get("accumulate", False)
-    gx = gv = None
-    if needs[0]:  # overwritten positions get no cotangent unless accumulating
-        gx = ct if accumulate else aten.index_put.default(ct, indices, _zeros(v, ct))
-    if needs[2]:
-        gv = unbroadcast(aten.index.Tensor(ct, indices), v.shape)
-    return (gx, None, gv) + (None,) * (len(primals) - 3)
-
-
-def def_scatter_src(op, accumulate):
-    """``op(x, dim, index, src)``, linear in (x, src) jointly: scatter_add adds src at index,
-    scatter overwrites (then the overwritten entries of x get no cotangent)."""
-
-    def scatter_src_jvp_rule(primals, tangents, kwargs):
-        x, dim, index, src = primals[:4]
-        out = op(*primals, **kwargs)
-        tx, ts = tangents[0], tangents[3]
-        if tx is None and ts is None:
-            return out, None
-        tx = tx if tx is not None else torch.zeros_like(out)
-        ts = ts if ts is not None else torch.zeros(src.shape, dtype=out.dtype, device=out.device)
-        return out, _det.det_call(op, tx, dim, index, ts, *primals[4:], **kwargs)
-
-    def scatter_src_vjp_rule(ct, primals, kwargs, out, needs):
-        x, dim, index, src = primals[:4]
-        gx = gs = None
-        if needs[0]:
-            gx = ct if accumulate else ct.scatter(dim, index, 0.0)
-        if needs[3]:
-            gs = ct.gather(dim, index)
-        return (gx, None, None, gs) + (None,) * (len(primals) - 4)
-
-    register_jvp_rule(op)(scatter_src_jvp_rule)
-    register_vjp_rule(op)(scatter_src_vjp_rule)
-
-
-def_scatter_src(aten.scatter_add.default, accumulate=True)
-def_scatter_src(aten.scatter.src, accumulate=False)
-
-
-@register_jvp_rule(aten.scatter.value)
-def scatter_value_jvp_rule(primals, tangents, kwargs):
-    """scatter(x, dim, index, value): x with constants written at index."""
-    out = aten.scatter.value(*primals, **kwargs)
-    t = tangents[0]
-    return out, None if t is None else t.scatter(primals[1], primals[2], 0.0)
-
-
-@register_vjp_rule(aten.scatter.value)
-def scatter_value_vjp_rule(ct, primals, kwargs, out, needs):
-    return (ct.scatter(primals[1], primals[2], 0.0),) + (None,) * (len(primals) - 1)

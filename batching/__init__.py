@@ -24,6 +24,8 @@ from . import (  # noqa: F401  (registration)
     pooling,
     random,
     reductions,
+    scans,
+    sorting,
     views,
 )
 from ._registry import VMAP_RULES, register_vmap_rule

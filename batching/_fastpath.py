@@ -33,6 +33,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from functransforms import _compat
 from functransforms._core import TransformTensor, below_torch_autograd
 
 _aten = torch.ops.aten
@@ -42,7 +43,7 @@ def _is_pointwise_packet(name):
     """True when every functional ATen overload of ``name`` taking a tensor is a deterministic
     pointwise op returning one fresh tensor."""
     packet = getattr(_aten, name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not isinstance(packet, _compat.OpOverloadPacket):
         return False
     seen = False
     for overload in packet.overloads():

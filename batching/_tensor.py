@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._custom import _CustomFunction
@@ -24,7 +25,7 @@ from functransforms.errors import (  # raise_*: re-exported for rule modules
 
 from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
 
-_no_torch_function = torch._C._disabled_torch_function_impl
+_no_torch_function = _compat.disabled_torch_function_impl
 _DATA_GET = torch.Tensor.data.__get__
 
 
@@ -74,7 +75,7 @@ class BatchedTensor(TransformTensor):
         )
 
 
-_mk = torch.Tensor._make_wrapper_subclass
+_mk = _compat.make_wrapper_subclass
 _getitem = torch.Tensor.__getitem__
 
 
@@ -332,8 +333,8 @@ def _composite(func):
     return None if func in _NOT_DECOMPOSED else composite_implicit(func)
 
 
-_K = torch._C.DispatchKey
-_set_excluded = torch._C._SetExcludeDispatchKeyGuard
+_K = _compat.DispatchKey
+_set_excluded = _compat.SetExcludeDispatchKeyGuard
 
 
 class _lazy_conj_enabled:
@@ -370,6 +371,6 @@ def _set_view_inplace(self_wrapper, new_value, bdim):
     self_wrapper._bdim = bdim
     shape = new_value.shape[:bdim] + new_value.shape[bdim + 1 :]
     st = new_value.stride()
-    with torch._C._DisableTorchDispatch():
+    with _compat.DisableTorchDispatch():
         self_wrapper.as_strided_(shape, st[:bdim] + st[bdim + 1 :])
     return self_wrapper

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from functransforms import _compat
+
 
 def to_front(x, bdim):
     """Move the batch dim to position 0 (a view)."""
@@ -63,8 +65,6 @@ def promote_like_logical(args, bdims):
         bdims[i] is not None and a.dim() == 1 for i, a in tensors
     ):
         return args
-    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
-
     logical = [
         torch.empty(
             a.shape[: bdims[i]] + a.shape[bdims[i] + 1 :] if bdims[i] is not None else a.shape,
@@ -77,9 +77,7 @@ def promote_like_logical(args, bdims):
     scalars = [a for a in args if isinstance(a, (bool, int, float, complex))]
     if not logical:
         return args
-    _, dtype = elementwise_dtypes(
-        *logical, *scalars, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
-    )
+    _, dtype = _compat.elementwise_dtypes(*logical, *scalars)
     new = list(args)
     for i, a in tensors:
         if a.dtype not in (dtype, torch.bool):

@@ -52,54 +52,33 @@ def pointwise_by_tag(func):
     return None
 
 
-def _same_bdim_rule(func):
-    """Ops of one tensor argument that act per element or on metadata only."""
+def def_same_bdim(op):
+    """Ops of one tensor argument that act per element or on metadata only: the output keeps
+    the input's batch dim."""
 
     def same_bdim_vmap_rule(interp, args, bdims, kwargs):
-        return func(*args, **kwargs), bdims[0]
+        return op(*args, **kwargs), bdims[0]
 
-    return same_bdim_vmap_rule
+    register_vmap_rule(op)(same_bdim_vmap_rule)
+
+
+def def_pointwise(op):
+    """A pointwise op torch does not tag ``pointwise``: the shared rule of Note [Batching
+    pointwise ops], registered by name."""
+    register_vmap_rule(op)(make_pointwise_rule(op))
 
 
 for _op in (
-    aten.alias.default,
     aten.detach.default,
-    aten._to_copy.default,
-    aten.lift_fresh.default,
     aten.empty_like.default,
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.full_like.default,
-    aten.resolve_conj.default,
-    aten.resolve_neg.default,
-    aten._conj.default,
-    aten.view_as_real.default,
-    aten.view_as_complex.default,
 ):
-    register_vmap_rule(_op)(_same_bdim_rule(_op))
+    def_same_bdim(_op)
 
 
-@register_vmap_rule(aten.copy.default)
-def copy_vmap_rule(interp, args, bdims, kwargs):
-    """copy(self, src): src broadcast to self's shape, in self's dtype (functional copy_)."""
-    self_, src = args[0], args[1]
-    n = max(self_.dim() - (bdims[0] is not None), src.dim() - (bdims[1] is not None))
-    dst = pad_to(expand_front(self_, bdims[0], interp.batch_size), n)
-    s = src if bdims[1] is None else pad_to(to_front(src, bdims[1]), n)
-    return aten.copy.default(dst, s, *args[2:], **kwargs), 0
-
-
-@register_vmap_rule(aten.copy_.default)
-def copy__vmap_rule(interp, args, bdims, kwargs):
-    """copy_(self, src): broadcast src into the (batched) self."""
-    self_, src = args[0], args[1]
-    sb = bdims[1]
-    dst = to_front(self_, bdims[0])
-    dst.copy_(src if sb is None else pad_to(to_front(src, sb), dst.dim() - 1), *args[2:])
-    return self_, bdims[0]
-
-
-def _data_dependent(func):
+def def_data_dependent(func):
     """``.item()``, ``bool(x)``, ``torch.equal``: one Python answer per example is impossible."""
 
     def data_dependent_vmap_rule(interp, args, bdims, kwargs):
@@ -109,10 +88,10 @@ def _data_dependent(func):
 
 
 for _op in (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default):
-    _data_dependent(_op)
+    def_data_dependent(_op)
 
 
-def _fill(func):
+def def_fill(func):
     """fill(self, value) / fill_ / zero_: a batched 0-d ``value`` fills each example's slice."""
     inplace = func._schema.name.endswith("_")
 
@@ -139,7 +118,7 @@ for _op in (
     aten.fill_.Tensor,
     aten.zero_.default,
 ):
-    _fill(_op)
+    def_fill(_op)
 
 
 for _op in (
@@ -147,7 +126,7 @@ for _op in (
     aten.to.device,
     aten.to.dtype_layout,
 ):
-    register_vmap_rule(_op)(_same_bdim_rule(_op))
+    def_same_bdim(_op)
 
 # pointwise ops that reach the dispatcher without the pointwise tag: dunder spellings, and
 # polar/complex (their decompositions write into a fresh, unbatched result in place)
@@ -161,7 +140,7 @@ for _op in (
     aten.__or__.Scalar,
     aten.__xor__.Scalar,
 ):
-    register_vmap_rule(_op)(make_pointwise_rule(_op))
+    def_pointwise(_op)
 
 
 @register_vmap_rule(aten.broadcast_tensors.default)
@@ -180,7 +159,7 @@ def broadcast_tensors_vmap_rule(interp, args, bdims, kwargs):
     return tuple(outs), tuple(None if b is None else 0 for b in bds)
 
 
-def _prims_elementwise(func):
+def def_prims_elementwise(func):
     """Elementwise prims (what torch._refs decompositions emit) want operands of one shape:
     every tensor gets the batch dim in front and is expanded to ``[B, *logical shape]``."""
 
@@ -208,4 +187,31 @@ for _name in (
     "igammac le lt maximum minimum mul ne nextafter pow remainder shift_left "
     "shift_right_arithmetic sub zeta where"
 ).split():
-    _prims_elementwise(getattr(torch.ops.prims, _name).default)
+    def_prims_elementwise(getattr(torch.ops.prims, _name).default)
+
+
+def def_new_factory(func):
+    """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
+    as torch.func makes it (code writes per-example values into it, or draws into it under
+    randomness='different')."""
+
+    def new_factory_vmap_rule(interp, args, bdims, kwargs):
+        a = list(args)
+        size = [int(s) for s in a[1]]
+        a[1] = [interp.batch_size, *size]
+        if func is aten.new_empty_strided.default:
+            span = 1 + sum((s - 1) * st for s, st in zip(size, a[2])) if all(size) else 1
+            a[2] = [span, *a[2]]
+        return func(*a, **kwargs), 0
+
+    register_vmap_rule(func)(new_factory_vmap_rule)
+
+
+for _op in (
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
+    aten.new_empty_strided.default,
+):
+    def_new_factory(_op)

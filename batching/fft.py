@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import wrap_dim
+from ._util import to_front, wrap_dim
 
 aten = torch.ops.aten
 
@@ -42,3 +42,18 @@ def def_fft(op):
 def_fft(aten._fft_r2c.default)  # (x, dim, normalization, onesided)
 def_fft(aten._fft_c2r.default)  # (x, dim, normalization, last_dim_size)
 def_fft(aten._fft_c2c.default)  # (x, dim, normalization, forward)
+
+
+@register_vmap_rule(aten.constant_pad_nd.default)
+def constant_pad_nd_vmap_rule(interp, args, bdims, kwargs):
+    """pad(x, pad, value): ``pad`` names the last ``len(pad) // 2`` logical dims, so the vmap dim
+    goes in front, out of their reach. (``torch.fft.*(x, n=)`` pads with it; torch's
+    decomposition writes into a fresh unbatched buffer, which vmap cannot batch.)"""
+    x, pad = args[0], args[1]
+    n = x.dim() - 1
+    if len(pad) // 2 > n:
+        raise RuntimeError(
+            "Length of pad should be no more than twice the number of dimensions of the input. "
+            f"Pad length is {len(pad)} while the input has {n} dimensions."
+        )
+    return aten.constant_pad_nd.default(to_front(x, bdims[0]), pad, *args[2:], **kwargs), 0

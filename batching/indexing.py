@@ -1,5 +1,5 @@
 """Batching rules for indexing: advanced indexing, index_put, gather/scatter, index_* ops,
-``*_scatter`` ops, embedding, masked_fill and the ``new_*`` factories.
+``*_scatter`` ops, as_strided / as_strided_scatter, embedding and masked_fill.
 
 Note [Batching advanced indexing]
     ``x[i0, ..., ik]`` (``aten.index.Tensor``) with indices that are all unbatched: prepend a
@@ -101,7 +101,7 @@ def index_vmap_rule(interp, args, bdims, kwargs):
     return _move_block(aten.index.Tensor(x, new), R, p), 0
 
 
-def _index_put(func):
+def def_index_put(func):
     inplace = func in (aten.index_put_.default, aten._index_put_impl_.default)
 
     def index_put_vmap_rule(interp, args, bdims, kwargs):
@@ -126,7 +126,7 @@ def _index_put(func):
 
 
 for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
-    _index_put(_op)
+    def_index_put(_op)
 
 
 def _both_front(interp, args, bdims, k):
@@ -149,7 +149,7 @@ def gather_vmap_rule(interp, args, bdims, kwargs):
     return (out[:, 0] if m == 0 else out), 0
 
 
-def _scatter(func):
+def def_scatter(func):
     """scatter / scatter_add / scatter_reduce and their in-place forms: (self, dim, index, src?)."""
     inplace = func._schema.name.endswith("_")
 
@@ -189,7 +189,7 @@ for _op in (
     aten.scatter_reduce.two,
     aten.scatter_reduce_.two,
 ):
-    _scatter(_op)
+    def_scatter(_op)
 
 
 @register_vmap_rule(aten.index_select.default)
@@ -210,7 +210,7 @@ def index_select_vmap_rule(interp, args, bdims, kwargs):
     return index_vmap_rule(interp, [x, [None] * d + [idx]], [bdims[0], [None] * d + [0]], {})
 
 
-def _index_dim_op(func, src_pos):
+def def_index_dim(func, src_pos):
     """index_add / index_copy / index_fill: ``(self, dim, index, source_or_value, ...)``
     (Note [Batching index_* ops with a batched index])."""
     inplace = func._schema.name.endswith("_")
@@ -289,7 +289,7 @@ for _op, _src in (
     (aten.index_fill.int_Tensor, None),
     (aten.index_fill_.int_Tensor, None),
 ):
-    _index_dim_op(_op, _src)
+    def_index_dim(_op, _src)
 
 
 _SCATTER_DEFAULTS = {
@@ -299,7 +299,7 @@ _SCATTER_DEFAULTS = {
 }
 
 
-def _scatter_op(func):
+def def_view_scatter(func):
     """slice_scatter / select_scatter / diagonal_scatter: ``(self, src, ...)`` with logical dim
     arguments at the positions listed in ``_SCATTER_DEFAULTS``."""
     defaults, dim_pos = _SCATTER_DEFAULTS[func]
@@ -317,10 +317,10 @@ def _scatter_op(func):
 
 
 for _op in _SCATTER_DEFAULTS:
-    _scatter_op(_op)
+    def_view_scatter(_op)
 
 
-def _masked_fill(func):
+def def_masked_fill(func):
     """masked_fill(self, mask, value); a batched 0-d ``value`` becomes ``where``."""
     inplace = func._schema.name.endswith("_")
 
@@ -351,7 +351,7 @@ def _masked_fill(func):
 
 
 for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor):
-    _masked_fill(_op)
+    def_masked_fill(_op)
 
 
 @register_vmap_rule(aten.take.default)
@@ -393,28 +393,27 @@ def embedding_vmap_rule(interp, args, bdims, kwargs):
     return aten.embedding.default(w.reshape(B * V, -1), idx, *args[2:], **kwargs), 0
 
 
-def _new_factory(func):
-    """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
-    as torch.func makes it (code writes per-example values into it, or draws into it under
-    randomness='different')."""
-
-    def new_factory_vmap_rule(interp, args, bdims, kwargs):
-        a = list(args)
-        size = [int(s) for s in a[1]]
-        a[1] = [interp.batch_size, *size]
-        if func is aten.new_empty_strided.default:
-            span = 1 + sum((s - 1) * st for s, st in zip(size, a[2])) if all(size) else 1
-            a[2] = [span, *a[2]]
-        return func(*a, **kwargs), 0
-
-    register_vmap_rule(func)(new_factory_vmap_rule)
+@register_vmap_rule(aten.as_strided.default)
+def as_strided_vmap_rule(interp, args, bdims, kwargs):
+    """as_strided(x, size, stride, offset) per example: the wrapper reports each example's
+    strides and a storage offset of 0, so sizes, strides and offset are relative to where the
+    example starts; the batch dim keeps its own physical stride."""
+    x = to_front(args[0], bdims[0])
+    size, stride = args[1], args[2]
+    offset = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
+    start = x.storage_offset() + (offset or 0)
+    return x.as_strided((x.shape[0], *size), (x.stride(0), *stride), start), 0
 
 
-for _op in (
-    aten.new_zeros.default,
-    aten.new_ones.default,
-    aten.new_full.default,
-    aten.new_empty.default,  # torch's circular pad fills x.new_empty slice by slice
-    aten.new_empty_strided.default,
-):
-    _new_factory(_op)
+@register_vmap_rule(aten.as_strided_scatter.default)
+def as_strided_scatter_vmap_rule(interp, args, bdims, kwargs):
+    """as_strided_scatter(x, src, size, stride, offset): per example, src goes into a
+    contiguous copy of x at positions relative to that copy's start (as in a loop)."""
+    B = interp.batch_size
+    out = expand_front(args[0], bdims[0], B).clone(memory_format=torch.contiguous_format)
+    src = expand_front(args[1], bdims[1], B)
+    size, stride = args[2], args[3]
+    offset = args[4] if len(args) > 4 and args[4] is not None else kwargs.get("storage_offset")
+    per_example = out[0].numel() if B else 0
+    out.as_strided((B, *size), (per_example, *stride), offset or 0).copy_(src)
+    return out, 0

@@ -1,5 +1,6 @@
 """Batching rules for the neural-network ops that reach the dispatcher undecomposed: losses,
-and the softmax backward ops (convolution, pooling and normalization: files of those names).
+softmax and its backward ops, grid_sampler_3d (convolution, pooling and normalization: files of
+those names).
 
 Note [Batching losses]
     A loss with ``reduction='mean'|'sum'`` reduces over every logical dim, so the per-example
@@ -13,7 +14,7 @@ import torch
 
 from ._registry import register_vmap_rule
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
-from .pooling import def_pool
+from .reductions import def_dim
 
 aten = torch.ops.aten
 
@@ -120,7 +121,7 @@ def nll_loss_forward_vmap_rule(interp, args, bdims, kwargs):
     return (summed / total, total), (0, 0)
 
 
-def _softmax_backward(op):
+def def_softmax_backward(op):
     """(grad_output, output, dim, input_dtype): both aligned, dim shifted."""
 
     def softmax_backward_vmap_rule(interp, args, bdims, kwargs):
@@ -133,8 +134,8 @@ def _softmax_backward(op):
     register_vmap_rule(op)(softmax_backward_vmap_rule)
 
 
-_softmax_backward(aten._softmax_backward_data.default)
-_softmax_backward(aten._log_softmax_backward_data.default)
+def_softmax_backward(aten._softmax_backward_data.default)
+def_softmax_backward(aten._log_softmax_backward_data.default)
 
 
 def def_fold_both(op):
@@ -151,6 +152,11 @@ def def_fold_both(op):
 
 
 def_fold_both(aten.grid_sampler_3d.default)
-# upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
-def_pool(aten._upsample_bilinear2d_aa.default, 2)
-def_pool(aten._upsample_bicubic2d_aa.default, 2)
+
+
+# softmax along one dim: (op, position of dim)
+for _op, _pos in (
+    (aten._softmax.default, 1),
+    (aten._log_softmax.default, 1),
+):
+    def_dim(_op, _pos)

@@ -90,3 +90,8 @@ def def_fractional_max_pool(op, spatial):
 
 def_fractional_max_pool(aten.fractional_max_pool2d.default, 2)
 def_fractional_max_pool(aten.fractional_max_pool3d.default, 3)
+
+
+# upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
+def_pool(aten._upsample_bilinear2d_aa.default, 2)
+def_pool(aten._upsample_bicubic2d_aa.default, 2)

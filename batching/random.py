@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from functransforms import _compat
 from functransforms._core import interpreter_stack
 from functransforms._ops import facts, op_name
 from functransforms.errors import (
@@ -48,10 +48,10 @@ aten = torch.ops.aten
 #     key, so only the user's draws are seen. The key is ``TESTING_ONLY_GenericMode`` (torch
 #     registers nothing there; checked on torch 2.13): torch has no key reserved for
 #     third-party modes. Registration scans the op tags once, at the first such vmap.
-_RANDOM_KEY = "TESTING_ONLY_GenericMode"
+_RANDOM_KEY = _compat.RANDOM_GUARD_KEY
 _libs: list = []  # keeps the registrations alive
-_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+_COMPOSITE = _compat.CompositeImplicitAutograd
+_dispatch_modes = _compat.len_torch_dispatch_stack
 
 
 def _jit_tracing():
@@ -83,11 +83,11 @@ def _random_op_kernel(op):
                 raise_random(interp, op)
         # included but no 'error' level on this thread's stack (e.g. a grad level's backward
         # run later): draw as usual, past this key
-        torch._C._dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, True)
+        _compat.dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, True)
         try:
             return op(*args, **kwargs)
         finally:
-            torch._C._dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, False)
+            _compat.dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, False)
 
     return random_op_in_error_vmap
 
@@ -102,7 +102,7 @@ def _register_random_kernels():
         namespace = getattr(torch.ops, ns)
         for name in dir(namespace):
             packet = getattr(namespace, name, None)
-            if not isinstance(packet, torch._ops.OpOverloadPacket):
+            if not isinstance(packet, _compat.OpOverloadPacket):
                 continue
             for overload in packet.overloads():
                 op = getattr(packet, overload)
@@ -121,12 +121,12 @@ class no_random_ops:
     def __enter__(self):
         if not _libs:
             _register_random_kernels()
-        self.prev = torch._C._dispatch_tls_is_dispatch_key_included(_RANDOM_KEY)
-        torch._C._dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, True)
+        self.prev = _compat.dispatch_tls_is_dispatch_key_included(_RANDOM_KEY)
+        _compat.dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, True)
         return self
 
     def __exit__(self, *exc):
-        torch._C._dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, self.prev)
+        _compat.dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, self.prev)
         return False
 
 
@@ -143,7 +143,7 @@ class _Drawing(threading.local):
 _drawing = _Drawing()
 
 
-class DifferentRandomnessMode(TorchDispatchMode):
+class DifferentRandomnessMode(_compat.TorchDispatchMode):
     """Batches tensor-free random factory ops over every enclosing randomness='different' vmap."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -214,7 +214,7 @@ def _draw_with_batch_dims(func, args, kwargs, sizes):
 _PARAMETRIZED = frozenset((aten.bernoulli.default, aten.normal.Tensor_float))
 
 
-def _random_like_rule(func):
+def def_random_like(func):
     """rand_like(x), randn_like(x), bernoulli(x), dropout-style ops on a batched tensor."""
 
     def random_vmap_rule(interp, args, bdims, kwargs):
@@ -237,7 +237,7 @@ def _random_like_rule(func):
         out = func(*a, **kwargs)
         return out.unsqueeze(0).expand(x.shape), 0
 
-    return random_vmap_rule
+    register_vmap_rule(func)(random_vmap_rule)
 
 
 for _op in (
@@ -250,7 +250,7 @@ for _op in (
     aten.randint_like.low_dtype,
     aten.normal.Tensor_float,
 ):
-    register_vmap_rule(_op)(_random_like_rule(_op))
+    def_random_like(_op)
 
 
 @register_vmap_rule(aten.multinomial.default)
@@ -266,7 +266,7 @@ def multinomial_vmap_rule(interp, args, bdims, kwargs):
     return out.reshape((*p.shape[:-1], out.shape[-1])), 0
 
 
-def _random_inplace_rule(func):
+def def_random_inplace(func):
     """x.uniform_(), x.normal_(), x.bernoulli_(p) on a batched x."""
 
     def random_inplace_vmap_rule(interp, args, bdims, kwargs):
@@ -286,7 +286,7 @@ def _random_inplace_rule(func):
             x[1:].copy_(x[0].expand(x[1:].shape))
         return args[0], bdims[0]
 
-    return random_inplace_vmap_rule
+    register_vmap_rule(func)(random_inplace_vmap_rule)
 
 
 for _op in (
@@ -302,4 +302,4 @@ for _op in (
     aten.log_normal_.default,
     aten.geometric_.default,
 ):
-    register_vmap_rule(_op)(_random_inplace_rule(_op))
+    def_random_inplace(_op)

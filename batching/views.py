@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, flat_batch, to_front, wrap_dim
+from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
+from .elementwise import def_same_bdim
 
 aten = torch.ops.aten
 
@@ -170,18 +171,6 @@ def unfold_vmap_rule(interp, args, bdims, kwargs):
     return x.unfold(wrap_dim(args[1], n) + 1, args[2], args[3]), 0
 
 
-@register_vmap_rule(aten.as_strided.default)
-def as_strided_vmap_rule(interp, args, bdims, kwargs):
-    """as_strided(x, size, stride, offset) per example: the wrapper reports each example's
-    strides and a storage offset of 0, so sizes, strides and offset are relative to where the
-    example starts; the batch dim keeps its own physical stride."""
-    x = to_front(args[0], bdims[0])
-    size, stride = args[1], args[2]
-    offset = args[3] if len(args) > 3 and args[3] is not None else kwargs.get("storage_offset")
-    start = x.storage_offset() + (offset or 0)
-    return x.as_strided((x.shape[0], *size), (x.stride(0), *stride), start), 0
-
-
 @register_vmap_rule(aten.roll.default)
 def roll_vmap_rule(interp, args, bdims, kwargs):
     x, n = _front(args, bdims)
@@ -210,7 +199,7 @@ def movedim_vmap_rule(interp, args, bdims, kwargs):
     return x.movedim([wrap_dim(d, n) + 1 for d in src], [wrap_dim(d, n) + 1 for d in dst]), 0
 
 
-def _last_two(func):
+def def_last_two(func):
     """tril/triu act on the last two dims: the batch dim in front is one more leading dim."""
 
     def last_two_vmap_rule(interp, args, bdims, kwargs):
@@ -222,7 +211,7 @@ def _last_two(func):
 
 
 for _op in (aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default):
-    _last_two(_op)
+    def_last_two(_op)
 
 
 @register_vmap_rule(aten.diag_embed.default)
@@ -243,23 +232,8 @@ def diag_vmap_rule(interp, args, bdims, kwargs):
     return x.diagonal(offset, 1, 2), 0
 
 
-@register_vmap_rule(aten.constant_pad_nd.default)
-def constant_pad_nd_vmap_rule(interp, args, bdims, kwargs):
-    """pad(x, pad, value): ``pad`` names the last ``len(pad) // 2`` logical dims, so the vmap dim
-    goes in front, out of their reach. (``torch.fft.*(x, n=)`` pads with it; torch's
-    decomposition writes into a fresh unbatched buffer, which vmap cannot batch.)"""
-    x, pad = args[0], args[1]
-    n = x.dim() - 1
-    if len(pad) // 2 > n:
-        raise RuntimeError(
-            "Length of pad should be no more than twice the number of dimensions of the input. "
-            f"Pad length is {len(pad)} while the input has {n} dimensions."
-        )
-    return aten.constant_pad_nd.default(to_front(x, bdims[0]), pad, *args[2:], **kwargs), 0
-
-
 # mT / mH / adjoint are composite, but arrive whole when a rule of an outer level calls them
-def _matrix_transpose(conj):
+def def_matrix_transpose(op, conj):
     def matrix_transpose_vmap_rule(interp, args, bdims, kwargs):
         x, n = _front(args, bdims)
         if n < 2:
@@ -270,22 +244,50 @@ def _matrix_transpose(conj):
         t = x.transpose(-2, -1)
         return (t.conj() if conj and t.is_complex() else t), 0
 
-    return matrix_transpose_vmap_rule
+    register_vmap_rule(op)(matrix_transpose_vmap_rule)
 
 
-register_vmap_rule(aten.mT.default)(_matrix_transpose(False))
-register_vmap_rule(aten.mH.default, aten.adjoint.default)(_matrix_transpose(True))
+def_matrix_transpose(aten.mT.default, conj=False)
+def_matrix_transpose(aten.mH.default, conj=True)
+def_matrix_transpose(aten.adjoint.default, conj=True)
 
 
-@register_vmap_rule(aten.as_strided_scatter.default)
-def as_strided_scatter_vmap_rule(interp, args, bdims, kwargs):
-    """as_strided_scatter(x, src, size, stride, offset): per example, src goes into a
-    contiguous copy of x at positions relative to that copy's start (as in a loop)."""
-    B = interp.batch_size
-    out = expand_front(args[0], bdims[0], B).clone(memory_format=torch.contiguous_format)
-    src = expand_front(args[1], bdims[1], B)
-    size, stride = args[2], args[3]
-    offset = args[4] if len(args) > 4 and args[4] is not None else kwargs.get("storage_offset")
-    per_example = out[0].numel() if B else 0
-    out.as_strided((B, *size), (per_example, *stride), offset or 0).copy_(src)
-    return out, 0
+# ops whose output keeps the input's layout (metadata, conj/neg bits, complex views)
+for _op in (
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.lift_fresh.default,
+    aten.resolve_conj.default,
+    aten.resolve_neg.default,
+    aten._conj.default,
+    aten.view_as_real.default,
+    aten.view_as_complex.default,
+):
+    def_same_bdim(_op)
+
+
+@register_vmap_rule(aten.copy.default)
+def copy_vmap_rule(interp, args, bdims, kwargs):
+    """copy(self, src): src broadcast to self's shape, in self's dtype (functional copy_)."""
+    self_, src = args[0], args[1]
+    n = max(self_.dim() - (bdims[0] is not None), src.dim() - (bdims[1] is not None))
+    dst = pad_to(expand_front(self_, bdims[0], interp.batch_size), n)
+    s = src if bdims[1] is None else pad_to(to_front(src, bdims[1]), n)
+    return aten.copy.default(dst, s, *args[2:], **kwargs), 0
+
+
+@register_vmap_rule(aten.copy_.default)
+def copy__vmap_rule(interp, args, bdims, kwargs):
+    """copy_(self, src): broadcast src into the (batched) self."""
+    self_, src = args[0], args[1]
+    sb = bdims[1]
+    dst = to_front(self_, bdims[0])
+    dst.copy_(src if sb is None else pad_to(to_front(src, sb), dst.dim() - 1), *args[2:])
+    return self_, bdims[0]
+
+
+@register_vmap_rule(aten.flip.default)
+def flip_vmap_rule(interp, args, bdims, kwargs):
+    x = to_front(args[0], bdims[0])
+    n = x.dim() - 1
+    return aten.flip.default(x, [wrap_dim(d, n) + 1 for d in args[1]]), 0

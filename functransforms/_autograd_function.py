@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from . import _compat
 from . import _pytree as pt
 from ._core import TransformTensor, _state
 from ._custom import _CustomFunction
@@ -104,7 +105,7 @@ def _has_wrapper(args, kwargs):
 
 
 def _apply_under_transforms(cls, args, kwargs):
-    if cls.setup_context is torch.autograd.function._SingleLevelFunction.setup_context:
+    if cls.setup_context is _compat.SingleLevelFunction.setup_context:
         raise RuntimeError(
             f"{cls.__name__}.apply under a functransforms transform: to use an "
             "autograd.Function with transforms (vmap, grad, jvp, jacrev, ...), it must override "

@@ -48,8 +48,8 @@ def decomposition(func):
     if d is False:
         global _TABLE
         if _TABLE is None:
-            from torch._decomp import decomposition_table
+            from . import _compat
 
-            _TABLE = decomposition_table
+            _TABLE = _compat.decomposition_table()
         d = _CACHE[func] = _OVERRIDES.get(func) or _TABLE.get(func)
     return d

@@ -45,9 +45,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from . import _core
+from . import _compat, _core
 from ._pytree import tree_flatten, tree_unflatten
 from .errors import JitFallbackWarning
 
@@ -158,7 +157,7 @@ def _data_dependent(func, args) -> str | None:
     return None
 
 
-class _Watch(TorchDispatchMode):
+class _Watch(_compat.TorchDispatchMode):
     """Sees the user's ops during a trace; records the first reason the trace is unfaithful."""
 
     def __init__(self, symbolic: bool, grad_mode: bool):
@@ -176,7 +175,7 @@ class _Watch(TorchDispatchMode):
             if isinstance(t, _Tensor) and (
                 isinstance(t, _core.TransformTensor)
                 or (mode is not None and has_proxy_slot(t, mode.tracer))
-                or isinstance(t, torch._subclasses.FakeTensor)
+                or _compat.is_fake_tensor(t)
             ):
                 return True
         return False
@@ -186,11 +185,11 @@ class _Watch(TorchDispatchMode):
         if self.reason is None:
             why = _data_dependent(func, args)
             if why is not None:
-                flat = torch.utils._pytree.arg_tree_leaves(*args, **kwargs)
+                flat = _compat.torch_pytree.arg_tree_leaves(*args, **kwargs)
                 if self._traced(flat):
                     self.reason = f"{_op_name(func)} {why}", _user_line()
             elif torch.is_grad_enabled() != self.grad_mode:
-                flat = torch.utils._pytree.arg_tree_leaves(*args, **kwargs)
+                flat = _compat.torch_pytree.arg_tree_leaves(*args, **kwargs)
                 if any(isinstance(t, _Tensor) and t.requires_grad for t in flat):
                     self.reason = (
                         f"{_op_name(func)} runs with torch grad mode "
@@ -210,7 +209,7 @@ class _Watch(TorchDispatchMode):
         if dev is None:
             dev = next((a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu"))
         dev = torch.device(dev)
-        with _disable_current_modes():
+        with _compat.disable_current_modes():
             torch.rand(1, device=dev)
         self.devices.add(dev.type)
 
@@ -244,7 +243,7 @@ def _op_name(func) -> str:
 def _scan(gm) -> str | None:
     """The safety net behind ``_Watch``: a data-dependent op anywhere in the graph."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        if node.op == "call_function" and isinstance(node.target, _compat.OpOverload):
             args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
             if node.target is aten.index.Tensor:
                 args[1] = [
@@ -262,7 +261,7 @@ def _scan(gm) -> str | None:
 
 def _impure(node) -> bool:
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, _compat.OpOverload):
         return t._schema.is_mutable or _RANDOM in t.tags  # a dead draw still advances the RNG
     return node.is_impure()
 
@@ -276,7 +275,7 @@ def _roots(graph):
         if node.op == "call_function":
             if t is operator.getitem:
                 r = root.get(node.args[0], node)
-            elif isinstance(t, torch._ops.OpOverload) and node.args:
+            elif isinstance(t, _compat.OpOverload) and node.args:
                 first = node.args[0]
                 alias = t._schema.returns and t._schema.returns[0].alias_info is not None
                 if alias and isinstance(first, torch.fx.Node):
@@ -313,7 +312,7 @@ def _fold_constants(gm, dynamic: bool) -> int:
     written = set()
     for node in graph.nodes:
         t = node.target
-        if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        if node.op == "call_function" and isinstance(t, _compat.OpOverload):
             for a, arg in zip(t._schema.arguments, node.args):
                 if a.alias_info is not None and a.alias_info.is_write:
                     for n in arg if isinstance(arg, (list, tuple)) else (arg,):
@@ -334,7 +333,7 @@ def _fold_constants(gm, dynamic: bool) -> int:
             if node.args[0] in foldable:
                 foldable[node] = None
             continue
-        if not isinstance(t, torch._ops.OpOverload) or _RANDOM in t.tags or t._schema.is_mutable:
+        if not isinstance(t, _compat.OpOverload) or _RANDOM in t.tags or t._schema.is_mutable:
             continue
         inputs = node.all_input_nodes
         if t in _LIKE and not dynamic:
@@ -350,7 +349,7 @@ def _fold_constants(gm, dynamic: bool) -> int:
     if not foldable:
         return 0
     env = {}
-    with _disable_current_modes(), torch.no_grad():
+    with _compat.disable_current_modes(), torch.no_grad():
         for node in foldable:
             if node.target in _LIKE and not dynamic:
                 like = node.args[0].meta.get("val")
@@ -401,7 +400,7 @@ def _outer_products(gm) -> int:
                         )
 
                     out = node.meta.get("val")
-                    with _disable_current_modes():
+                    with _compat.disable_current_modes():
                         prod = aten.mul.Tensor(meta(a), meta(b))
                     if isinstance(out, _Tensor) and prod.stride() == out.stride():
                         node.target = aten.mul.Tensor
@@ -444,7 +443,7 @@ def _noop_views(gm) -> int:
         ):
             continue
         if any(
-            isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+            isinstance(u.target, _compat.OpOverload) and u.target._schema.is_mutable
             for u in node.users
         ):
             continue
@@ -519,7 +518,7 @@ def _python_forward(gm):
             body.append(f"{name} = _a{i}")
         elif node.op == "call_function":
             t = node.target
-            fn = t._op if isinstance(t, torch._ops.OpOverload) else t
+            fn = t._op if isinstance(t, _compat.OpOverload) else t
             glob[f"_f{i}"] = fn
             pieces = [arg(a) for a in node.args]
             pieces += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
@@ -564,7 +563,7 @@ def _mutates_inputs(gm) -> bool:
     root = _roots(gm.graph)
     for node in gm.graph.nodes:
         t = node.target
-        if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        if node.op == "call_function" and isinstance(t, _compat.OpOverload):
             for a, arg in zip(t._schema.arguments, node.args):
                 if a.alias_info is not None and a.alias_info.is_write:
                     if isinstance(arg, torch.fx.Node) and root.get(arg, arg).op == "placeholder":
@@ -623,7 +622,7 @@ class Jitted:
 
     # -- calling
     def __call__(self, *args, **kwargs):
-        if _core._state.stack or _tracing.active or torch._C._len_torch_dispatch_stack():
+        if _core._state.stack or _tracing.active or _compat.len_torch_dispatch_stack():
             # Inside a transform, another trace, or a dispatch mode: run f as is (correct,
             # and the enclosing trace, if any, records its ops).
             return self.f(*args, **kwargs)
@@ -829,9 +828,7 @@ def _inductor(gm, tensors, dynamic):
     workloads. Symbolic graphs, or a graph compile_fx refuses, go through ``torch.compile``."""
     if not dynamic:
         try:
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, list(tensors))
+            return _compat.compile_fx(gm, list(tensors))
         except Exception as e:  # noqa: BLE001 - the general path below still works
             warnings.warn(
                 f"jit: inductor's compile_fx refused the graph ({e}); using torch.compile",
@@ -846,10 +843,7 @@ def _metadata_context(dynamic: bool):
     capturing a Python stack: ~40% of a trace). One shared mode per trace."""
     if dynamic:
         return contextlib.nullcontext()
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
+    return _compat.tracing_context(_compat.fake_tensor_mode(allow_fallback_kernels=True))
 
 
 def _trace_machinery_error(e) -> bool:

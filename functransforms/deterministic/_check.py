@@ -22,8 +22,8 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 
+from functransforms._compat import torch_pytree as pytree
 from functransforms._ops import facts
 
 from ._mode import TransformAwareMode

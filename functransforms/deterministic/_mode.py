@@ -29,8 +29,7 @@ import os
 import sys
 import traceback
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from functransforms import _compat
 from functransforms._core import TransformTensor, _innermost
 
 
@@ -103,7 +102,7 @@ def transform_name(interp) -> str:
     return call.split("(")[0]
 
 
-class TransformAwareMode(TorchDispatchMode):
+class TransformAwareMode(_compat.TorchDispatchMode):
     """Sees every op, including those our transforms emit (Note [Seeing the ops...])."""
 
     def __init__(self):

@@ -1,0 +1,28 @@
+"""Derivative rules of random ops: a draw is a constant of the level (no derivative flows
+into it or through its parameters), so each op is declared non-differentiable. vmap's rules for
+the same ops are in batching/random.py (Note [Batching random ops])."""
+
+from __future__ import annotations
+
+import torch
+
+from .elementwise import def_nondifferentiable
+
+aten = torch.ops.aten
+
+def_nondifferentiable(
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.bernoulli.default,
+    # random fills of a fresh buffer (dropout's `empty_like(x).bernoulli_(p)`): the buffer is a
+    # constant of the level (Note [Buffers held by kernels]), filled by the functional variant
+    aten.bernoulli.Tensor,
+    aten.bernoulli.p,
+    aten.normal_functional.default,
+    getattr(aten.random, "from"),
+    aten.random.to,
+    aten.random.default,
+    aten.cauchy.default,
+    aten.log_normal.default,
+    aten.geometric.default,
+)

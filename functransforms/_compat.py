@@ -1,0 +1,181 @@
+"""Every private torch API the library uses, in one module, so that a torch upgrade breaks here.
+
+Each name below is a private (underscore) torch module, class or function, or lives in one. The
+comment above each says what we use it for and the torch versions it was checked on; a torch
+release that moves or changes one is handled in this file only. ``tests/test_compat.py`` fails
+on a private torch name anywhere else in the library (tests and benchmarks are exempt: they use
+torch's internals as oracles, e.g. ``torch.testing._internal``'s OpInfo database), and checks
+that every name here resolves on the installed torch.
+
+Not routed here: private *attributes of objects* torch hands us (``OpOverload._schema``,
+``OpOverload._op``, ``Tensor._base``, ``Tensor._use_count``, ``untyped_storage()._cdata``).
+They are read in many rules, cannot be imported, and torch's own extension docs use them.
+
+Modules that are imported lazily by their callers (``torch._decomp``, ``torch._inductor``,
+``torch._guards``, ``torch._subclasses.fake_tensor``, ``torch._prims_common``) stay lazy here
+too: they are functions, so importing this module costs nothing at cold start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as torch_pytree  # checked on 2.13.0, 2.15.0; arg_tree_leaves, tree_map
+
+# -- dispatch modes (checked on 2.13.0, 2.15.0) ---------------------------------------------------
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+__all__ = [
+    "ADInplaceOrView",
+    "AutogradFunctionality",
+    "AutogradNestedTensor",
+    "AutogradOther",
+    "CompositeImplicitAutograd",
+    "DisableTorchDispatch",
+    "DisableTorchFunction",
+    "DisableTorchFunctionSubclass",
+    "DispatchKey",
+    "DispatchKeySet",
+    "ForceDispatchKeyGuard",
+    "OpOverload",
+    "OpOverloadPacket",
+    "RANDOM_GUARD_KEY",
+    "SetExcludeDispatchKeyGuard",
+    "SingleLevelFunction",
+    "TorchDispatchMode",
+    "BatchNormBase",
+    "compile_fx",
+    "decomposition_table",
+    "disable_current_modes",
+    "disabled_torch_function_impl",
+    "dispatch_tls_is_dispatch_key_excluded",
+    "dispatch_tls_is_dispatch_key_included",
+    "dispatch_tls_local_exclude_set",
+    "dispatch_tls_local_include_set",
+    "dispatch_tls_set_dispatch_key_excluded",
+    "dispatch_tls_set_dispatch_key_included",
+    "elementwise_dtypes",
+    "fake_tensor_mode",
+    "has_internal_overlap",
+    "is_fake_tensor",
+    "is_fwd_grad_enabled",
+    "len_torch_dispatch_stack",
+    "make_wrapper_subclass",
+    "set_fwd_grad_enabled",
+    "set_grad_enabled",
+    "storage_use_count",
+    "swap_tensor_impl",
+    "torch_pytree",
+    "tracing_context",
+]
+
+_C = torch._C
+
+# A context manager that turns every active TorchDispatchMode off (a jit trace, an audit) for
+# bookkeeping that is no part of the computation.
+disable_current_modes = _disable_current_modes
+# The depth of the mode stack: 0 means no mode is active (checked before paying for a mode).
+len_torch_dispatch_stack = _C._len_torch_dispatch_stack
+
+# -- wrapper tensor subclasses (checked on 2.13.0, 2.15.0) ----------------------------------------
+# The one way to build a tensor subclass with its own metadata and no storage of its own.
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+# ``__torch_function__ = disabled_torch_function_impl``: the subclass is invisible to the
+# torch-function layer, so every op reaches ``__torch_dispatch__`` (what torch's own wrapper
+# subclasses do).
+disabled_torch_function_impl = _C._disabled_torch_function_impl
+# Dispatch off inside a block, for metadata work on a wrapper (``as_strided_`` of a wrapper,
+# storage positions) that must not re-enter the interpreters.
+DisableTorchDispatch = _C._DisableTorchDispatch
+DisableTorchFunction = _C.DisableTorchFunction
+DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
+# Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
+# a transformed function writes into: Note [Writing into plain tensors]).
+swap_tensor_impl = _C._swap_tensor_impl
+# How many TensorImpls share a storage (a buffer aliased elsewhere is not promoted).
+storage_use_count = _C._storage_Use_Count
+# Nonzero when a tensor's memory overlaps itself (expanded views cannot be promoted).
+has_internal_overlap = torch._debug_has_internal_overlap
+
+# -- dispatch keys and thread-local dispatch state (checked on 2.13.0, 2.15.0) -------------------
+# The dispatch key that vmap(randomness='error') borrows to catch random factory ops (Note
+# [Random ops by their tags]): torch has no key reserved for third-party modes, and registers
+# nothing on this one.
+RANDOM_GUARD_KEY = "TESTING_ONLY_GenericMode"
+DispatchKey = _C.DispatchKey
+DispatchKeySet = _C.DispatchKeySet
+CompositeImplicitAutograd = DispatchKey.CompositeImplicitAutograd
+AutogradFunctionality = DispatchKey.AutogradFunctionality
+AutogradOther = DispatchKey.AutogradOther
+AutogradNestedTensor = DispatchKey.AutogradNestedTensor
+ADInplaceOrView = DispatchKey.ADInplaceOrView
+ForceDispatchKeyGuard = _C._ForceDispatchKeyGuard
+SetExcludeDispatchKeyGuard = _C._SetExcludeDispatchKeyGuard
+dispatch_tls_local_include_set = _C._dispatch_tls_local_include_set
+dispatch_tls_local_exclude_set = _C._dispatch_tls_local_exclude_set
+dispatch_tls_is_dispatch_key_excluded = _C._dispatch_tls_is_dispatch_key_excluded
+dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_included
+dispatch_tls_set_dispatch_key_excluded = _C._dispatch_tls_set_dispatch_key_excluded
+dispatch_tls_set_dispatch_key_included = _C._dispatch_tls_set_dispatch_key_included
+
+# -- grad modes (checked on 2.13.0, 2.15.0) -------------------------------------------------------
+# The C setters, not the context managers: entering/leaving a level sets a flag without the
+# context manager's Python frames (on the per-call path).
+set_grad_enabled = _C._set_grad_enabled
+is_fwd_grad_enabled = _C._is_fwd_grad_enabled
+set_fwd_grad_enabled = _C._set_fwd_grad_enabled
+
+# -- op objects (checked on 2.13.0, 2.15.0) -------------------------------------------------------
+# The classes of ``torch.ops.aten.sin.default`` and ``torch.ops.aten.sin``.
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+# -- classes we recognise (checked on 2.13.0, 2.15.0) ---------------------------------------------
+# An autograd.Function that does not override setup_context inherits this one.
+SingleLevelFunction = torch.autograd.function._SingleLevelFunction
+# The base class of BatchNorm1d/2d/3d (and their lazy variants).
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+
+
+# -- lazily imported modules (checked on 2.13.0, 2.15.0) ------------------------------------------
+def decomposition_table():
+    """``torch._decomp.decomposition_table`` (imported on the first op without a rule)."""
+    from torch._decomp import decomposition_table as table
+
+    return table
+
+
+def elementwise_dtypes(*args, type_promotion_kind="DEFAULT"):
+    """``torch._prims_common.elementwise_dtypes`` with the promotion kind given by name."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND
+    from torch._prims_common import elementwise_dtypes as dtypes
+
+    kind = getattr(ELEMENTWISE_TYPE_PROMOTION_KIND, type_promotion_kind)
+    return dtypes(*args, type_promotion_kind=kind)
+
+
+def is_fake_tensor(t) -> bool:
+    """``isinstance(t, torch._subclasses.FakeTensor)`` (a jit trace's metadata tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def compile_fx(gm, example_inputs):
+    """``torch._inductor.compile_fx.compile_fx``: inductor without dynamo's guards."""
+    from torch._inductor.compile_fx import compile_fx as compile_
+
+    return compile_(gm, example_inputs)
+
+
+def fake_tensor_mode(**kwargs):
+    """A ``torch._subclasses.fake_tensor.FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def tracing_context(fake_mode):
+    """``torch._guards.tracing(TracingContext(fake_mode))``: one fake mode for a whole trace."""
+    from torch._guards import TracingContext, tracing
+
+    return tracing(TracingContext(fake_mode))
