@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, merge_dims, pad_to, split_dim, to_front, wrap_dim
 from .pooling import def_pool
 
 aten = torch.ops.aten
@@ -154,3 +154,35 @@ def_fold_both(aten.grid_sampler_3d.default)
 # upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
 def_pool(aten._upsample_bilinear2d_aa.default, 2)
 def_pool(aten._upsample_bicubic2d_aa.default, 2)
+
+
+# -- upsampling and grid sampling backward ops (vmap of their vjp) ------------------------------
+def def_sized_backward(op):
+    """``op(grad_output [N, C, ...], output_size, input_size [N, C, ...], ...)``: planes are
+    independent, so the batch dim folds into N and into ``input_size``."""
+
+    def sized_backward_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        g = to_front(args[0], bdims[0])
+        a = list(args)
+        a[0] = merge_dims(g, 0)
+        a[2] = [B * args[2][0], *args[2][1:]]
+        return split_dim(op(*a, **kwargs), 0, B), 0
+
+    register_vmap_rule(op)(sized_backward_vmap_rule)
+
+
+def_sized_backward(aten._upsample_bilinear2d_aa_backward.default)
+def_sized_backward(aten._upsample_bicubic2d_aa_backward.default)
+
+
+@register_vmap_rule(aten.grid_sampler_3d_backward.default)
+def grid_sampler_3d_backward_vmap_rule(interp, args, bdims, kwargs):
+    """(grad_output, input, grid, ...) -> (grad_input, grad_grid), all per sample of N: the
+    batch dim folds into N (an unbatched input or grid is expanded, as its per-example gradient
+    is per example)."""
+    B = interp.batch_size
+    folded = [merge_dims(expand_front(a, b, B), 0) for a, b in zip(args[:3], bdims[:3])]
+    outs = aten.grid_sampler_3d_backward.default(*folded, *args[3:], **kwargs)
+    outs = tuple(None if o is None else split_dim(o, 0, B) for o in outs)
+    return outs, tuple(None if o is None else 0 for o in outs)

@@ -86,7 +86,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("triangular_solve", "vjp[complex]"): "no vjp rule",
     # compositions: Note [Conformance compositions] (conformance_compositions.py)
     ("_native_batch_norm_legit", "vmap(vjp)"): "crash: InplaceError",
-    ("_upsample_bilinear2d_aa", "vmap(vjp)"): "loop where torch.func batches",
     ("as_strided_scatter", "jvp(vjp)"): "wrong value",
     ("as_strided_scatter", "jvp(vjp)[complex]"): "wrong value",
     ("as_strided_scatter", "vmap(vjp)"): "wrong value",
@@ -94,7 +93,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("cholesky", "vmap(vjp)"): "no vjp rule",
     ("cholesky", "vmap(vjp)[complex]"): "no vjp rule",
     ("frexp", "vmap(vjp)"): "crash: TypeError",
-    ("grid_sampler_3d", "vmap(vjp)"): "loop where torch.func batches",
     ("linalg.householder_product", "jvp(vjp)"): "no jvp rule",
     ("linalg.householder_product", "jvp(vjp)[complex]"): "no jvp rule",
     ("linalg.householder_product", "vmap(vjp)"): "no vjp rule",
