@@ -67,8 +67,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("lu_unpack", "vjp"): "no vjp rule",
     ("lu_unpack", "vjp[complex]"): "no vjp rule",
     ("nn.functional.ctc_loss", "vmap"): "crash: RuntimeError",
-    ("nn.functional.linear_cross_entropy.chunked", "vmap"): "loop where torch.func batches",
-    ("nn.functional.linear_cross_entropy.chunked_none", "vmap"): "loop where torch.func batches",
     ("ormqr", "vjp"): "no vjp rule",
     ("ormqr", "vjp[complex]"): "no vjp rule",
     ("pinverse", "jvp"): "no jvp rule",
