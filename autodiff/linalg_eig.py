@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms._core import TransformTensor
-from functransforms.errors import IllDefinedDerivativeError
-
-from .linalg import _H, _conj, _diag_embed, _inv_gaps, def_linalg
+from .linalg import _H, _conj, _diag_embed, _inv_gaps, check_phase_invariant, def_linalg
 
 aten = torch.ops.aten
 
@@ -21,37 +18,7 @@ aten = torch.ops.aten
 #         dL = diag(dP),   dV = V (F o dP) - V diag(Re(V^H V (F o dP)))
 #     (the last term keeps each column at norm 1). The vjp is its adjoint:
 #         bar A = V^-H (diag(bar L) + conj(F) o (V^H bar V - V^H V diag(Re diag(V^H bar V)))) V^H
-#     A column v_k is only defined up to a phase e^{i phi_k}; a loss that depends on that phase
-#     has no derivative, which shows as Im diag(V^H bar V) != 0. torch's linalg_eig_backward
-#     raises then (tolerance 1e-2, absolute and relative), and so do we: silently dropping that
-#     part would give a gradient of a different function. torch skips the check when the values
-#     are wrapped (under torch.func); we check the physical values behind every level, so
-#     vmap(vjp) and jvp(vjp) raise too, where torch.func would return a number.
-def _physical(x):
-    """The plain tensor behind the wrappers of every level (a BatchedTensor's whole batch)."""
-    while isinstance(x, TransformTensor):
-        x = x._value if hasattr(x, "_value") else x._primal
-    return x
-
-
-def _check_phase_invariant(d):
-    """Raise when ``Im d`` (d = diag(V^H bar V)) is not ~0 (Note [Derivatives of eig])."""
-    im = _physical(d.imag)
-    if isinstance(im, torch._subclasses.FakeTensor) or im.device.type == "meta":
-        return  # a symbolic trace has no values to check
-    with torch._C._DisableTorchDispatch():  # a value check, not part of the computation
-        bad = im.abs().max().item() if im.numel() else 0.0
-    if bad > 1e-2:
-        raise IllDefinedDerivativeError(
-            "linalg.eig backward: the eigenvectors of eig are defined only up to a phase "
-            "e^{i phi} per column, and the cotangent of the eigenvectors is not invariant to it "
-            f"(max |Im diag(V^H bar V)| = {bad:.3g}, expected < 1e-2), so the loss has no "
-            "derivative (torch's linalg_eig_backward raises the same). Do: make the loss depend "
-            "on the eigenvectors only through phase-invariant quantities (abs(V), "
-            "V diag(.) V^-1, |v^H w|, ...), or use the eigenvalues alone."
-        )
-
-
+#     A loss that depends on the columns' phases raises (Note [Phase-dependent losses]).
 def _eig_jvp(out, dots, A):
     L, V = out
     dA = dots[0].to(V.dtype)
@@ -69,7 +36,7 @@ def _eig_vjp(bars, out, needs, A):
     if gV is not None:
         VhgV = Vh @ gV
         d = VhgV.diagonal(0, -2, -1)
-        _check_phase_invariant(d)
+        check_phase_invariant(d.imag, "linalg.eig")
         X = (VhgV - Vh @ (V * d.real.unsqueeze(-2))) * _conj(_inv_gaps(L))
         gP = X if gP is None else gP + X
     return (torch.linalg.solve(Vh, gP @ Vh),)

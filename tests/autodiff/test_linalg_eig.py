@@ -146,3 +146,32 @@ def test_transpose_inplace_under_grad():
     x = _randn(3, 4, seed=16)
     f = lambda x: (x * 2).transpose_(0, 1).cumsum(0).sum()  # noqa: E731
     _close(ft.grad(f)(x), tf.grad(f)(x))
+
+
+@pytest.mark.parametrize(
+    "name,f",
+    [
+        ("eigh", lambda A: torch.linalg.eigh(A + A.mH)[1].real.sum()),
+        ("svd U", lambda A: torch.linalg.svd(A)[0].real.sum()),
+        ("svd Vh", lambda A: torch.linalg.svd(A, full_matrices=False)[2].imag.sum()),
+    ],
+)
+def test_eigh_svd_phase_dependent_losses_raise_as_torch(name, f):
+    """Note [Phase-dependent losses]: the same check for the eigh and SVD vjps."""
+    A = _randn(4, 4, dtype=C128, seed=17)
+    leaf = A.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="backward"):
+        torch.autograd.grad(f(leaf), leaf)
+    with pytest.raises(IllDefinedDerivativeError, match="phase"):
+        ft.grad(f)(A)
+
+
+def test_svd_phase_invariant_products_do_not_raise():
+    """U Vh is invariant to the joint phase of U's and V's columns, though each alone is not."""
+    A = _randn(4, 4, dtype=C128, seed=18)
+
+    def f(A):
+        U, S, Vh = torch.linalg.svd(A, full_matrices=False)
+        return (U @ Vh).real.sum()
+
+    _close(ft.grad(f)(A), tf.grad(f)(A))
