@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from functransforms._core import TransformTensor
+from functransforms.errors import IllDefinedDerivativeError
+
 from ._registry import register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast
 from .reductions import _norm_weight
@@ -404,6 +407,38 @@ def _slogdet_vjp(bars, out, needs, A):
 def_linalg(aten._linalg_slogdet.default, _slogdet_jvp, _slogdet_vjp)
 
 
+# Note [Phase-dependent losses]
+#     Complex eigenvectors (eig, eigh) and singular vectors (SVD) are defined only up to a phase
+#     e^{i phi} per column. A loss that depends on those phases has no derivative; it shows as
+#     Im diag(V^H bar V) != 0 (for SVD: Im diag(U^H bar U + V^H bar V)). torch's backward raises
+#     then (tolerance 1e-2) and so do we: dropping that part would return the gradient of another
+#     function. torch skips the check for wrapped tensors (under torch.func); we check the
+#     physical values behind every level (dispatch off), so it also runs under vmap and jvp, and
+#     is skipped only for values without data (fake/meta, in symbolic traces).
+def _physical(x):
+    """The plain tensor behind the wrappers of every level (a BatchedTensor's whole batch)."""
+    while isinstance(x, TransformTensor):
+        x = x._value if hasattr(x, "_value") else x._primal
+    return x
+
+
+def check_phase_invariant(im, op, vectors="eigenvectors"):
+    """Raise when ``im`` (the imaginary diagonal above) is not ~0: Note [Phase-dependent losses]."""
+    im = _physical(im)
+    if isinstance(im, torch._subclasses.FakeTensor) or im.device.type == "meta":
+        return
+    with torch._C._DisableTorchDispatch():  # a value check, not part of the computation
+        bad = im.abs().max().item() if im.numel() else 0.0
+    if bad > 1e-2:
+        raise IllDefinedDerivativeError(
+            f"{op} backward: the {vectors} of a complex {op} are defined only up to a phase "
+            f"e^{{i phi}} per column, and the loss is not invariant to it (its derivative along "
+            f"the phases is {bad:.3g}, expected < 1e-2), so it has no derivative (torch's backward "
+            f"raises the same). Do: make the loss depend on the {vectors} only through "
+            "phase-invariant quantities (abs(V), V diag(.) V^-1, |v^H w|, ...)."
+        )
+
+
 # eigh: A = V diag(L) V^H. With dP = V^H dA V: dL = Re diag(dP), dV = V (dP / E) with
 # E_ij = L_j - L_i off the diagonal (0 on it). bar A = V (diag(bar L) + skew(V^H bar V) / E) V^H,
 # skew(X) = (X - X^H) / 2 (torch's projection onto the tangent space of the unitary group).
@@ -429,6 +464,8 @@ def _eigh_vjp(bars, out, needs, A, UPLO, compute_v):
     gP = None if gL is None else _diag_embed(gL, V)
     if gV is not None:
         X = V.mH @ gV
+        if X.is_complex():
+            check_phase_invariant(X.diagonal(0, -2, -1).imag, "linalg.eigh")
         gP = _plus(gP, 0.5 * (X - _H(X)) * _inv_gaps(L))
     return (V @ gP @ V.mH,)
 
@@ -505,11 +542,11 @@ def _svd_vjp(bars, out, needs, A, full_matrices, compute_uv, driver):
     F = _inv_gaps(S * S)
     Sr, Sc = S.unsqueeze(-2), S.unsqueeze(-1)
     extra = None
-    im = None
+    im = phase = None  # Im diag(G - H) enters bar A; Im diag(G + H) must be ~0
     if gU is not None:
         G = U.mH @ gU
         gP = _plus(gP, (F * (G - _H(G))) * Sr)
-        im = G.diagonal(0, -2, -1).imag if G.is_complex() else None
+        im = phase = G.diagonal(0, -2, -1).imag if G.is_complex() else None
         if A.shape[-2] > k:
             extra = ((gU - U @ G) / Sr) @ V.mH
     if gVh is not None:
@@ -518,9 +555,11 @@ def _svd_vjp(bars, out, needs, A, full_matrices, compute_uv, driver):
         gP = _plus(gP, Sc * (F * (H - _H(H))))
         if H.is_complex():
             im = _plus(im, -H.diagonal(0, -2, -1).imag)
+            phase = _plus(phase, H.diagonal(0, -2, -1).imag)
         if A.shape[-1] > k:
             extra = _plus(extra, (U / Sr) @ (gVh - (gVh @ V) @ V.mH))
     if im is not None:
+        check_phase_invariant(phase, "linalg.svd", "singular vectors")
         gP = gP + _diag_embed(1j * im / (2 * S), gP)
     return (_plus(U @ gP @ V.mH, extra),)
 

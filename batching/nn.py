@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, merge_dims, pad_to, split_dim, to_front, wrap_dim
 from .reductions import def_dim
 
 aten = torch.ops.aten
@@ -160,3 +160,133 @@ for _op, _pos in (
     (aten._log_softmax.default, 1),
 ):
     def_dim(_op, _pos)
+
+
+
+# -- upsampling and grid sampling backward ops (vmap of their vjp) ------------------------------
+def def_sized_backward(op):
+    """``op(grad_output [N, C, ...], output_size, input_size [N, C, ...], ...)``: planes are
+    independent, so the batch dim folds into N and into ``input_size``."""
+
+    def sized_backward_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        g = to_front(args[0], bdims[0])
+        a = list(args)
+        a[0] = merge_dims(g, 0)
+        a[2] = [B * args[2][0], *args[2][1:]]
+        return split_dim(op(*a, **kwargs), 0, B), 0
+
+    register_vmap_rule(op)(sized_backward_vmap_rule)
+
+
+def_sized_backward(aten._upsample_bilinear2d_aa_backward.default)
+def_sized_backward(aten._upsample_bicubic2d_aa_backward.default)
+
+
+@register_vmap_rule(aten.grid_sampler_3d_backward.default)
+def grid_sampler_3d_backward_vmap_rule(interp, args, bdims, kwargs):
+    """(grad_output, input, grid, ...) -> (grad_input, grad_grid), all per sample of N: the
+    batch dim folds into N (an unbatched input or grid is expanded, as its per-example gradient
+    is per example)."""
+    B = interp.batch_size
+    folded = [merge_dims(expand_front(a, b, B), 0) for a, b in zip(args[:3], bdims[:3])]
+    outs = aten.grid_sampler_3d_backward.default(*folded, *args[3:], **kwargs)
+    outs = tuple(None if o is None else split_dim(o, 0, B) for o in outs)
+    return outs, tuple(None if o is None else 0 for o in outs)
+
+
+# -- F.linear_cross_entropy's chunked custom ops --------------------------------------------
+# Note [Batching linear_cross_entropy]
+#     torch_nn::_linear_cross_entropy_batch_chunked[_no_reduction] compute
+#     cross_entropy(input @ W^T + bias, target, weight) over rows in chunks, never holding the
+#     [N, C] logits (torch.func's own rule loops over the examples). Per-row losses of examples
+#     that share W, bias and the class weight are rows of one big call: the 'none' op folds the
+#     batch dim into N and keeps the chunking. Otherwise (a batched W, or the mean/sum op, whose
+#     reduction and precomputed gradients are per example) the rule evaluates the same formula
+#     with batched matmuls, in acc_dtype: loss_n = w[t_n] (logsumexp(z_n) - z_n[t_n]), 0 where
+#     t_n == ignore_index; 'mean' divides by sum_n w[t_n] (nan when 0, as the op); the gradients
+#     use dL/dz_n = s_n (softmax(z_n) - onehot(t_n)) with s_n the row's weight (/ d for mean).
+def _lce_rows(interp, args, bdims, acc_dtype, ignore_index):
+    """Batch-front values and per-row (logits, target weight, safe target, loss)."""
+    B = interp.batch_size
+    x, W, t, b, w = (
+        None if a is None else expand_front(a, d, B) for a, d in zip(args[:5], bdims[:5])
+    )
+    z = torch.matmul(x.to(acc_dtype), W.to(acc_dtype).mT)
+    if b is not None:
+        z = z + b.to(acc_dtype).unsqueeze(-2)
+    keep = t != ignore_index
+    safe_t = torch.where(keep, t, 0)
+    wt = keep.to(acc_dtype)
+    if w is not None:
+        wt = torch.where(keep, w.to(acc_dtype).gather(-1, safe_t), 0)
+    z_t = z.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
+    return (x, W, t, b), z, wt, safe_t, wt * (torch.logsumexp(z, -1) - z_t)
+
+
+def _lce_ops():
+    """The two ops, or None on a torch without them (they register on import)."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401
+    except ImportError:
+        return None
+    ns = torch.ops.torch_nn
+    if not hasattr(ns, "_linear_cross_entropy_batch_chunked_no_reduction"):
+        return None
+    return (
+        ns._linear_cross_entropy_batch_chunked.default,
+        ns._linear_cross_entropy_batch_chunked_no_reduction.default,
+    )
+
+
+def _lce_no_reduction_vmap_rule(interp, args, bdims, kwargs):
+    x, W, t, b, w, ignore_index, chunk, policy, acc_dtype = args
+    if bdims[1] is None and bdims[3] is None and bdims[4] is None:
+        B = interp.batch_size
+        xf, tf = expand_front(x, bdims[0], B), expand_front(t, bdims[2], B)
+        out = _LCE[1](merge_dims(xf, 0), W, merge_dims(tf, 0), b, w, *args[5:], **kwargs)
+        return split_dim(out, 0, B), 0
+    vals, _, _, _, loss = _lce_rows(interp, args, bdims, acc_dtype, ignore_index)
+    return loss.to(vals[0].dtype), 0
+
+
+def _lce_vmap_rule(interp, args, bdims, kwargs):
+    reduction, ignore_index, smoothing, acc_dtype = args[5], args[6], args[7], args[10]
+    need_gx, need_gw, need_gb = args[12], args[13], args[14]
+    if smoothing > 0.0 or reduction not in ("mean", "sum"):
+        raise NotImplementedError(  # the op's own checks, before any work
+            f"linear_cross_entropy does not support label_smoothing={smoothing} / "
+            f"reduction={reduction!r} (the chunked op takes label_smoothing=0, mean or sum)"
+        )
+    (x, W, t, b), z, wt, safe_t, loss = _lce_rows(interp, args, bdims, acc_dtype, ignore_index)
+    B, dtype = x.shape[0], x.dtype
+    scale = wt
+    total = loss.sum(-1)
+    if reduction == "mean":
+        d = wt.sum(-1)
+        d = torch.where(d == 0, torch.nan, d)
+        total, scale = total / d, wt / d.unsqueeze(-1)
+    gx = gW = gb = None
+    if need_gx or need_gw or need_gb:
+        onehot = torch.nn.functional.one_hot(safe_t, z.shape[-1]).to(z.dtype)
+        G = scale.unsqueeze(-1) * (torch.softmax(z, -1) - onehot)  # dL/dz [B, N, C]
+        if need_gx:
+            gx = (G @ W.to(z.dtype)).to(dtype)
+        if need_gw:
+            gW = (G.mT @ x.to(z.dtype)).to(dtype)
+        if need_gb:
+            gb = G.sum(-2).to(dtype)
+    empty = lambda *s: torch.empty((B, *s), dtype=dtype, device=x.device)  # noqa: E731
+    outs = (
+        total.to(dtype),
+        empty(0, 0) if gx is None else gx,
+        empty(0, 0) if gW is None else gW,
+        empty(0) if gb is None else gb,
+    )
+    return outs, (0, 0, 0, 0)
+
+
+_LCE = _lce_ops()
+if _LCE is not None:
+    register_vmap_rule(_LCE[0])(_lce_vmap_rule)
+    register_vmap_rule(_LCE[1])(_lce_no_reduction_vmap_rule)

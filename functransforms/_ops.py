@@ -84,6 +84,7 @@ class OpFacts:
 _FUNCTIONAL_OVERRIDES = {
     aten.bernoulli_.float: aten.bernoulli.p,
     aten.normal_.default: aten.normal_functional.default,
+    aten.transpose_.default: aten.transpose.int,  # torch.stft transposes its result in place
 }
 
 

@@ -26,6 +26,11 @@ class InplaceError(TransformError):
     """A transformed value was written in place into a tensor the transform does not see."""
 
 
+class IllDefinedDerivativeError(TransformError):
+    """The function has no derivative at this point because it depends on a quantity the op
+    leaves undefined (the phase of complex eigenvectors: Note [Derivatives of eig])."""
+
+
 class FallbackWarning(UserWarning):
     """vmap ran an op through the per-example loop because it has no batching rule."""
 

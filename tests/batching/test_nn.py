@@ -99,3 +99,55 @@ def test_cross_entropy_label_smoothing():
     specs = [F(4, 5), I(5, 4)]
     for in_dims in [(0, 0), (0, None), (-1, 0), (1, -1)]:
         check(f, in_dims, *build(specs, in_dims))
+
+
+# backward ops that vmap(vjp) of antialiased upsampling and 3-d grid sampling reach
+BACKWARD_CASES = {
+    "upsample_bilinear_aa_bwd": (
+        lambda g: aten._upsample_bilinear2d_aa_backward(g, [3, 3], [2, 1, 10, 12], False),
+        [F(2, 1, 3, 3)],
+    ),
+    "upsample_bicubic_aa_bwd": (
+        lambda g: aten._upsample_bicubic2d_aa_backward(g, [4, 3], [1, 2, 9, 7], True),
+        [F(1, 2, 4, 3)],
+    ),
+    "grid_sampler_3d_bwd": (
+        lambda g, x, grid: aten.grid_sampler_3d_backward(g, x, grid, 0, 0, False, [True, True]),
+        [F(2, 2, 2, 2, 2), F(2, 2, 3, 3, 3), F(2, 2, 2, 2, 3)],
+    ),
+    "grid_sampler_3d_bwd_grid_only": (
+        lambda g, x, grid: aten.grid_sampler_3d_backward(g, x, grid, 1, 1, True, [False, True])[1],
+        [F(1, 2, 2, 2, 2), F(1, 2, 3, 3, 3), F(1, 2, 2, 2, 3)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKWARD_CASES))
+def test_backward_ops_match_torch_vmap(name):
+    fn, specs = BACKWARD_CASES[name]
+    for in_dims in mixes(specs):
+        check(fn, in_dims, *build(specs, in_dims))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_chunked_batches(reduction, with_bias):
+    # the chunked path (options=...) is a custom op; torch.vmap's rule for it loops (the oracle)
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+    w = torch.rand(5, dtype=torch.float64) + 0.5
+
+    def f(x, W, t, b):
+        return Fn.linear_cross_entropy(
+            x,
+            W,
+            t,
+            linear_bias=b if with_bias else None,
+            weight=w,
+            reduction=reduction,
+            ignore_index=1,
+            options=options,
+        )
+
+    specs = [F(4, 3), F(5, 3), I(5, 4), F(5)]
+    for in_dims in mixes(specs):
+        check(f, in_dims, *build(specs, in_dims))
