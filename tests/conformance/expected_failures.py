@@ -66,6 +66,8 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("stft", "vjp"): "no vjp rule",
     ("stft", "vjp[complex]"): "no vjp rule",
     ("to_sparse", "vjp"): "no vjp rule",
+    ("triangular_solve", "jvp"): "wrong value",
+    ("triangular_solve", "jvp[complex]"): "wrong value",
     # compositions: Note [Conformance compositions] (conformance_compositions.py)
     ("_native_batch_norm_legit", "vmap(vjp)"): "crash: InplaceError",
     ("_upsample_bilinear2d_aa", "vmap(vjp)"): "loop where torch.func batches",
@@ -132,4 +134,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("stft", "jvp(vjp)[complex]"): "no vjp rule",
     ("stft", "vmap(vjp)"): "no vjp rule",
     ("stft", "vmap(vjp)[complex]"): "no vjp rule",
+    ("triangular_solve", "jvp(vjp)"): "wrong value",
+    ("triangular_solve", "jvp(vjp)[complex]"): "wrong value",
 }
