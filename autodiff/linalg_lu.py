@@ -237,8 +237,10 @@ def_linalg(aten.triangular_solve.default, _triangular_solve_jvp, _triangular_sol
 
 
 # The legacy torch.cholesky(A, upper): linalg.cholesky_ex's rules (one output, no info).
-def_linalg(
-    aten.cholesky.default,
-    lambda out, dots, A, upper: _cholesky_jvp((out,), dots, A, upper, False)[0],
-    lambda bars, out, needs, A, upper: _cholesky_vjp(bars, (out,), needs, A, upper, False),
-)
+# torch 2.15 removed it (aten.cholesky no longer exists, torch.cholesky raises).
+if hasattr(aten, "cholesky"):
+    def_linalg(
+        aten.cholesky.default,
+        lambda out, dots, A, upper: _cholesky_jvp((out,), dots, A, upper, False)[0],
+        lambda bars, out, needs, A, upper: _cholesky_vjp(bars, (out,), needs, A, upper, False),
+    )

@@ -263,8 +263,9 @@ def linalg_check_errors_vmap_rule(interp, args, bdims, kwargs):
 
 # -- LU family, legacy cholesky, cholesky_inverse (issue 8, lu helper) -------------------------
 # Matrix ops with one operand: the vmap dim is one more batch dim (def_matrix_op).
-for _op in (aten.cholesky.default, aten.cholesky_inverse.default):
-    def_matrix_op(_op)
+def_matrix_op(aten.cholesky_inverse.default)
+if hasattr(aten, "cholesky"):  # removed in torch 2.15
+    def_matrix_op(aten.cholesky.default)
 
 
 @register_vmap_rule(aten.lu_unpack.default)
