@@ -289,19 +289,26 @@ def test_vmap_of_vjp_batches_without_the_loop():
 
 
 @pytest.mark.parametrize(
-    "op", [pytest.param("cholesky", marks=needs_legacy_cholesky), "cholesky_inverse", "lu_unpack"]
+    "op",
+    [pytest.param("cholesky", marks=needs_legacy_cholesky), "cholesky_inverse", "lu_unpack"]
+    + ["solve_vector", "solve_matrix", "solve_right", "solve_A_batched"],
 )
 def test_vmap_rules(op):
     X = _randn(3, 4, 4, seed=17)
     S = X @ X.mT + torch.eye(4, dtype=F64)
     L = torch.linalg.cholesky(S)
     LU, piv = torch.linalg.lu_factor(X)
-    f, args = {
-        "cholesky": (lambda S: torch.cholesky(S, upper=True), (S,)),
-        "cholesky_inverse": (torch.cholesky_inverse, (L,)),
-        "lu_unpack": (torch.lu_unpack, (LU, piv)),
+    b, B = _randn(3, 4, seed=18), _randn(3, 4, 2, seed=19)
+    f, args, in_dims = {
+        "cholesky": (lambda S: torch.cholesky(S, upper=True), (S,), 0),
+        "cholesky_inverse": (torch.cholesky_inverse, (L,), 0),
+        "lu_unpack": (torch.lu_unpack, (LU, piv), 0),
+        "solve_vector": (torch.linalg.solve, (S, b), 0),
+        "solve_matrix": (torch.linalg.solve, (S, B), 0),
+        "solve_right": (lambda S, B: torch.linalg.solve(S, B.mT, left=False), (S, B), 0),
+        "solve_A_batched": (torch.linalg.solve, (S, B[0]), (0, None)),
     }[op]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
-        ours = ft.vmap(f)(*args)
-    close(ours, tf.vmap(f)(*args))
+        ours = ft.vmap(f, in_dims)(*args)
+    close(ours, tf.vmap(f, in_dims)(*args))
