@@ -19,6 +19,7 @@ from . import (  # noqa: F401  (registration)
     indexing,
     linalg,
     linalg_eig,
+    linalg_lu,
     nn,
     normalization,
     pooling,

@@ -259,3 +259,22 @@ def linalg_check_errors_vmap_rule(interp, args, bdims, kwargs):
     info, api_name = args[0], args[1]
     aten._linalg_check_errors.default(to_front(info, bdims[0]), api_name, is_matrix=False)
     return None, None
+
+
+# -- LU family, legacy cholesky, cholesky_inverse (issue 8, lu helper) -------------------------
+# Matrix ops with one operand: the vmap dim is one more batch dim (def_matrix_op).
+def_matrix_op(aten.cholesky_inverse.default)
+if hasattr(aten, "cholesky"):  # removed in torch 2.15
+    def_matrix_op(aten.cholesky.default)
+
+
+@register_vmap_rule(aten.lu_unpack.default)
+def lu_unpack_vmap_rule(interp, args, bdims, kwargs):
+    """lu_unpack(LU, pivots) -> (P, L, U): LU's and the pivots' batch shapes are equal (no
+    broadcasting), so the unbatched operand is expanded. An output left empty
+    (``unpack_data=False`` / ``unpack_pivots=False``) carries no vmap dim."""
+    B = interp.batch_size
+    LU = expand_front(args[0], bdims[0], B)
+    piv = expand_front(args[1], bdims[1], B)
+    out = aten.lu_unpack.default(LU, piv, *args[2:], **kwargs)
+    return out, tuple(0 if o.dim() > 0 and o.shape[0] == B else None for o in out)

@@ -162,7 +162,6 @@ for _op, _pos in (
     def_dim(_op, _pos)
 
 
-
 # -- upsampling and grid sampling backward ops (vmap of their vjp) ------------------------------
 def def_sized_backward(op):
     """``op(grad_output [N, C, ...], output_size, input_size [N, C, ...], ...)``: planes are
