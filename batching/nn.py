@@ -162,26 +162,7 @@ for _op, _pos in (
     def_dim(_op, _pos)
 
 
-# -- upsampling and grid sampling backward ops (vmap of their vjp) ------------------------------
-def def_sized_backward(op):
-    """``op(grad_output [N, C, ...], output_size, input_size [N, C, ...], ...)``: planes are
-    independent, so the batch dim folds into N and into ``input_size``."""
-
-    def sized_backward_vmap_rule(interp, args, bdims, kwargs):
-        B = interp.batch_size
-        g = to_front(args[0], bdims[0])
-        a = list(args)
-        a[0] = merge_dims(g, 0)
-        a[2] = [B * args[2][0], *args[2][1:]]
-        return split_dim(op(*a, **kwargs), 0, B), 0
-
-    register_vmap_rule(op)(sized_backward_vmap_rule)
-
-
-def_sized_backward(aten._upsample_bilinear2d_aa_backward.default)
-def_sized_backward(aten._upsample_bicubic2d_aa_backward.default)
-
-
+# -- grid sampling backward (vmap of its vjp) ----------------------------------------------
 @register_vmap_rule(aten.grid_sampler_3d_backward.default)
 def grid_sampler_3d_backward_vmap_rule(interp, args, bdims, kwargs):
     """(grad_output, input, grid, ...) -> (grad_input, grad_grid), all per sample of N: the

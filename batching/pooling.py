@@ -95,3 +95,23 @@ def_fractional_max_pool(aten.fractional_max_pool3d.default, 3)
 # upsampling with antialiasing works plane by plane on [N, C, H, W], like pooling
 def_pool(aten._upsample_bilinear2d_aa.default, 2)
 def_pool(aten._upsample_bicubic2d_aa.default, 2)
+
+
+# -- antialiased upsampling backward ops (vmap of their vjp) ---------------------------------
+def def_sized_backward(op):
+    """``op(grad_output [N, C, ...], output_size, input_size [N, C, ...], ...)``: planes are
+    independent, so the batch dim folds into N and into ``input_size``."""
+
+    def sized_backward_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        g = to_front(args[0], bdims[0])
+        a = list(args)
+        a[0] = merge_dims(g, 0)
+        a[2] = [B * args[2][0], *args[2][1:]]
+        return split_dim(op(*a, **kwargs), 0, B), 0
+
+    register_vmap_rule(op)(sized_backward_vmap_rule)
+
+
+def_sized_backward(aten._upsample_bilinear2d_aa_backward.default)
+def_sized_backward(aten._upsample_bicubic2d_aa_backward.default)
