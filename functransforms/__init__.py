@@ -17,6 +17,18 @@ from . import (  # noqa: E402, F401  (registers the rules)
     deterministic,  # noqa: E402, F401
 )
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
+from ._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+)
 from ._autograd_function import install as _install_autograd_function  # noqa: E402
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
@@ -27,6 +39,16 @@ from ._vmap import vmap
 _install_autograd_function()  # Note [autograd.Function under transforms]
 
 __all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
     "checkpoint",
     "linear_transpose",
     "custom_jvp",

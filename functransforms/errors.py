@@ -30,3 +30,8 @@ class FallbackWarning(UserWarning):
 
 class JitFallbackWarning(UserWarning):
     """jit runs a call signature eagerly because its trace would not replay faithfully."""
+
+
+class UnboundAxisError(NameError):
+    """A collective (``psum``, ``axis_index``, ...) named an axis that no enclosing ``vmap``/
+    ``pmap`` binds (JAX raises ``NameError`` for this too)."""
