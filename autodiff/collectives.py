@@ -1,4 +1,5 @@
-"""Derivative rules of the collectives (Note [Collectives are ops], functransforms/_collective_ops.py).
+"""Derivative rules of the collectives (Note [Collectives are ops], in
+functransforms/_collective_ops.py).
 
 The collectives are linear in their operand except pmax/pmin, so their jvp applies the same
 collective to the tangent and their vjp applies the transpose to the cotangent, as in JAX:

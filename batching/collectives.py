@@ -1,4 +1,5 @@
-"""Batching rules of the collectives (Note [Collectives are ops], functransforms/_collective_ops.py).
+"""Batching rules of the collectives (Note [Collectives are ops], in
+functransforms/_collective_ops.py).
 
 At the vmap that binds the op's axis the collective is a reduction, gather or permutation of the
 physical tensor along its batch dim: one batched kernel, no loop. Any other vmap passes the op

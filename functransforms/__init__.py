@@ -17,6 +17,7 @@ from . import (  # noqa: E402, F401  (registers the rules)
     deterministic,  # noqa: E402, F401
 )
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
+from ._autograd_function import install as _install_autograd_function  # noqa: E402
 from ._collectives import (
     all_gather,
     all_to_all,
@@ -29,7 +30,6 @@ from ._collectives import (
     psum,
     psum_scatter,
 )
-from ._autograd_function import install as _install_autograd_function  # noqa: E402
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._jit import jit

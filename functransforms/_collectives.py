@@ -48,9 +48,7 @@ def binding(name, call):
                     "drop chunk_size (or make it at least the axis size) when f uses collectives."
                 )
             return interp
-    bound = [
-        i.axis_name for i in interpreter_stack() if getattr(i, "axis_name", None) is not None
-    ]
+    bound = [i.axis_name for i in interpreter_stack() if getattr(i, "axis_name", None) is not None]
     raise UnboundAxisError(
         f"{call}: unbound axis name {name!r}. Expected the name of an enclosing "
         f"vmap(..., axis_name=...) or pmap(..., axis_name=...); the axes bound here are "
@@ -104,7 +102,9 @@ def _tensor(x, call):
         return x
     if isinstance(x, (bool, int, float, complex)):
         return torch.as_tensor(x)
-    raise TypeError(f"{call}: expected tensors (or Python numbers) as leaves, got {type(x).__name__}.")
+    raise TypeError(
+        f"{call}: expected tensors (or Python numbers) as leaves, got {type(x).__name__}."
+    )
 
 
 def _map(call, fn, x):
@@ -228,10 +228,15 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
         tensor([[0., 2.],
                 [1., 3.]])
     """
-    call = f"all_to_all(x, axis_name={axis_name!r}, split_axis={split_axis}, concat_axis={concat_axis})"
+    call = (
+        f"all_to_all(x, axis_name={axis_name!r}, split_axis={split_axis}, "
+        f"concat_axis={concat_axis})"
+    )
     names = _names(axis_name)
     if len(names) != 1:
-        raise NotImplementedError(f"{call}: all_to_all over several axes is not supported; name one axis.")
+        raise NotImplementedError(
+            f"{call}: all_to_all over several axes is not supported; name one axis."
+        )
     interp = binding(names[0], call)
     size = interp.batch_size
 
@@ -240,7 +245,8 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
         if not tiled:  # as JAX: insert the new dim, run the tiled op, drop the split dim
             if t.shape[split] != size:
                 raise ValueError(
-                    f"{call}: the split dim has size {t.shape[split]}; expected the axis size {size}."
+                    f"{call}: the split dim has size {t.shape[split]}; expected the axis "
+                    f"size {size}."
                 )
             concat = _dim(concat_axis, t.dim(), call, "concat_axis")
             if split == concat:
@@ -277,7 +283,9 @@ def ppermute(x, axis_name, perm):
     call = f"ppermute(x, axis_name={axis_name!r}, perm={perm!r})"
     names = _names(axis_name)
     if len(names) != 1:
-        raise NotImplementedError(f"{call}: ppermute over several axes is not supported; name one axis.")
+        raise NotImplementedError(
+            f"{call}: ppermute over several axes is not supported; name one axis."
+        )
     interp = binding(names[0], call)
     src = [-1] * interp.batch_size
     for pair in perm:
@@ -290,7 +298,9 @@ def ppermute(x, axis_name, perm):
                     f"{call}: index {v} is out of range for the axis of size {interp.batch_size}."
                 )
         if src[d] != -1 or s in src:
-            raise ValueError(f"{call}: perm must be a permutation: {(s, d)} repeats a source or a destination.")
+            raise ValueError(
+                f"{call}: perm must be a permutation: {(s, d)} repeats a source or a destination."
+            )
         src[d] = s
     return _map(call, lambda t: bind(ops.ppermute, t, interp.level, src), x)
 
