@@ -24,21 +24,27 @@ def _inverse(src):
     return dst
 
 
-def def_linear_collective(op, transpose):
-    """jvp: the op on the tangent; vjp: ``transpose(axis, *params) -> (op, params)`` on the
-    cotangent."""
+def _call(op, x, axis, *params):  # the cross-process ops take per-process values as they are
+    return op(x, axis, *params)
+
+
+def def_linear_collective(op, transpose, apply=bind):
+    """jvp: the op on the tangent; vjp: ``transpose(*params) -> (op, params)`` on the
+    cotangent; both through ``apply`` (``bind`` lifts to the binding vmap's level)."""
 
     @register_jvp_rule(op)
     def jvp(primals, tangents, kwargs):
         x, axis, *params = primals
         t = tangents[0]
-        return op(x, axis, *params), (None if t is None else bind(op, t, axis, *params))
+        if op is ops.dist_replicate:  # the identity: its tangent is the input's
+            return op(x, axis), t
+        return op(x, axis, *params), (None if t is None else apply(op, t, axis, *params))
 
     @register_vjp_rule(op)
     def vjp(cts, primals, kwargs, out, needs):
         _, axis, *params = primals
         t_op, t_params = transpose(*params)
-        x_bar = None if cts is None else bind(t_op, cts, axis, *t_params)
+        x_bar = None if cts is None else apply(t_op, cts, axis, *t_params)
         return (x_bar,) + (None,) * (len(primals) - 1)
 
     return jvp, vjp
@@ -52,29 +58,40 @@ def_linear_collective(ops.all_to_all, lambda split, concat: (ops.all_to_all, (co
 def_linear_collective(ops.ppermute, lambda src: (ops.ppermute, (_inverse(src),)))
 
 
-def _share(x, out, axis):
-    """The examples holding the extremum, each with an equal share (torch's amax convention)."""
-    mask = (x == out).to(x.dtype)
-    return mask / bind(ops.psum, mask, axis)
+def def_extremum(op, psum=ops.psum, apply=bind):
+    """pmax/pmin: d out = sum over the examples at the extremum of their tangents, shared
+    equally among ties (torch's amax convention)."""
 
-
-def def_extremum(op):
-    """pmax/pmin: d out = sum over the examples at the extremum of their tangents, shared."""
+    def share(x, out, axis):
+        mask = (x == out).to(x.dtype)
+        return mask / apply(psum, mask, axis)
 
     @register_jvp_rule(op)
     def jvp(primals, tangents, kwargs):
         x, axis = primals
         out = op(x, axis)
         t = tangents[0]
-        return out, (None if t is None else bind(ops.psum, t * _share(x, out, axis), axis))
+        return out, (None if t is None else apply(psum, t * share(x, out, axis), axis))
 
     @register_vjp_rule(op)
     def vjp(cts, primals, kwargs, out, needs):
         x, axis = primals
-        return (None if cts is None else bind(ops.psum, cts, axis) * _share(x, out, axis)), None
+        return (None if cts is None else apply(psum, cts, axis) * share(x, out, axis)), None
 
     return jvp, vjp
 
 
 def_extremum(ops.pmax)
 def_extremum(ops.pmin)
+
+# the cross-process halves of pmap's collectives (Note [pmap's collectives])
+def_linear_collective(ops.dist_psum, lambda: (ops.dist_psum, ()), _call)
+def_linear_collective(ops.dist_all_gather, lambda d: (ops.dist_psum_scatter, (d,)), _call)
+def_linear_collective(ops.dist_psum_scatter, lambda d: (ops.dist_all_gather, (d,)), _call)
+def_linear_collective(ops.dist_exchange, lambda d: (ops.dist_exchange, (d,)), _call)
+def_linear_collective(
+    ops.dist_ppermute, lambda d, src: (ops.dist_ppermute, (d, _inverse(src))), _call
+)
+def_linear_collective(ops.dist_replicate, lambda: (ops.dist_psum, ()), _call)
+def_extremum(ops.dist_pmax, ops.dist_psum, _call)
+def_extremum(ops.dist_pmin, ops.dist_psum, _call)

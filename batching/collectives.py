@@ -20,9 +20,10 @@ from ._util import to_front
 _DIM_PARAMS = {ops.all_gather: 1, ops.psum_scatter: 1, ops.all_to_all: 2, ops.ppermute: 0}
 
 
-def def_collective(op, named):
+def def_collective(op, named, across=None):
     """Register ``op``'s batching rule: ``named(x, bdim, batch_size, *params) -> (out, bdim)``
-    at the binding level, the pass-through everywhere else."""
+    at the binding vmap, ``across(x, bdim, level, world, *params)`` at a binding pmap (Note
+    [pmap's collectives] in functransforms/_collective_ops.py), the pass-through elsewhere."""
 
     @register_vmap_rule(op)
     def rule(interp, args, bdims, kwargs):
@@ -31,14 +32,40 @@ def def_collective(op, named):
         if interp.level == axis:
             if bdim is None:  # not varying along the axis: lift (the public functions do this)
                 x, bdim = x.unsqueeze(0).expand((interp.batch_size,) + tuple(x.shape)), 0
+            if getattr(interp, "group", None) is not None:
+                return across(x, bdim, interp.group, interp.world, *params)
             return named(x, bdim, interp.batch_size, *params)
-        if bdim is None:
-            return op(x, axis, *params), None
-        n = _DIM_PARAMS.get(op, 0)
-        shifted = [p + 1 for p in params[:n]] + list(params[n:])
-        return op(to_front(x, bdim), axis, *shifted), 0
+        return pass_through(op, x, bdim, axis, params)
 
     return rule
+
+
+def pass_through(op, x, bdim, axis, params):
+    """``op`` at a level that does not bind its axis: on the physical value, batch dim in front."""
+    if bdim is None:
+        return op(x, axis, *params), None
+    n = _DIM_PARAMS.get(op, 0)
+    shifted = [p + 1 for p in params[:n]] + list(params[n:])
+    return op(to_front(x, bdim), axis, *shifted), 0
+
+
+for _op in (ops.dist_all_gather, ops.dist_psum_scatter, ops.dist_exchange, ops.dist_ppermute):
+    _DIM_PARAMS[_op] = 1
+for _op in (
+    ops.dist_replicate,
+    ops.dist_psum,
+    ops.dist_pmax,
+    ops.dist_pmin,
+    ops.dist_all_gather,
+    ops.dist_psum_scatter,
+    ops.dist_exchange,
+    ops.dist_ppermute,
+):
+    register_vmap_rule(_op)(
+        lambda interp, args, bdims, kwargs, _op=_op: pass_through(
+            _op, args[0], bdims[0], args[1], args[2:]
+        )
+    )
 
 
 def _all_gather(x, bdim, n, dim):
@@ -55,6 +82,11 @@ def _psum_scatter(x, bdim, n, dim):
 def _all_to_all(x, bdim, n, split, concat):
     w = to_front(x, bdim)  # [j, *S], S[split] = n * k
     w = w.unflatten(1 + split, (n, w.shape[1 + split] // n))  # [j, ..., i, k, ...]
+    return _blocks_to_examples(w, split, concat)
+
+
+def _blocks_to_examples(w, split, concat):
+    """[j, ..., i, k, ...] (i at 1 + split): example i's blocks from every j along concat."""
     w = w.movedim(1 + split, 0)  # [i, j, *S_k]
     w = w.movedim(1, 1 + concat)  # [i, *S_k[:concat], j, S_k[concat], ...]
     return w.flatten(1 + concat, 2 + concat), 0  # j-major blocks along concat
@@ -68,11 +100,52 @@ def _ppermute(x, bdim, n, src):
     return w.index_select(0, index), 0
 
 
-def_collective(ops.psum, lambda x, b, n: (x.sum(b), None))
-def_collective(ops.pmean, lambda x, b, n: (x.mean(b), None))
-def_collective(ops.pmax, lambda x, b, n: (x.amax(b), None))
-def_collective(ops.pmin, lambda x, b, n: (x.amin(b), None))
-def_collective(ops.all_gather, _all_gather)
-def_collective(ops.psum_scatter, _psum_scatter)
-def_collective(ops.all_to_all, _all_to_all)
-def_collective(ops.ppermute, _ppermute)
+# -- across processes (pmap): the local step, then the group's collective ----------------------
+def _dist_all_gather(x, bdim, group, world, dim):
+    local, _ = _all_gather(x, bdim, None, dim)
+    return ops.dist_all_gather(local, group, dim), None
+
+
+def _dist_psum_scatter(x, bdim, group, world, dim):
+    mine = ops.dist_psum_scatter(x.sum(bdim), group, dim)  # this process's k chunks
+    k = x.shape[bdim]
+    return mine.unflatten(dim, (k, mine.shape[dim] // k)), dim
+
+
+def _dist_all_to_all(x, bdim, group, world, split, concat):
+    w = to_front(x, bdim)  # [j_local, *S], S[split] = world * k * c
+    k = w.shape[0]
+    w = w.unflatten(1 + split, (world, k, w.shape[1 + split] // (world * k)))
+    w = ops.dist_exchange(w, group, 1 + split)  # block q goes to process q, from p comes p's
+    w = w.movedim(1 + split, 0).flatten(0, 1)  # [j, ..., i_local, c, ...], j = p * k + j_local
+    return _blocks_to_examples(w, split, concat)
+
+
+def _dist_ppermute(x, bdim, group, world, src):
+    return ops.dist_ppermute(to_front(x, bdim), group, 0, src), 0
+
+
+def_collective(
+    ops.psum,
+    lambda x, b, n: (x.sum(b), None),
+    lambda x, b, group, world: (ops.dist_psum(x.sum(b), group), None),
+)
+def_collective(
+    ops.pmean,
+    lambda x, b, n: (x.mean(b), None),
+    lambda x, b, group, world: (ops.dist_psum(x.sum(b), group) / (x.shape[b] * world), None),
+)
+def_collective(
+    ops.pmax,
+    lambda x, b, n: (x.amax(b), None),
+    lambda x, b, group, world: (ops.dist_pmax(x.amax(b), group), None),
+)
+def_collective(
+    ops.pmin,
+    lambda x, b, n: (x.amin(b), None),
+    lambda x, b, group, world: (ops.dist_pmin(x.amin(b), group), None),
+)
+def_collective(ops.all_gather, _all_gather, _dist_all_gather)
+def_collective(ops.psum_scatter, _psum_scatter, _dist_psum_scatter)
+def_collective(ops.all_to_all, _all_to_all, _dist_all_to_all)
+def_collective(ops.ppermute, _ppermute, _dist_ppermute)

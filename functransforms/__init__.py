@@ -15,6 +15,7 @@ from . import (  # noqa: E402, F401  (registers the rules)
     autodiff,
     batching,
     deterministic,  # noqa: E402, F401
+    distributed,
 )
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._autograd_function import install as _install_autograd_function  # noqa: E402
@@ -34,6 +35,7 @@ from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_
 from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._jit import jit
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
+from ._pmap import pmap
 from ._vmap import vmap
 
 _install_autograd_function()  # Note [autograd.Function under transforms]
@@ -46,6 +48,7 @@ __all__ = [
     "pmax",
     "pmean",
     "pmin",
+    "pmap",
     "ppermute",
     "psum",
     "psum_scatter",
@@ -53,6 +56,7 @@ __all__ = [
     "linear_transpose",
     "custom_jvp",
     "deterministic",
+    "distributed",
     "custom_vjp",
     "custom_vmap",
     "debug_unwrap",

@@ -57,3 +57,133 @@ OPS = {name: getattr(torch.ops.functransforms, name).default for name in _SCHEMA
 psum, pmean, pmax, pmin = OPS["psum"], OPS["pmean"], OPS["pmax"], OPS["pmin"]
 all_gather, psum_scatter = OPS["all_gather"], OPS["psum_scatter"]
 all_to_all, ppermute = OPS["all_to_all"], OPS["ppermute"]
+
+
+# -- the cross-process halves, for pmap -------------------------------------------------------
+# Note [pmap's collectives]
+#     Under pmap the binding level holds this process's examples; a collective first combines
+#     them locally (the vmap rule's reduction), then across the processes of the group with
+#     one of these ops. They take plain per-process tensors and call torch.distributed; as ops
+#     they get derivative rules (autodiff/collectives.py: dist_psum's transpose is dist_psum,
+#     dist_all_gather's is dist_psum_scatter, dist_exchange is its own, dist_ppermute's is the
+#     inverse permutation) and pass-through batching rules (a vmap *around* pmap maps over
+#     independent problems: every process holds the same batch of them).
+#     ``dim`` is the dim the op gathers, scatters or exchanges along; ``src`` of dist_ppermute
+#     is global: example i of the axis receives example src[i] (k examples per process).
+#     ``group`` is a key of GROUPS, not the pmap's level: an outer grad runs the transposes
+#     after the pmap has returned. dist_replicate is the identity on a replicated (unmapped)
+#     input of pmap whose transpose sums over the processes: Note [Replicated inputs of pmap].
+_DIST_SCHEMAS = {
+    "dist_psum": "int group",
+    "dist_pmax": "int group",
+    "dist_pmin": "int group",
+    "dist_all_gather": "int group, int dim",
+    "dist_psum_scatter": "int group, int dim",
+    "dist_exchange": "int group, int dim",
+    "dist_ppermute": "int group, int dim, int[] src",
+    "dist_replicate": "int group",
+}
+GROUPS: dict = {}  # key -> process group, filled by pmap
+
+
+def group_key(group):
+    """The key of ``group`` in GROUPS (a process group object is not an op argument)."""
+    for key, g in GROUPS.items():
+        if g is group:
+            return key
+    GROUPS[len(GROUPS)] = group
+    return len(GROUPS) - 1
+
+
+def _group(key):
+    return GROUPS[key]
+
+
+def _contiguous_front(x, dim):
+    return x.movedim(dim, 0).contiguous()
+
+
+def _dist_reduce(op_name):
+    def kernel(x, group):
+        import torch.distributed as dist
+
+        y = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, getattr(dist.ReduceOp, op_name), group=_group(group))
+        return y
+
+    return kernel
+
+
+def _dist_all_gather(x, group, dim):
+    import torch.distributed as dist
+
+    group = _group(group)
+    front = _contiguous_front(x, dim)
+    out = front.new_empty((dist.get_world_size(group) * front.shape[0],) + front.shape[1:])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _dist_psum_scatter(x, group, dim):
+    import torch.distributed as dist
+
+    group = _group(group)
+    front = _contiguous_front(x, dim)
+    out = front.new_empty((front.shape[0] // dist.get_world_size(group),) + front.shape[1:])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _dist_exchange(x, group, dim):
+    import torch.distributed as dist
+
+    front = _contiguous_front(x, dim)
+    out = torch.empty_like(front)
+    dist.all_to_all_single(out, front, group=_group(group))
+    return out.movedim(0, dim)
+
+
+def _dist_ppermute(x, group, dim, src):
+    import torch.distributed as dist
+
+    group = _group(group)
+    rank, k = dist.get_rank(group), x.shape[dim]
+    front = _contiguous_front(x, dim)
+    out = torch.zeros_like(front)
+    ops, mine = [], range(rank * k, (rank + 1) * k)
+    for dst, s in enumerate(src):
+        if s < 0 or (dst in mine and s in mine):
+            if s >= 0:  # both here: a local copy
+                out[dst - rank * k] = front[s - rank * k]
+            continue
+        peer = dist.get_global_rank(group, (dst if s in mine else s) // k)
+        if s in mine:
+            ops.append(dist.P2POp(dist.isend, front[s - rank * k], peer, group, tag=dst))
+        elif dst in mine:
+            ops.append(dist.P2POp(dist.irecv, out[dst - rank * k], peer, group, tag=dst))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return out.movedim(0, dim)
+
+
+_DIST_KERNELS = {
+    "dist_psum": _dist_reduce("SUM"),
+    "dist_pmax": _dist_reduce("MAX"),
+    "dist_pmin": _dist_reduce("MIN"),
+    "dist_all_gather": _dist_all_gather,
+    "dist_psum_scatter": _dist_psum_scatter,
+    "dist_exchange": _dist_exchange,
+    "dist_ppermute": _dist_ppermute,
+    "dist_replicate": lambda x, group: x.clone(),
+}
+for _name, _params in _DIST_SCHEMAS.items():
+    _LIB.define(f"{_name}(Tensor x, {_params}) -> Tensor")
+    _LIB.impl(_name, _DIST_KERNELS[_name], "CompositeExplicitAutograd")
+    OPS[_name] = getattr(torch.ops.functransforms, _name).default
+dist_psum, dist_pmax, dist_pmin = OPS["dist_psum"], OPS["dist_pmax"], OPS["dist_pmin"]
+dist_all_gather, dist_psum_scatter = OPS["dist_all_gather"], OPS["dist_psum_scatter"]
+dist_exchange, dist_ppermute = OPS["dist_exchange"], OPS["dist_ppermute"]
+dist_replicate = OPS["dist_replicate"]

@@ -64,6 +64,11 @@ def by_level(level):
     raise RuntimeError(f"functransforms: no active transform at level {level} (internal error)")
 
 
+def size_of(interp):
+    """The size of the axis ``interp`` binds: its examples, times the processes under pmap."""
+    return interp.batch_size * getattr(interp, "world", 1)
+
+
 # -- lifting an operand to the binding level ---------------------------------------------------
 def _batched_at(x, interp):
     t = x
@@ -199,7 +204,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     levels = [binding(n, call).level for n in _names(axis_name)]
     size = 1
     for level in levels:
-        size *= by_level(level).batch_size
+        size *= size_of(by_level(level))
 
     def one(t):
         d = _dim(scatter_dimension, t.dim(), call, "scatter_dimension")
@@ -238,7 +243,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
             f"{call}: all_to_all over several axes is not supported; name one axis."
         )
     interp = binding(names[0], call)
-    size = interp.batch_size
+    size = size_of(interp)
 
     def one(t):
         split = _dim(split_axis, t.dim(), call, "split_axis")
@@ -287,16 +292,15 @@ def ppermute(x, axis_name, perm):
             f"{call}: ppermute over several axes is not supported; name one axis."
         )
     interp = binding(names[0], call)
-    src = [-1] * interp.batch_size
+    size = size_of(interp)
+    src = [-1] * size
     for pair in perm:
         if len(pair) != 2:
             raise ValueError(f"{call}: expected (source, destination) pairs, got {pair!r}.")
         s, d = (int(v) for v in pair)
         for v in (s, d):
-            if not 0 <= v < interp.batch_size:
-                raise ValueError(
-                    f"{call}: index {v} is out of range for the axis of size {interp.batch_size}."
-                )
+            if not 0 <= v < size:
+                raise ValueError(f"{call}: index {v} is out of range for the axis of size {size}.")
         if src[d] != -1 or s in src:
             raise ValueError(
                 f"{call}: perm must be a permutation: {(s, d)} repeats a source or a destination."
@@ -320,8 +324,9 @@ def axis_index(axis_name):
     index = None
     for n in _names(axis_name):
         interp = binding(n, call)
-        here = wrap_batched(torch.arange(interp.batch_size), 0, interp)
-        index = here if index is None else index * interp.batch_size + here
+        k = interp.batch_size  # under pmap: this process's examples are rank * k + [0, k)
+        here = wrap_batched(torch.arange(k) + getattr(interp, "rank", 0) * k, 0, interp)
+        index = here if index is None else index * size_of(interp) + here
     return index
 
 
@@ -336,5 +341,5 @@ def axis_size(axis_name):
     call = f"axis_size({axis_name!r})"
     size = 1
     for n in _names(axis_name):
-        size *= binding(n, call).batch_size
+        size *= size_of(binding(n, call))
     return size

@@ -163,7 +163,16 @@ def _broadcast(prefix, tree, what, call, out, path):
 
 @eager_under_compile
 def _vmap_call(
-    func, in_dims, out_dims, randomness, chunk_size, args, kwargs, axis=(None, None), chunked=False
+    func,
+    in_dims,
+    out_dims,
+    randomness,
+    chunk_size,
+    args,
+    kwargs,
+    axis=(None, None),
+    chunked=False,
+    pmap=None,
 ):
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import DifferentRandomnessMode, no_random_ops
@@ -261,6 +270,8 @@ def _vmap_call(
     interp.call = call or _call_repr(func, in_dims, out_dims)
     interp.axis_name = axis_name  # Note [Collectives are ops] (functransforms/_collective_ops.py)
     interp.chunked = chunked  # a chunk does not see the whole axis: collectives must raise
+    if pmap is not None:  # Note [pmap's collectives] (functransforms/_collective_ops.py)
+        interp.group, interp.world, interp.rank = pmap
     if randomness == "error":  # Note [Random ops by their tags]
         mode = no_random_ops()
     elif randomness == "different":
