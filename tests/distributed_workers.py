@@ -50,7 +50,9 @@ def losses(n):
         "pmax": lambda t: (ft.pmax(t, "d") * t).sum(),
         "all_gather": lambda t: (ft.all_gather(t, "d") ** 2 * t).sum(),
         "psum_scatter": lambda t: ft.psum_scatter(t.reshape(n, 2).cos(), "d").prod(),
-        "all_to_all": lambda t: (ft.all_to_all(t.reshape(n, 2), "d", 0, 1).exp() * t[:2, None]).sum(),
+        "all_to_all": lambda t: (
+            ft.all_to_all(t.reshape(n, 2), "d", 0, 1).exp() * t[:2, None]
+        ).sum(),
         "ppermute": lambda t: (ft.ppermute(t, "d", ring) * t.tanh()).sum(),
     }
 
@@ -67,6 +69,7 @@ def clipped_grad(w, x, y):
 def dp_sgd_step(w, xs, ys):
     """One DP-SGD step on a device's batch: per-sample gradients, clipped, averaged over the
     batch *and* the devices (a collective naming both axes)."""
+
     def averaged(w, x, y):
         return ft.pmean(clipped_grad(w, x, y), ("devices", "batch"))
 
@@ -94,7 +97,7 @@ def run_all(seed):
         out["value/" + name] = ft.pmap(f, "d")(x)
     for name, f in losses(n).items():
         mapped = ft.pmap(f, "d")
-        out["grad_outside/" + name] = ft.grad(lambda xs: mapped(xs).sum())(x)
+        out["grad_outside/" + name] = ft.grad(lambda xs, m=mapped: m(xs).sum())(x)
         out["jvp/" + name] = ft.jvp(mapped, (x,), (t,))[1]
         out["grad_inside/" + name] = ft.pmap(ft.grad(f), "d")(x)
     # a replicated parameter: its gradient is the single-process one on every process

@@ -25,7 +25,7 @@ def single_process(world, seed=0):
         out["value/" + name] = ft.vmap(f, axis_name="d")(x)
     for name, f in workers.losses(n).items():
         mapped = ft.vmap(f, axis_name="d")
-        out["grad_outside/" + name] = ft.grad(lambda xs: mapped(xs).sum())(x)
+        out["grad_outside/" + name] = ft.grad(lambda xs, m=mapped: m(xs).sum())(x)
         out["jvp/" + name] = ft.jvp(mapped, (x,), (t,))[1]
         out["grad_inside/" + name] = ft.vmap(ft.grad(f), axis_name="d")(x)
     replicated = ft.vmap(workers.replicated_loss, in_dims=(None, 0), axis_name="d")
