@@ -121,7 +121,8 @@ def _map(call, fn, x):
 def _reduction(op, name):
     def collective(x, axis_name):
         call = f"{name}(x, axis_name={axis_name!r})"
-        levels = [binding(n, call).level for n in _names(axis_name)]
+        # innermost axis first: a pmap's collective then communicates the already-reduced value
+        levels = sorted((binding(n, call).level for n in _names(axis_name)), reverse=True)
 
         def one(t):
             for level in levels:
