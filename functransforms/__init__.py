@@ -15,22 +15,48 @@ from . import (  # noqa: E402, F401  (registers the rules)
     autodiff,
     batching,
     deterministic,  # noqa: E402, F401
+    distributed,
 )
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._autograd_function import install as _install_autograd_function  # noqa: E402
+from ._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+)
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._jit import jit
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
+from ._pmap import pmap
 from ._vmap import vmap
 
 _install_autograd_function()  # Note [autograd.Function under transforms]
 
 __all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "pmap",
+    "ppermute",
+    "psum",
+    "psum_scatter",
     "checkpoint",
     "linear_transpose",
     "custom_jvp",
     "deterministic",
+    "distributed",
     "custom_vjp",
     "custom_vmap",
     "debug_unwrap",

@@ -12,7 +12,16 @@ from ._core import eager_under_compile
 _RANDOMNESS = ("error", "different", "same")
 
 
-def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
+def vmap(
+    func,
+    in_dims=0,
+    out_dims=0,
+    randomness="error",
+    *,
+    chunk_size=None,
+    axis_name=None,
+    axis_size=None,
+):
     """Vectorize ``func`` over a dimension of its inputs.
 
     Args:
@@ -24,6 +33,11 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
         randomness: ``'error'`` (random ops raise), ``'different'`` (independent draws per
             example) or ``'same'`` (one draw for the whole batch).
         chunk_size: map over at most this many examples at a time (saves memory).
+        axis_name: a name for the mapped axis (any hashable), so that collectives inside
+            ``func`` (``psum(x, axis_name)``, ``all_gather``, ``axis_index``, ...) can combine
+            the examples along it (JAX's ``axis_name``; docs/distributed.md).
+        axis_size: the size of the mapped axis; needed only when no input is mapped (every
+            in_dim is None), and checked against the inputs otherwise (JAX's ``axis_size``).
 
     Returns:
         A function with the signature of ``func`` whose outputs have the mapped dim.
@@ -53,9 +67,26 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
     if not callable(func):
         raise TypeError(f"vmap(func): expected a callable, got {type(func).__name__}.")
 
+    if axis_size is not None and (
+        not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 0
+    ):
+        raise ValueError(
+            f"vmap(func, axis_size={axis_size!r}): expected None or a non-negative int, "
+            f"got {axis_size!r}."
+        )
+    if axis_name is not None:
+        try:
+            hash(axis_name)
+        except TypeError:
+            raise TypeError(
+                f"vmap(func, axis_name={axis_name!r}): expected a hashable name (e.g. a str), "
+                f"got a {type(axis_name).__name__}."
+            ) from None
+    axis = (axis_name, axis_size)
+
     @functools.wraps(func)
     def vmapped(*args, **kwargs):
-        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)
+        return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs, axis)
 
     return vmapped
 
@@ -131,7 +162,18 @@ def _broadcast(prefix, tree, what, call, out, path):
 
 
 @eager_under_compile
-def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
+def _vmap_call(
+    func,
+    in_dims,
+    out_dims,
+    randomness,
+    chunk_size,
+    args,
+    kwargs,
+    axis=(None, None),
+    chunked=False,
+    pmap=None,
+):
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import DifferentRandomnessMode, no_random_ops
 
@@ -194,10 +236,19 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
                 + ", ".join(f"input {j} of shape {s} mapped over dim {e}" for j, s, e in sizes)
                 + "."
             )
+    axis_name, axis_size = axis
+    if axis_size is not None:
+        if batch_size is not None and batch_size != axis_size:
+            raise ValueError(
+                f"{call or _call_repr(func, in_dims)}: axis_size={axis_size}, but the mapped "
+                f"inputs have size {batch_size} along their in_dim. Expected them to agree."
+            )
+        batch_size = axis_size
     if batch_size is None:
         raise ValueError(
             f"{call or _call_repr(func, in_dims)}: no input is mapped: every in_dim is None or no "
-            "tensor was given. Expected at least one tensor input with a non-None in_dim."
+            "tensor was given. Expected at least one tensor input with a non-None in_dim, or "
+            "vmap(..., axis_size=n)."
         )
 
     if chunk_size is not None and chunk_size < batch_size:
@@ -212,10 +263,15 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
             spec,
             kwargs,
             batch_size,
+            axis,
         )
 
     interp = VmapInterpreter(batch_size, randomness)
     interp.call = call or _call_repr(func, in_dims, out_dims)
+    interp.axis_name = axis_name  # Note [Collectives are ops] (functransforms/_collective_ops.py)
+    interp.chunked = chunked  # a chunk does not see the whole axis: collectives must raise
+    if pmap is not None:  # Note [pmap's collectives] (functransforms/_collective_ops.py)
+        interp.group, interp.world, interp.rank = pmap
     if randomness == "error":  # Note [Random ops by their tags]
         mode = no_random_ops()
     elif randomness == "different":
@@ -334,7 +390,17 @@ class _RngSnapshot:
 
 
 def _chunked(
-    func, in_dims, out_dims, randomness, chunk_size, flat_args, norm_dims, spec, kwargs, batch_size
+    func,
+    in_dims,
+    out_dims,
+    randomness,
+    chunk_size,
+    flat_args,
+    norm_dims,
+    spec,
+    kwargs,
+    batch_size,
+    axis,
 ):
     # randomness='same' means one draw for the whole batch, so every chunk draws from the same
     # generator state (torch.func's chunks do too); 'different' chunks draw in sequence
@@ -357,6 +423,8 @@ def _chunked(
                 None,
                 pt.tree_unflatten(spec, chunk_args),
                 kwargs,
+                (axis[0], None if axis[1] is None else length),
+                chunked=True,
             )
         )
     first_flat, out_spec = pt.tree_flatten(pieces[0])

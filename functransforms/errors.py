@@ -152,3 +152,8 @@ def raise_batch_norm_stats_unbatched(name):
         "for a model: functransforms.replace_all_batch_norm_modules_(model)), "
         "or batch the running statistics with the input (in_dims)."
     )
+
+
+class UnboundAxisError(NameError):
+    """A collective (``psum``, ``axis_index``, ...) named an axis that no enclosing ``vmap``/
+    ``pmap`` binds (JAX raises ``NameError`` for this too)."""

@@ -1,0 +1,346 @@
+"""Named axes and collectives: ``psum``, ``pmean``, ``all_gather``, ``axis_index``, ...
+
+Inside ``vmap(f, axis_name="i")`` the function ``f`` sees one example; a collective names the
+axis ``"i"`` and combines the values of *all* examples along it (JAX's semantics and names).
+How the ops reach the interpreters: Note [Collectives are ops] in ``_collective_ops.py``.
+
+Derivatives are those of the same function written with explicit reductions over the batch
+(``psum``'s transpose is ``psum``, ``all_gather``'s is ``psum_scatter``, ``ppermute``'s the
+inverse permutation; ``pmax``/``pmin`` get the ordinary max/min derivative, ties sharing it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _collective_ops as ops
+from . import _pytree as pt
+from ._core import TransformTensor, interpreter_stack
+from .errors import UnboundAxisError
+
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+]
+
+
+# -- resolving names ---------------------------------------------------------------------------
+def _names(axis_name):
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def binding(name, call):
+    """The innermost active interpreter whose mapped axis is called ``name``."""
+    for interp in reversed(interpreter_stack()):
+        if getattr(interp, "axis_name", None) == name:
+            if getattr(interp, "chunked", False):
+                raise ValueError(
+                    f"{call}: the axis {name!r} is mapped with vmap(..., chunk_size=...), so each "
+                    "chunk sees only part of it and a collective over it would be wrong. Do: "
+                    "drop chunk_size (or make it at least the axis size) when f uses collectives."
+                )
+            return interp
+    bound = [i.axis_name for i in interpreter_stack() if getattr(i, "axis_name", None) is not None]
+    raise UnboundAxisError(
+        f"{call}: unbound axis name {name!r}. Expected the name of an enclosing "
+        f"vmap(..., axis_name=...) or pmap(..., axis_name=...); the axes bound here are "
+        f"{bound or 'none'}. Do: call it inside vmap(f, axis_name={name!r})."
+    )
+
+
+def by_level(level):
+    """The active interpreter of ``level`` (the ``axis`` argument of a collective op)."""
+    for interp in interpreter_stack():
+        if interp.level == level:
+            return interp
+    raise RuntimeError(f"functransforms: no active transform at level {level} (internal error)")
+
+
+def size_of(interp):
+    """The size of the axis ``interp`` binds: its examples, times the processes under pmap."""
+    return interp.batch_size * getattr(interp, "world", 1)
+
+
+# -- lifting an operand to the binding level ---------------------------------------------------
+def _batched_at(x, interp):
+    t = x
+    while isinstance(t, TransformTensor):
+        if t._interp is interp:
+            return True
+        if t._interp.level < interp.level:
+            return False
+        t = t._value if hasattr(t, "_value") else t._primal
+    return False
+
+
+def lift(x, interp):
+    """``x`` as a value batched at ``interp``'s level (the same for every example if it was not):
+    the binding vmap then processes the collective even when ``x`` does not vary along it."""
+    from functransforms.batching._tensor import wrap_batched
+
+    if _batched_at(x, interp):
+        return x
+    shape = (interp.batch_size,) + tuple(x.shape)
+    top = x._interp.level if isinstance(x, TransformTensor) else -1
+    if top < interp.level:  # only outer levels wrap x: wrap a broadcast view of it
+        return wrap_batched(x.unsqueeze(0).expand(shape), 0, interp)
+    zeros = torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)
+    return x + wrap_batched(zeros, 0, interp)  # inner levels wrap x: they must see the add
+
+
+def bind(op, x, level, *params):
+    """Apply collective ``op`` over the axis of ``level`` (used by the public functions and by
+    the derivative rules, which rebind collectives on tangents and cotangents)."""
+    return op(lift(x, by_level(level)), level, *params)
+
+
+def _tensor(x, call):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (bool, int, float, complex)):
+        return torch.as_tensor(x)
+    raise TypeError(
+        f"{call}: expected tensors (or Python numbers) as leaves, got {type(x).__name__}."
+    )
+
+
+def _map(call, fn, x):
+    leaves, spec = pt.tree_flatten(x)
+    return pt.tree_unflatten(spec, [fn(_tensor(leaf, call)) for leaf in leaves])
+
+
+# -- the public collectives --------------------------------------------------------------------
+def _reduction(op, name):
+    def collective(x, axis_name):
+        call = f"{name}(x, axis_name={axis_name!r})"
+        # innermost axis first: a pmap's collective then communicates the already-reduced value
+        levels = sorted((binding(n, call).level for n in _names(axis_name)), reverse=True)
+
+        def one(t):
+            for level in levels:
+                t = bind(op, t, level)
+            return t
+
+        return _map(call, one, x)
+
+    collective.__name__ = collective.__qualname__ = name
+    return collective
+
+
+psum = _reduction(ops.psum, "psum")
+pmean = _reduction(ops.pmean, "pmean")
+pmax = _reduction(ops.pmax, "pmax")
+pmin = _reduction(ops.pmin, "pmin")
+psum.__doc__ = """The sum of ``x`` over the named axis (or axes), the same for every example.
+
+    Args:
+        x: a tensor or a pytree of tensors (Python numbers are allowed: ``psum(1, "i")`` is the
+            axis size).
+        axis_name: the name given to an enclosing ``vmap(..., axis_name=...)``, or a tuple of them.
+
+    Returns:
+        The sum over all examples along the axis, with the structure of ``x``.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.tensor([1.0, 2.0, 3.0])                   # [N]
+        >>> ft.vmap(lambda t: t / ft.psum(t, "i"), axis_name="i")(x)   # [N]
+        tensor([0.1667, 0.3333, 0.5000])
+    """
+pmean.__doc__ = "The mean of ``x`` over the named axis (or axes): ``psum(x) / axis_size``."
+pmax.__doc__ = "The maximum of ``x`` over the named axis (or axes), elementwise."
+pmin.__doc__ = "The minimum of ``x`` over the named axis (or axes), elementwise."
+
+
+def _dim(d, ndim, call, what="axis"):
+    if not -ndim <= d < ndim:
+        raise ValueError(f"{call}: {what}={d} is out of range for a {ndim - 1}-d example.")
+    return d % ndim
+
+
+def all_gather(x, axis_name, *, axis=0, tiled=False):
+    """Every example's ``x``, stacked (or, ``tiled=True``, concatenated) along ``axis``.
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.arange(3.0)                                 # [N]
+        >>> ft.vmap(lambda t: ft.all_gather(t, "i"), axis_name="i")(x)   # [N, N]
+        tensor([[0., 1., 2.],
+                [0., 1., 2.],
+                [0., 1., 2.]])
+    """
+    call = f"all_gather(x, axis_name={axis_name!r}, axis={axis}, tiled={tiled})"
+    levels = [binding(n, call).level for n in _names(axis_name)]
+
+    def one(t):
+        if not tiled:
+            t = t.unsqueeze(_dim(axis, t.dim() + 1, call))
+        d = _dim(axis, t.dim(), call)
+        for level in reversed(levels):  # the first name is the major index
+            t = bind(ops.all_gather, t, level, d)
+        return t
+
+    return _map(call, one, x)
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
+    """``psum(x)`` split along ``scatter_dimension``: example ``i`` keeps the ``i``-th part (the
+    transpose of ``all_gather``; untiled, the dim must have the axis size and is removed).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.ones(3, 3)                                  # [N, N]
+        >>> ft.vmap(lambda t: ft.psum_scatter(t, "i"), axis_name="i")(x)   # [N]
+        tensor([3., 3., 3.])
+    """
+    call = f"psum_scatter(x, axis_name={axis_name!r}, scatter_dimension={scatter_dimension})"
+    levels = [binding(n, call).level for n in _names(axis_name)]
+    size = 1
+    for level in levels:
+        size *= size_of(by_level(level))
+
+    def one(t):
+        d = _dim(scatter_dimension, t.dim(), call, "scatter_dimension")
+        if t.shape[d] % size or (not tiled and t.shape[d] != size):
+            raise ValueError(
+                f"{call}: dim {d} of the example has size {t.shape[d]}; expected "
+                + (f"a multiple of the axis size {size}." if tiled else f"the axis size {size}.")
+            )
+        for level in levels:
+            t = bind(ops.psum_scatter, t, level, d)
+        return t if tiled else t.squeeze(d)
+
+    return _map(call, one, x)
+
+
+def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
+    """Example ``i`` receives the ``i``-th chunk (along ``split_axis``) of every example's ``x``,
+    concatenated along ``concat_axis`` in example order (JAX's ``all_to_all``; untiled, the split
+    dim must have the axis size: it is removed and a dim of that size is inserted at
+    ``concat_axis``).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.arange(4.0).reshape(2, 2)                   # [N, N]
+        >>> ft.vmap(lambda t: ft.all_to_all(t, "i", 0, 0), axis_name="i")(x)   # transposes
+        tensor([[0., 2.],
+                [1., 3.]])
+    """
+    call = (
+        f"all_to_all(x, axis_name={axis_name!r}, split_axis={split_axis}, "
+        f"concat_axis={concat_axis})"
+    )
+    names = _names(axis_name)
+    if len(names) != 1:
+        raise NotImplementedError(
+            f"{call}: all_to_all over several axes is not supported; name one axis."
+        )
+    interp = binding(names[0], call)
+    size = size_of(interp)
+
+    def one(t):
+        split = _dim(split_axis, t.dim(), call, "split_axis")
+        if not tiled:  # as JAX: insert the new dim, run the tiled op, drop the split dim
+            if t.shape[split] != size:
+                raise ValueError(
+                    f"{call}: the split dim has size {t.shape[split]}; expected the axis "
+                    f"size {size}."
+                )
+            concat = _dim(concat_axis, t.dim(), call, "concat_axis")
+            if split == concat:
+                return bind(ops.all_to_all, t, interp.level, split, concat)
+            if split < concat:
+                concat += 1
+                t = t.unsqueeze(concat)
+            else:
+                t = t.unsqueeze(concat)
+                split += 1
+            return bind(ops.all_to_all, t, interp.level, split, concat).squeeze(split)
+        concat = _dim(concat_axis, t.dim(), call, "concat_axis")
+        if t.shape[split] % size:
+            raise ValueError(
+                f"{call}: the split dim has size {t.shape[split]}; expected a multiple of the axis "
+                f"size {size}."
+            )
+        return bind(ops.all_to_all, t, interp.level, split, concat)
+
+    return _map(call, one, x)
+
+
+def ppermute(x, axis_name, perm):
+    """Example ``dst`` receives example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``;
+    examples that receive nothing get zeros (JAX's ``ppermute``).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> x = torch.arange(3.0)                                 # [N]
+        >>> ring = [(i, (i + 1) % 3) for i in range(3)]
+        >>> ft.vmap(lambda t: ft.ppermute(t, "i", ring), axis_name="i")(x)
+        tensor([2., 0., 1.])
+    """
+    call = f"ppermute(x, axis_name={axis_name!r}, perm={perm!r})"
+    names = _names(axis_name)
+    if len(names) != 1:
+        raise NotImplementedError(
+            f"{call}: ppermute over several axes is not supported; name one axis."
+        )
+    interp = binding(names[0], call)
+    size = size_of(interp)
+    src = [-1] * size
+    for pair in perm:
+        if len(pair) != 2:
+            raise ValueError(f"{call}: expected (source, destination) pairs, got {pair!r}.")
+        s, d = (int(v) for v in pair)
+        for v in (s, d):
+            if not 0 <= v < size:
+                raise ValueError(f"{call}: index {v} is out of range for the axis of size {size}.")
+        if src[d] != -1 or s in src:
+            raise ValueError(
+                f"{call}: perm must be a permutation: {(s, d)} repeats a source or a destination."
+            )
+        src[d] = s
+    return _map(call, lambda t: bind(ops.ppermute, t, interp.level, src), x)
+
+
+def axis_index(axis_name):
+    """The index of the current example along the named axis (a 0-d int64 tensor; for a tuple of
+    names, the row-major index over them).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> ft.vmap(lambda t: t * ft.axis_index("i"), axis_name="i")(torch.ones(3))
+        tensor([0., 1., 2.])
+    """
+    from functransforms.batching._tensor import wrap_batched
+
+    call = f"axis_index({axis_name!r})"
+    index = None
+    for n in _names(axis_name):
+        interp = binding(n, call)
+        k = interp.batch_size  # under pmap: this process's examples are rank * k + [0, k)
+        here = wrap_batched(torch.arange(k) + getattr(interp, "rank", 0) * k, 0, interp)
+        index = here if index is None else index * size_of(interp) + here
+    return index
+
+
+def axis_size(axis_name):
+    """The size of the named axis (a Python int; for a tuple of names, their product).
+
+    Example:
+        >>> import torch, functransforms as ft
+        >>> ft.vmap(lambda t: t * ft.axis_size("i"), axis_name="i")(torch.ones(3))
+        tensor([3., 3., 3.])
+    """
+    call = f"axis_size({axis_name!r})"
+    size = 1
+    for n in _names(axis_name):
+        size *= size_of(binding(n, call))
+    return size
