@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from functransforms import _compat
 from functransforms._core import TransformTensor
 from functransforms.errors import IllDefinedDerivativeError
 
@@ -425,9 +426,9 @@ def _physical(x):
 def check_phase_invariant(im, op, vectors="eigenvectors"):
     """Raise when ``im`` (the imaginary diagonal above) is not ~0: Note [Phase-dependent losses]."""
     im = _physical(im)
-    if isinstance(im, torch._subclasses.FakeTensor) or im.device.type == "meta":
+    if _compat.is_fake_tensor(im) or im.device.type == "meta":
         return
-    with torch._C._DisableTorchDispatch():  # a value check, not part of the computation
+    with _compat.DisableTorchDispatch():  # a value check, not part of the computation
         bad = im.abs().max().item() if im.numel() else 0.0
     if bad > 1e-2:
         raise IllDefinedDerivativeError(

@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from . import _compat
+
 
 def _split(name):
     *path, leaf = name.split(".")
@@ -166,7 +168,7 @@ def replace_all_batch_norm_modules_(root):
         torch.Size([4, 5, 3])
     """
     for m in root.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+        if isinstance(m, _compat.BatchNormBase) and m.track_running_stats:
             m.running_mean = None
             m.running_var = None
             m.num_batches_tracked = None
