@@ -7,7 +7,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from functransforms._core import TransformTensor
+from functransforms._core import TransformTensor, plain_metadata
 from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import (
     missing_rule,
@@ -32,11 +32,13 @@ def unbroadcast(ct, shape):
 
 def match_dtype(ct, x):
     """A cotangent for ``x`` has x's dtype: the real part for a real ``x`` (docs/complex.md)."""
-    if ct.dtype == x.dtype:
+    with plain_metadata():  # Note [Reading a wrapper's metadata]
+        ct_dtype, x_dtype = ct.dtype, x.dtype
+    if ct_dtype == x_dtype:
         return ct
-    if ct.is_complex() and not x.is_complex():
+    if ct_dtype.is_complex and not x_dtype.is_complex:
         ct = ct.real
-    return ct.to(x.dtype)
+    return ct.to(x_dtype)
 
 
 def is_tensor(x):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import Interpreter, TransformTensor, is_floating, plain_metadata
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -47,7 +47,9 @@ class DualTensor(TransformTensor):
 
 def wrap_dual(primal, tangent, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    r = _mk(DualTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
+    with plain_metadata():  # Note [Reading a wrapper's metadata]
+        shape, stride, dtype, device = primal.shape, primal.stride(), primal.dtype, primal.device
+    r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._tangent = tangent
     r._interp = interp
@@ -87,15 +89,18 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if t is None:
             return out
         if isinstance(out, torch.Tensor):
-            if not is_floating(out):
+            with plain_metadata():  # Note [Reading a wrapper's metadata]
+                dtype, t_dtype, conj = out.dtype, t.dtype, out.is_conj() or t.is_conj()
+            if not (dtype.is_floating_point or dtype.is_complex):
                 return out
-            if out.is_conj() or t.is_conj():  # Note [No lazy conjugate inside wrappers]
+            if conj:  # Note [No lazy conjugate inside wrappers]
                 out, t = out.resolve_conj(), t.resolve_conj()
-            if t.dtype != out.dtype:
-                if t.is_complex() and not out.is_complex():
+            if t_dtype != dtype:
+                if t_dtype.is_complex and not dtype.is_complex:
                     t = t.real
-                if t.dtype != out.dtype:
-                    t = t.to(out.dtype)
+                    t_dtype = t.dtype
+                if t_dtype != dtype:
+                    t = t.to(dtype)
             return wrap_dual(out, t, self)
         return type(out)(self._wrap(o, ti) for o, ti in zip(out, t))
 

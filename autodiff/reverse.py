@@ -28,7 +28,13 @@ import torch
 
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
-from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
+from functransforms._core import (
+    Interpreter,
+    TransformTensor,
+    eager_under_compile,
+    is_floating,
+    plain_metadata,
+)
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -94,7 +100,9 @@ class GradTensor(TransformTensor):
 
 def wrap_grad(primal, node, idx, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    r = _mk(GradTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
+    with plain_metadata():  # Note [Reading a wrapper's metadata]
+        shape, stride, dtype, device = primal.shape, primal.stride(), primal.dtype, primal.device
+    r = _mk(GradTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._node = node
     r._idx = idx
@@ -157,9 +165,11 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
-            if not is_floating(out):
+            with plain_metadata():  # Note [Reading a wrapper's metadata]
+                floating, conj = is_floating(out), out.is_conj()
+            if not floating:
                 return out
-            if out.is_conj():  # Note [No lazy conjugate inside wrappers]
+            if conj:  # Note [No lazy conjugate inside wrappers]
                 out = out.resolve_conj()
             saved = out
             keeps = getattr(rule, "keeps", None)

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import Interpreter, TransformTensor, is_floating, plain_metadata
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
@@ -101,22 +101,25 @@ def _tensor_index(index):
 
 
 def wrap_batched(value, bdim, interp):
-    if value.is_conj() or value.is_neg():
+    with plain_metadata():  # Note [Reading a wrapper's metadata] (vmap of vmap)
+        lazy = value.is_conj() or value.is_neg()
+        shape, st, dtype, device = value.shape, value.stride(), value.dtype, value.device
+    if lazy:
         # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves
         # conjugate/negative bits lazily, so a rule would compute z * z with the physical
         # value of z.conj(): materialize them when they enter a wrapper.
         value = value.resolve_conj().resolve_neg()
+        with plain_metadata():
+            st = value.stride()
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
     # torch's own view-or-copy decisions (reshape, matmul folding, contiguous) on the logical
     # tensor match what the physical value allows.
-    shape = value.shape
-    st = value.stride()
     r = _mk(
         BatchedTensor,
         shape[:bdim] + shape[bdim + 1 :],
         st[:bdim] + st[bdim + 1 :],
-        dtype=value.dtype,
-        device=value.device,
+        dtype=dtype,
+        device=device,
     )
     r._value = value
     r._bdim = bdim
