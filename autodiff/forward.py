@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, is_floating, plain_metadata
+from functransforms._core import Interpreter, TransformTensor, dtype_conj, is_floating, metadata
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -47,8 +47,7 @@ class DualTensor(TransformTensor):
 
 def wrap_dual(primal, tangent, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    with plain_metadata():  # Note [Reading a wrapper's metadata]
-        shape, stride, dtype, device = primal.shape, primal.stride(), primal.dtype, primal.device
+    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
     r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._tangent = tangent
@@ -89,11 +88,11 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if t is None:
             return out
         if isinstance(out, torch.Tensor):
-            with plain_metadata():  # Note [Reading a wrapper's metadata]
-                dtype, t_dtype, conj = out.dtype, t.dtype, out.is_conj() or t.is_conj()
+            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
             if not (dtype.is_floating_point or dtype.is_complex):
                 return out
-            if conj:  # Note [No lazy conjugate inside wrappers]
+            t_dtype, t_conj = dtype_conj(t)
+            if conj or t_conj:  # Note [No lazy conjugate inside wrappers]
                 out, t = out.resolve_conj(), t.resolve_conj()
             if t_dtype != dtype:
                 if t_dtype.is_complex and not dtype.is_complex:

@@ -31,9 +31,10 @@ from functransforms._ad import vjp
 from functransforms._core import (
     Interpreter,
     TransformTensor,
+    dtype_conj,
     eager_under_compile,
     is_floating,
-    plain_metadata,
+    metadata,
 )
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
@@ -100,8 +101,7 @@ class GradTensor(TransformTensor):
 
 def wrap_grad(primal, node, idx, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    with plain_metadata():  # Note [Reading a wrapper's metadata]
-        shape, stride, dtype, device = primal.shape, primal.stride(), primal.dtype, primal.device
+    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
     r = _mk(GradTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._node = node
@@ -165,9 +165,8 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
-            with plain_metadata():  # Note [Reading a wrapper's metadata]
-                floating, conj = is_floating(out), out.is_conj()
-            if not floating:
+            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
+            if not (dtype.is_floating_point or dtype.is_complex):
                 return out
             if conj:  # Note [No lazy conjugate inside wrappers]
                 out = out.resolve_conj()

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, is_floating, plain_metadata
+from functransforms._core import SLOW_METADATA, Interpreter, TransformTensor, is_floating, metadata
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
@@ -74,6 +74,7 @@ class BatchedTensor(TransformTensor):
         )
 
 
+SLOW_METADATA.add(BatchedTensor)  # Note [Reading a wrapper's metadata]
 _mk = torch.Tensor._make_wrapper_subclass
 _getitem = torch.Tensor.__getitem__
 
@@ -101,16 +102,13 @@ def _tensor_index(index):
 
 
 def wrap_batched(value, bdim, interp):
-    with plain_metadata():  # Note [Reading a wrapper's metadata] (vmap of vmap)
-        lazy = value.is_conj() or value.is_neg()
-        shape, st, dtype, device = value.shape, value.stride(), value.dtype, value.device
-    if lazy:
+    shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
+    if value.is_conj() or value.is_neg():
         # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves
         # conjugate/negative bits lazily, so a rule would compute z * z with the physical
         # value of z.conj(): materialize them when they enter a wrapper.
         value = value.resolve_conj().resolve_neg()
-        with plain_metadata():
-            st = value.stride()
+        shape, st, dtype, device = metadata(value)
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
     # torch's own view-or-copy decisions (reshape, matmul folding, contiguous) on the logical
     # tensor match what the physical value allows.
