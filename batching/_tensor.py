@@ -162,6 +162,7 @@ class VmapInterpreter(Interpreter):
 
     # -- processing ------------------------------------------------------------------------
     def process(self, func, args, kwargs):
+        """Autodidax's ``process_primitive``: unwrap this level, apply the op's rule, wrap."""
         f = facts(func)  # Note [One record per op]
         if kwargs and self._batched_kwargs(func, f, kwargs):
             return self._fallback(func, args, kwargs)
