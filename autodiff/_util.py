@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from functransforms import _compat
-from functransforms._core import TransformTensor
+from functransforms._core import TransformTensor, dtype_conj
 from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import (
     missing_rule,
@@ -32,11 +32,12 @@ def unbroadcast(ct, shape):
 
 def match_dtype(ct, x):
     """A cotangent for ``x`` has x's dtype: the real part for a real ``x`` (docs/complex.md)."""
-    if ct.dtype == x.dtype:
+    ct_dtype, x_dtype = dtype_conj(ct)[0], dtype_conj(x)[0]  # Note [Reading a wrapper's metadata]
+    if ct_dtype == x_dtype:
         return ct
-    if ct.is_complex() and not x.is_complex():
+    if ct_dtype.is_complex and not x_dtype.is_complex:
         ct = ct.real
-    return ct.to(x.dtype)
+    return ct.to(x_dtype)
 
 
 def is_tensor(x):

@@ -6,7 +6,7 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import Interpreter, TransformTensor, dtype_conj, is_floating, metadata
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -48,7 +48,8 @@ class DualTensor(TransformTensor):
 
 def wrap_dual(primal, tangent, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    r = _mk(DualTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
+    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
+    r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._tangent = tangent
     r._interp = interp
@@ -88,15 +89,18 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if t is None:
             return out
         if isinstance(out, torch.Tensor):
-            if not is_floating(out):
+            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
+            if not (dtype.is_floating_point or dtype.is_complex):
                 return out
-            if out.is_conj() or t.is_conj():  # Note [No lazy conjugate inside wrappers]
+            t_dtype, t_conj = dtype_conj(t)
+            if conj or t_conj:  # Note [No lazy conjugate inside wrappers]
                 out, t = out.resolve_conj(), t.resolve_conj()
-            if t.dtype != out.dtype:
-                if t.is_complex() and not out.is_complex():
+            if t_dtype != dtype:
+                if t_dtype.is_complex and not dtype.is_complex:
                     t = t.real
-                if t.dtype != out.dtype:
-                    t = t.to(out.dtype)
+                    t_dtype = t.dtype
+                if t_dtype != dtype:
+                    t = t.to(dtype)
             return wrap_dual(out, t, self)
         return type(out)(self._wrap(o, ti) for o, ti in zip(out, t))
 

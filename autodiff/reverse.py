@@ -29,7 +29,14 @@ import torch
 from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
-from functransforms._core import Interpreter, TransformTensor, eager_under_compile, is_floating
+from functransforms._core import (
+    Interpreter,
+    TransformTensor,
+    dtype_conj,
+    eager_under_compile,
+    is_floating,
+    metadata,
+)
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -95,7 +102,8 @@ class GradTensor(TransformTensor):
 
 def wrap_grad(primal, node, idx, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    r = _mk(GradTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
+    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
+    r = _mk(GradTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._node = node
     r._idx = idx
@@ -158,9 +166,10 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
-            if not is_floating(out):
+            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
+            if not (dtype.is_floating_point or dtype.is_complex):
                 return out
-            if out.is_conj():  # Note [No lazy conjugate inside wrappers]
+            if conj:  # Note [No lazy conjugate inside wrappers]
                 out = out.resolve_conj()
             saved = out
             keeps = getattr(rule, "keeps", None)

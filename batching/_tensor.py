@@ -8,7 +8,7 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, is_floating
+from functransforms._core import SLOW_METADATA, Interpreter, TransformTensor, is_floating, metadata
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import facts, op_name
@@ -75,6 +75,7 @@ class BatchedTensor(TransformTensor):
         )
 
 
+SLOW_METADATA.add(BatchedTensor)  # Note [Reading a wrapper's metadata]
 _mk = _compat.make_wrapper_subclass
 _getitem = torch.Tensor.__getitem__
 
@@ -102,22 +103,22 @@ def _tensor_index(index):
 
 
 def wrap_batched(value, bdim, interp):
+    shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
     if value.is_conj() or value.is_neg():
         # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves
         # conjugate/negative bits lazily, so a rule would compute z * z with the physical
         # value of z.conj(): materialize them when they enter a wrapper.
         value = value.resolve_conj().resolve_neg()
+        shape, st, dtype, device = metadata(value)
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
     # torch's own view-or-copy decisions (reshape, matmul folding, contiguous) on the logical
     # tensor match what the physical value allows.
-    shape = value.shape
-    st = value.stride()
     r = _mk(
         BatchedTensor,
         shape[:bdim] + shape[bdim + 1 :],
         st[:bdim] + st[bdim + 1 :],
-        dtype=value.dtype,
-        device=value.device,
+        dtype=dtype,
+        device=device,
     )
     r._value = value
     r._bdim = bdim
@@ -162,6 +163,7 @@ class VmapInterpreter(Interpreter):
 
     # -- processing ------------------------------------------------------------------------
     def process(self, func, args, kwargs):
+        """Autodidax's ``process_primitive``: unwrap this level, apply the op's rule, wrap."""
         f = facts(func)  # Note [One record per op]
         if kwargs and self._batched_kwargs(func, f, kwargs):
             return self._fallback(func, args, kwargs)
