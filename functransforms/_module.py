@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
+
+from . import _compat
 
 
 def _split(name):
@@ -61,8 +64,14 @@ _MISSING = object()
 
 
 def functional_call(
-    module, parameter_and_buffer_dicts, args=None, kwargs=None, *, tie_weights=True, strict=False
-):
+    module: torch.nn.Module,
+    parameter_and_buffer_dicts: dict[str, Any] | tuple[dict[str, Any], ...],
+    args: Any = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    tie_weights: bool = True,
+    strict: bool = False,
+) -> Any:
     """Call ``module`` with its parameters and buffers replaced by the given tensors.
 
     Args:
@@ -112,7 +121,9 @@ def functional_call(
         return module(*args, **(kwargs or {}))
 
 
-def stack_module_state(models):
+def stack_module_state(
+    models: list[torch.nn.Module] | tuple[torch.nn.Module, ...],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Stack the parameters and buffers of same-structured modules for ``vmap`` ensembling.
 
     Returns:
@@ -147,7 +158,7 @@ def stack_module_state(models):
     return params, buffers
 
 
-def replace_all_batch_norm_modules_(root):
+def replace_all_batch_norm_modules_(root: torch.nn.Module) -> torch.nn.Module:
     """Make every batch norm module in ``root`` use batch statistics only, in place (as
     torch.func's): ``running_mean``/``running_var``/``num_batches_tracked`` become None and
     ``track_running_stats`` False, so that ``vmap`` over a model in training mode normalizes
@@ -166,7 +177,7 @@ def replace_all_batch_norm_modules_(root):
         torch.Size([4, 5, 3])
     """
     for m in root.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+        if isinstance(m, _compat.BatchNormBase) and m.track_running_stats:
             m.running_mean = None
             m.running_var = None
             m.num_batches_tracked = None
