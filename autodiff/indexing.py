@@ -12,14 +12,10 @@ import torch
 from functransforms.deterministic import _ops as _det
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import conj_if_complex, unbroadcast
 from .views import def_linear
 
 aten = torch.ops.aten
-
-
-def _cphys(t):
-    return torch.conj_physical(t) if t.is_complex() else t
 
 
 def _zeros_of(x, like):
@@ -178,8 +174,8 @@ def scatter_reduce_jvp_rule(primals, tangents, kwargs):
 def scatter_reduce_vjp_rule(ct, primals, kwargs, out, needs):
     x, dim, index, src, reduce, include_self = _scatter_reduce_args(primals, kwargs)
     w_x, w_src = _group_weights(x, dim, index, src, reduce, include_self)
-    gx = ct * _cphys(w_x) if needs[0] else None
-    gs = ct.gather(dim, index) * _cphys(w_src) if needs[3] else None
+    gx = ct * conj_if_complex(w_x) if needs[0] else None
+    gs = ct.gather(dim, index) * conj_if_complex(w_src) if needs[3] else None
     return (gx, None, None, gs) + (None,) * (len(primals) - 4)
 
 
@@ -357,7 +353,7 @@ def segment_reduce_vjp_rule(ct, primals, kwargs, out, needs):
     data, reduce = primals[:2]
     base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
     w = _group_weights(base, axis, index, data, red, include_self)[1]
-    return (ct.gather(axis, index) * _cphys(w),) + (None,) * (len(primals) - 1)
+    return (ct.gather(axis, index) * conj_if_complex(w),) + (None,) * (len(primals) - 1)
 
 
 # -- index_select / gather / index: linear in x, transposed by the matching accumulate -------

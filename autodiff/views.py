@@ -28,15 +28,11 @@ def def_linear(op, transpose):
     register_vjp_rule(op)(linear_vjp_rule)
 
 
-def _wrap(d, n):
-    return d + n if d < 0 else d
-
-
 def _inverse_perm(perm):
     n = len(perm)
     inv = [0] * n
     for i, p in enumerate(perm):
-        inv[_wrap(p, n)] = i
+        inv[p % n] = i  # permute accepts negative dims
     return inv
 
 
