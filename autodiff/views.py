@@ -106,15 +106,20 @@ for _op, _tr in (
 #     before Python), so the invariant is: a value held by a wrapper never carries the bits. The
 #     conj/neg views below materialize (conj_physical), and the public entry points resolve the
 #     user's inputs. Rules may still call .conj() on a value they pass straight to a wrapper op.
-def _materialized(op):
+def def_materialized(op, materialize):
+    """``op`` is a lazy conj/neg view; its rules run ``materialize`` (the same linear map, on a
+    copy) on the primal and on the tangent or cotangent."""
+
     def materialized_jvp_rule(primals, tangents, kwargs):
         t = tangents[0]
-        return op(primals[0]), None if t is None else op(t)
+        return materialize(primals[0]), None if t is None else materialize(t)
 
     def materialized_vjp_rule(ct, primals, kwargs, out, needs):
-        return (op(ct),)
+        return (materialize(ct),)
 
-    return materialized_jvp_rule, materialized_vjp_rule
+    register_jvp_rule(op)(materialized_jvp_rule)
+    register_vjp_rule(op)(materialized_vjp_rule)
+    VJP_FORWARD[op] = materialize
 
 
 for _op, _f in (
@@ -123,10 +128,7 @@ for _op, _f in (
     (aten._conj_physical.default, torch.conj_physical),
     (aten._neg_view.default, torch.neg),
 ):
-    _j, _v = _materialized(_f)
-    register_jvp_rule(_op)(_j)
-    register_vjp_rule(_op)(_v)
-    VJP_FORWARD[_op] = _f
+    def_materialized(_op, _f)
 
 
 def _repeat_transpose(ct, x, reps):
@@ -153,7 +155,10 @@ def _unfold_transpose(ct, x, dim, size, step):
     return out
 
 
-def _multi_out_linear(op, transpose):
+def def_multi_out_linear(op, transpose):
+    """``op(x, *params)`` with several outputs, linear in ``x``; ``transpose(cts, x, *params)``
+    gets every output's cotangent (zeros for the missing ones)."""
+
     def multi_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
         t = tangents[0]
@@ -163,7 +168,8 @@ def _multi_out_linear(op, transpose):
         cts = [c if c is not None else torch.zeros_like(o) for c, o in zip(cts, out)]
         return (transpose(cts, *primals, **kwargs),) + (None,) * (len(primals) - 1)
 
-    return multi_jvp_rule, multi_vjp_rule
+    register_jvp_rule(op)(multi_jvp_rule)
+    register_vjp_rule(op)(multi_vjp_rule)
 
 
 for _op, _tr in (
@@ -171,9 +177,7 @@ for _op, _tr in (
     (aten.split_with_sizes.default, lambda cts, x, sizes, dim=0: torch.cat(cts, dim)),
     (aten.unbind.int, lambda cts, x, dim=0: torch.stack(cts, dim)),
 ):
-    _j, _v = _multi_out_linear(_op, _tr)
-    register_jvp_rule(_op)(_j)
-    register_vjp_rule(_op)(_v)
+    def_multi_out_linear(_op, _tr)
 
 
 @register_jvp_rule(aten.cat.default)
