@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from . import _compat
 from .errors import EscapedTracerError
 
 
@@ -90,7 +91,7 @@ class TransformTensor(torch.Tensor):
 
     _interp: Interpreter
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _compat.disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -176,17 +177,17 @@ class TransformTensor(torch.Tensor):
 #     are never differentiated: the transforms return unwrapped values, whose graph is the
 #     real one, and the wrappers (with their junk graph) die with the transform.
 _AUTOGRAD_KEYS = (
-    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    _compat.DispatchKeySet(_compat.AutogradFunctionality)
+    | _compat.DispatchKeySet(_compat.AutogradOther)
+    | _compat.DispatchKeySet(_compat.AutogradNestedTensor)
+    | _compat.DispatchKeySet(_compat.ADInplaceOrView)
 )
-_ForceKeys = torch._C._ForceDispatchKeyGuard
-_tls_include = torch._C._dispatch_tls_local_include_set
-_tls_exclude = torch._C._dispatch_tls_local_exclude_set
+_ForceKeys = _compat.ForceDispatchKeyGuard
+_tls_include = _compat.dispatch_tls_local_include_set
+_tls_exclude = _compat.dispatch_tls_local_exclude_set
 _grad_enabled = torch.is_grad_enabled
-_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_ADINPLACE = torch._C.DispatchKey.ADInplaceOrView
+_excluded = _compat.dispatch_tls_is_dispatch_key_excluded
+_ADINPLACE = _compat.ADInplaceOrView
 
 
 def below_torch_autograd() -> bool:
@@ -269,15 +270,6 @@ def eager_under_compile(fn):
     return entry
 
 
-def wrapper_level(x) -> int:
-    """The level of a wrapper, or 0 for a plain tensor / non-tensor."""
-    return x._interp.level if isinstance(x, TransformTensor) else 0
-
-
 def is_floating(t) -> bool:
     """True for floating and complex dtypes: the values that can carry derivatives."""
     return t.dtype.is_floating_point or t.dtype.is_complex
-
-
-def make_wrapper(cls, like_shape, dtype, device):
-    return torch.Tensor._make_wrapper_subclass(cls, like_shape, dtype=dtype, device=device)
