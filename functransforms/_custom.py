@@ -438,7 +438,7 @@ def _user_vmap_rule(cf, interp, vals, dims, spec):
 _PROCESS = {"grad": _process_grad, "jvp": _process_jvp, "vmap": _process_vmap}
 
 
-def stop_gradient(x: Any) -> Any:
+def stop_gradient(x):
     """Treat ``x`` as a constant for every transform (JAX's ``lax.stop_gradient``).
 
     Example:
