@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import unbroadcast, zeros_shaped
 
 aten = torch.ops.aten
 
@@ -36,10 +36,6 @@ def _inverse_perm(perm):
     return inv
 
 
-def _zeros(x, ct):
-    return torch.zeros(x.shape, dtype=ct.dtype, device=ct.device)
-
-
 def _expand_transpose(ct, x, size, implicit=False):
     return unbroadcast(ct, x.shape)
 
@@ -65,17 +61,20 @@ for _op, _tr in (
     (aten.alias.default, lambda ct, x: ct),
     (aten.lift_fresh.default, lambda ct, x: ct),
     (aten._to_copy.default, lambda ct, x, **k: ct),
-    (aten.select.int, lambda ct, x, dim, i: aten.select_scatter.default(_zeros(x, ct), ct, dim, i)),
+    (
+        aten.select.int,
+        lambda ct, x, dim, i: aten.select_scatter.default(zeros_shaped(x, ct), ct, dim, i),
+    ),
     (
         aten.slice.Tensor,
         lambda ct, x, dim=0, start=None, end=None, step=1: aten.slice_scatter.default(
-            _zeros(x, ct), ct, dim, start, end, step
+            zeros_shaped(x, ct), ct, dim, start, end, step
         ),
     ),
     (
         aten.diagonal.default,
         lambda ct, x, offset=0, d1=0, d2=1: aten.diagonal_scatter.default(
-            _zeros(x, ct), ct, offset, d1, d2
+            zeros_shaped(x, ct), ct, offset, d1, d2
         ),
     ),
     (aten.flip.default, lambda ct, x, dims: ct.flip(dims)),
@@ -145,7 +144,7 @@ def _repeat_transpose(ct, x, reps):
 def _unfold_transpose(ct, x, dim, size, step):
     if x.dim() == 0:  # a 0-d x unfolds to shape (1,)
         return ct.reshape(())
-    out = _zeros(x, ct)
+    out = zeros_shaped(x, ct)
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):
         piece = ct.select(dim, i).movedim(-1, dim)
