@@ -50,6 +50,21 @@ def is_tensor(x):
 #     host those kernels, are excluded, so an op a rule calls on a wrapper of an outer level
 #     arrives whole. With no rule of its own, the interpreter runs its composite kernel
 #     (``OpOverload.decompose``), which dispatches its pieces back through the transforms.
+def zeros_shaped(x, like):
+    """Zeros of ``x``'s shape in ``like``'s dtype and device: the base a transpose scatters a
+    cotangent ``like`` into (the cotangent's dtype wins, as for a complex ``ct`` of a real op)."""
+    return torch.zeros(x.shape, dtype=like.dtype, device=like.device)
+
+
+def conj_if_complex(t):
+    """``conj_physical`` of a complex tensor: rules run inside ``__torch_dispatch__``, where a
+    lazy conj bit would be ignored (Note [No lazy conjugate inside wrappers]). A real tensor is
+    returned as is (no kernel call); a Python scalar is conjugated if complex."""
+    if not isinstance(t, torch.Tensor):
+        return t.conjugate() if isinstance(t, complex) else t
+    return torch.conj_physical(t) if t.is_complex() else t
+
+
 _COMPOSITE: dict = {}
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import conj_if_complex, unbroadcast
 from .reverse import NONDIFFERENTIABLE
 
 aten = torch.ops.aten
@@ -18,14 +18,6 @@ def _conj(d):
     if isinstance(d, torch.Tensor):
         return d.conj() if d.is_complex() else d
     return d.conjugate() if isinstance(d, complex) else d
-
-
-def _cphys(t):
-    # jvp rules run inside __torch_dispatch__, where a lazy conj bit would be ignored
-    # (Note [No lazy conjugate inside wrappers])
-    if not isinstance(t, torch.Tensor):
-        return _conj_scalar(t)
-    return torch.conj_physical(t) if t.is_complex() else t
 
 
 def _logit_deriv(x, o, eps=None):
@@ -78,7 +70,7 @@ def def_unary(op, deriv):
                 return out, None
             x = primals[0]
             if x.is_complex():
-                t = _cphys(pb(_cphys(t), x, out, *primals[1:], **kwargs))
+                t = conj_if_complex(pb(conj_if_complex(t), x, out, *primals[1:], **kwargs))
                 return out, t
             return out, pb(t, x, out, *primals[1:], **kwargs)
 
@@ -113,7 +105,7 @@ def _partial(d):
 
         def push(t, x, y, o):
             if o.is_complex():
-                return _cphys(pb(_cphys(t), x, y, o))
+                return conj_if_complex(pb(conj_if_complex(t), x, y, o))
             return pb(t, x, y, o)
 
         return pb, push
@@ -181,12 +173,6 @@ def _softplus_deriv(x, out, beta=1, threshold=20):
 
 def _relu_mask(x, out):
     return (out > 0).to(out.dtype)
-
-
-def _elu_deriv(x, out, alpha=1, scale=1, input_scale=1):
-    return torch.where(
-        x > 0, torch.full_like(x, scale), out * input_scale + alpha * scale * input_scale
-    )
 
 
 def _pow_scalar_deriv(x, out, p):
@@ -258,7 +244,7 @@ def _sinc_pullback(g, x, o):
     xp = x * math.pi
     den = x * x * math.pi
     num = xp * torch.cos(xp) - torch.sin(xp)
-    out = g * _cphys(num / den)
+    out = g * conj_if_complex(num / den)
     return torch.where(den == 0, torch.zeros_like(out), out)
 
 
@@ -314,7 +300,7 @@ def def_backward_kernel(op, d, d2, spos=1):
         if tg is not None:
             t = op(tg, *primals[1:], **kwargs)
         if ts is not None:  # g conj(d(s)) is antiholomorphic in s
-            t2 = g * _cphys(d2(s, *params, **kwargs) * ts)
+            t2 = g * conj_if_complex(d2(s, *params, **kwargs) * ts)
             t = t2 if t is None else t + t2
         return out, None if t is None else t.expand(out.shape)
 
@@ -324,8 +310,8 @@ def def_backward_kernel(op, d, d2, spos=1):
         if needs[0]:
             res[0] = unbroadcast(ct * d(s, *params, **kwargs), g.shape)
         if needs[spos]:
-            a = g * _cphys(d2(s, *params, **kwargs))
-            res[spos] = unbroadcast(_cphys(ct) * a, s.shape)
+            a = g * conj_if_complex(d2(s, *params, **kwargs))
+            res[spos] = unbroadcast(conj_if_complex(ct) * a, s.shape)
         return tuple(res)
 
     register_jvp_rule(op)(backward_kernel_jvp_rule)
@@ -383,12 +369,12 @@ def_backward_kernel(
 # d/dx f(x), with `o` = f(x) where that is cheaper
 for _op, _d in (
     (aten.exp.default, lambda x, o: o),
-    (aten.exp2.default, pullback(lambda g, x, o: g * _cphys(o) * _LN2, _OUT_ONLY)),
+    (aten.exp2.default, pullback(lambda g, x, o: g * conj_if_complex(o) * _LN2, _OUT_ONLY)),
     (aten.expm1.default, lambda x, o: o + 1),
-    (aten.log.default, pullback(lambda g, x, o: g / _cphys(x), _X_ONLY)),
-    (aten.log2.default, pullback(lambda g, x, o: g / (_cphys(x) * _LN2))),
-    (aten.log10.default, pullback(lambda g, x, o: g / (_cphys(x) * _LN10))),
-    (aten.log1p.default, pullback(lambda g, x, o: g / _cphys(x + 1))),
+    (aten.log.default, pullback(lambda g, x, o: g / conj_if_complex(x), _X_ONLY)),
+    (aten.log2.default, pullback(lambda g, x, o: g / (conj_if_complex(x) * _LN2))),
+    (aten.log10.default, pullback(lambda g, x, o: g / (conj_if_complex(x) * _LN10))),
+    (aten.log1p.default, pullback(lambda g, x, o: g / conj_if_complex(x + 1))),
     (aten.sin.default, lambda x, o: torch.cos(x)),
     (aten.cos.default, lambda x, o: -torch.sin(x)),
     (aten.tan.default, lambda x, o: 1 + o * o),
@@ -397,13 +383,13 @@ for _op, _d in (
     (aten.cosh.default, lambda x, o: torch.sinh(x)),
     (aten.asin.default, lambda x, o: torch.rsqrt(1 - x * x)),
     (aten.acos.default, lambda x, o: -torch.rsqrt(1 - x * x)),
-    (aten.atan.default, pullback(lambda g, x, o: g / _cphys(x.pow(2) + 1))),
+    (aten.atan.default, pullback(lambda g, x, o: g / conj_if_complex(x.pow(2) + 1))),
     (aten.asinh.default, lambda x, o: torch.rsqrt(x * x + 1)),
     (aten.acosh.default, lambda x, o: torch.rsqrt(x * x - 1)),
-    (aten.atanh.default, pullback(lambda g, x, o: g / _cphys(1 - x.pow(2)))),
+    (aten.atanh.default, pullback(lambda g, x, o: g / conj_if_complex(1 - x.pow(2)))),
     (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o), _OUT_ONLY)),
     (aten.relu.default, _relu_mask),
-    (aten.sqrt.default, pullback(lambda g, x, o: g / (2 * _cphys(o)), _OUT_ONLY)),
+    (aten.sqrt.default, pullback(lambda g, x, o: g / (2 * conj_if_complex(o)), _OUT_ONLY)),
     (aten.rsqrt.default, lambda x, o: -0.5 * o * o * o),
     (aten.reciprocal.default, lambda x, o: -o * o),
     (aten.erf.default, lambda x, o: _TWO_OVER_SQRT_PI * torch.exp(-x * x)),
@@ -476,8 +462,8 @@ for _op, _dx, _dy in (
     (aten.mul.Tensor, lambda x, y, o: y, lambda x, y, o: x),
     (
         aten.div.Tensor,
-        pullback(lambda g, x, y, o: g / _cphys(y)),
-        pullback(lambda g, x, y, o: -g * _cphys(o / y)),
+        pullback(lambda g, x, y, o: g / conj_if_complex(y)),
+        pullback(lambda g, x, y, o: -g * conj_if_complex(o / y)),
     ),
     (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
     (

@@ -12,18 +12,10 @@ import torch
 from functransforms.deterministic import _ops as _det
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import conj_if_complex, unbroadcast, zeros_shaped
 from .views import def_linear
 
 aten = torch.ops.aten
-
-
-def _cphys(t):
-    return torch.conj_physical(t) if t.is_complex() else t
-
-
-def _zeros_of(x, like):
-    return torch.zeros(x.shape, dtype=like.dtype, device=like.device)
 
 
 def _or_zeros(t, x, dtype):
@@ -100,7 +92,7 @@ def put_vjp_rule(ct, primals, kwargs, out, needs):
     accumulate = primals[3] if len(primals) > 3 else kwargs.get("accumulate", False)
     gx = gs = None
     if needs[0]:
-        gx = ct if accumulate else aten.put.default(ct, index, _zeros_of(source, ct))
+        gx = ct if accumulate else aten.put.default(ct, index, zeros_shaped(source, ct))
     if needs[2]:
         gs = ct.take(index).reshape(source.shape)
     return (gx, None, gs) + (None,) * (len(primals) - 3)
@@ -178,8 +170,8 @@ def scatter_reduce_jvp_rule(primals, tangents, kwargs):
 def scatter_reduce_vjp_rule(ct, primals, kwargs, out, needs):
     x, dim, index, src, reduce, include_self = _scatter_reduce_args(primals, kwargs)
     w_x, w_src = _group_weights(x, dim, index, src, reduce, include_self)
-    gx = ct * _cphys(w_x) if needs[0] else None
-    gs = ct.gather(dim, index) * _cphys(w_src) if needs[3] else None
+    gx = ct * conj_if_complex(w_x) if needs[0] else None
+    gs = ct.gather(dim, index) * conj_if_complex(w_src) if needs[3] else None
     return (gx, None, None, gs) + (None,) * (len(primals) - 4)
 
 
@@ -357,7 +349,7 @@ def segment_reduce_vjp_rule(ct, primals, kwargs, out, needs):
     data, reduce = primals[:2]
     base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
     w = _group_weights(base, axis, index, data, red, include_self)[1]
-    return (ct.gather(axis, index) * _cphys(w),) + (None,) * (len(primals) - 1)
+    return (ct.gather(axis, index) * conj_if_complex(w),) + (None,) * (len(primals) - 1)
 
 
 # -- index_select / gather / index: linear in x, transposed by the matching accumulate -------
@@ -365,19 +357,19 @@ for _op, _tr in (
     (
         aten.index_select.default,
         lambda ct, x, dim, idx: _det.det_call(
-            aten.index_add.default, _zeros_of(x, ct), dim, idx, ct
+            aten.index_add.default, zeros_shaped(x, ct), dim, idx, ct
         ),
     ),
     (
         aten.gather.default,
         lambda ct, x, dim, idx, **k: _det.det_call(
-            aten.scatter_add.default, _zeros_of(x, ct), dim, idx, ct
+            aten.scatter_add.default, zeros_shaped(x, ct), dim, idx, ct
         ),
     ),
     (
         aten.index.Tensor,
         lambda ct, x, indices: _det.det_call(
-            aten.index_put.default, _zeros_of(x, ct), indices, ct, True
+            aten.index_put.default, zeros_shaped(x, ct), indices, ct, True
         ),
     ),
 ):
@@ -451,7 +443,7 @@ def index_put_vjp_rule(ct, primals, kwargs, out, needs):
     accumulate = primals[3] if len(primals) > 3 else kwargs.get("accumulate", False)
     gx = gv = None
     if needs[0]:  # overwritten positions get no cotangent unless accumulating
-        gx = ct if accumulate else aten.index_put.default(ct, indices, _zeros_of(v, ct))
+        gx = ct if accumulate else aten.index_put.default(ct, indices, zeros_shaped(v, ct))
     if needs[2]:
         gv = unbroadcast(aten.index.Tensor(ct, indices), v.shape)
     return (gx, None, gv) + (None,) * (len(primals) - 3)

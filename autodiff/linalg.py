@@ -13,7 +13,7 @@ from functransforms._core import TransformTensor
 from functransforms.errors import IllDefinedDerivativeError
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import conj_if_complex, unbroadcast
 from .reductions import _norm_weight
 
 aten = torch.ops.aten
@@ -588,10 +588,6 @@ def _cholesky_inverse_vjp(bars, out, needs, L, upper):
 def_linalg(aten.cholesky_inverse.default, _cholesky_inverse_jvp, _cholesky_inverse_vjp)
 
 
-def _cphys(t):
-    return torch.conj_physical(t) if t.is_complex() else t
-
-
 # -- addbmm ---------------------------------------------------------------------------------------
 def _scalars(primals, kwargs):
     beta = kwargs.get("beta", primals[3] if len(primals) > 3 else 1)
@@ -628,9 +624,9 @@ def addbmm_vjp_rule(ct, primals, kwargs, out, needs):
     if needs[0]:
         gc = unbroadcast(ct * _conj_scalar(beta), c.shape) if beta != 0 else torch.zeros_like(c)
     if needs[1]:
-        gA = torch.matmul(ct.unsqueeze(0), _cphys(B).transpose(-1, -2)) * a
+        gA = torch.matmul(ct.unsqueeze(0), conj_if_complex(B).transpose(-1, -2)) * a
     if needs[2]:
-        gB = torch.matmul(_cphys(A).transpose(-1, -2), ct.unsqueeze(0)) * a
+        gB = torch.matmul(conj_if_complex(A).transpose(-1, -2), ct.unsqueeze(0)) * a
     return (gc, gA, gB) + (None,) * (len(primals) - 3)
 
 
@@ -667,7 +663,7 @@ def trilinear_vjp_rule(ct, primals, kwargs, out, needs):
             grads.append(None)
             continue
         others = [full[j] for j in range(3) if j != k]
-        g = ct_full * _cphys(others[0] * others[1])
+        g = ct_full * conj_if_complex(others[0] * others[1])
         g = unbroadcast(g, full[k].shape) if g.shape != full[k].shape else g
         grads.append(g.reshape(ins[k].shape))
     return tuple(grads) + (None,) * (len(primals) - 3)

@@ -8,13 +8,10 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_jvp_rule, register_vjp_rule
+from ._util import conj_if_complex
 from .views import def_linear
 
 aten = torch.ops.aten
-
-
-def _cphys(t):
-    return torch.conj_physical(t) if t.is_complex() else t
 
 
 def _rev_cumsum(v, dim):
@@ -80,10 +77,10 @@ def cumprod_vjp_rule(ct, primals, kwargs, out, needs):
         return (ct.to(primals[0].dtype),) + rest
     z, xs, C, m0, m1, first, xf = _cumprod_parts(x, dim)
     zero = torch.zeros((), dtype=ct.dtype, device=ct.device)
-    cC = ct * _cphys(C)
+    cC = ct * conj_if_complex(C)
     # transpose of t -> m0 C S + m1 C (t_f + x_f S), term by term
-    via_s = torch.where(m0, cC, zero) + torch.where(m1, cC * _cphys(xf), zero)
-    g = torch.where(z, zero, _rev_cumsum(via_s, dim) / _cphys(xs))
+    via_s = torch.where(m0, cC, zero) + torch.where(m1, cC * conj_if_complex(xf), zero)
+    g = torch.where(z, zero, _rev_cumsum(via_s, dim) / conj_if_complex(xs))
     g = g + torch.where(first, _rev_cumsum(torch.where(m1, cC, zero), dim), zero)
     return (g.to(primals[0].dtype),) + rest
 
@@ -116,8 +113,9 @@ def logcumsumexp_vjp_rule(ct, primals, kwargs, out, needs):
         return ct, None
     if x.is_complex():
         # in log space, as torch: sum_{j >= k} conj(ct_j) exp(x_k - out_j) without overflow
-        rev = aten.logcumsumexp.default((torch.log(_cphys(ct)) - out).flip(dim), dim).flip(dim)
-        return _cphys((rev + x).exp()), None
+        log_ct = torch.log(conj_if_complex(ct))
+        rev = aten.logcumsumexp.default((log_ct - out).flip(dim), dim).flip(dim)
+        return conj_if_complex((rev + x).exp()), None
     e, S = _logcumsumexp_weights(x, dim)
     return e * _rev_cumsum(ct / S, dim), None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import unbroadcast, zeros_shaped
 
 aten = torch.ops.aten
 
@@ -28,20 +28,12 @@ def def_linear(op, transpose):
     register_vjp_rule(op)(linear_vjp_rule)
 
 
-def _wrap(d, n):
-    return d + n if d < 0 else d
-
-
 def _inverse_perm(perm):
     n = len(perm)
     inv = [0] * n
     for i, p in enumerate(perm):
-        inv[_wrap(p, n)] = i
+        inv[p % n] = i  # permute accepts negative dims
     return inv
-
-
-def _zeros(x, ct):
-    return torch.zeros(x.shape, dtype=ct.dtype, device=ct.device)
 
 
 def _expand_transpose(ct, x, size, implicit=False):
@@ -69,17 +61,20 @@ for _op, _tr in (
     (aten.alias.default, lambda ct, x: ct),
     (aten.lift_fresh.default, lambda ct, x: ct),
     (aten._to_copy.default, lambda ct, x, **k: ct),
-    (aten.select.int, lambda ct, x, dim, i: aten.select_scatter.default(_zeros(x, ct), ct, dim, i)),
+    (
+        aten.select.int,
+        lambda ct, x, dim, i: aten.select_scatter.default(zeros_shaped(x, ct), ct, dim, i),
+    ),
     (
         aten.slice.Tensor,
         lambda ct, x, dim=0, start=None, end=None, step=1: aten.slice_scatter.default(
-            _zeros(x, ct), ct, dim, start, end, step
+            zeros_shaped(x, ct), ct, dim, start, end, step
         ),
     ),
     (
         aten.diagonal.default,
         lambda ct, x, offset=0, d1=0, d2=1: aten.diagonal_scatter.default(
-            _zeros(x, ct), ct, offset, d1, d2
+            zeros_shaped(x, ct), ct, offset, d1, d2
         ),
     ),
     (aten.flip.default, lambda ct, x, dims: ct.flip(dims)),
@@ -110,15 +105,20 @@ for _op, _tr in (
 #     before Python), so the invariant is: a value held by a wrapper never carries the bits. The
 #     conj/neg views below materialize (conj_physical), and the public entry points resolve the
 #     user's inputs. Rules may still call .conj() on a value they pass straight to a wrapper op.
-def _materialized(op):
+def def_materialized(op, materialize):
+    """``op`` is a lazy conj/neg view; its rules run ``materialize`` (the same linear map, on a
+    copy) on the primal and on the tangent or cotangent."""
+
     def materialized_jvp_rule(primals, tangents, kwargs):
         t = tangents[0]
-        return op(primals[0]), None if t is None else op(t)
+        return materialize(primals[0]), None if t is None else materialize(t)
 
     def materialized_vjp_rule(ct, primals, kwargs, out, needs):
-        return (op(ct),)
+        return (materialize(ct),)
 
-    return materialized_jvp_rule, materialized_vjp_rule
+    register_jvp_rule(op)(materialized_jvp_rule)
+    register_vjp_rule(op)(materialized_vjp_rule)
+    VJP_FORWARD[op] = materialize
 
 
 for _op, _f in (
@@ -127,10 +127,7 @@ for _op, _f in (
     (aten._conj_physical.default, torch.conj_physical),
     (aten._neg_view.default, torch.neg),
 ):
-    _j, _v = _materialized(_f)
-    register_jvp_rule(_op)(_j)
-    register_vjp_rule(_op)(_v)
-    VJP_FORWARD[_op] = _f
+    def_materialized(_op, _f)
 
 
 def _repeat_transpose(ct, x, reps):
@@ -147,7 +144,7 @@ def _repeat_transpose(ct, x, reps):
 def _unfold_transpose(ct, x, dim, size, step):
     if x.dim() == 0:  # a 0-d x unfolds to shape (1,)
         return ct.reshape(())
-    out = _zeros(x, ct)
+    out = zeros_shaped(x, ct)
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):
         piece = ct.select(dim, i).movedim(-1, dim)
@@ -157,7 +154,10 @@ def _unfold_transpose(ct, x, dim, size, step):
     return out
 
 
-def _multi_out_linear(op, transpose):
+def def_multi_out_linear(op, transpose):
+    """``op(x, *params)`` with several outputs, linear in ``x``; ``transpose(cts, x, *params)``
+    gets every output's cotangent (zeros for the missing ones)."""
+
     def multi_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
         t = tangents[0]
@@ -167,7 +167,8 @@ def _multi_out_linear(op, transpose):
         cts = [c if c is not None else torch.zeros_like(o) for c, o in zip(cts, out)]
         return (transpose(cts, *primals, **kwargs),) + (None,) * (len(primals) - 1)
 
-    return multi_jvp_rule, multi_vjp_rule
+    register_jvp_rule(op)(multi_jvp_rule)
+    register_vjp_rule(op)(multi_vjp_rule)
 
 
 for _op, _tr in (
@@ -175,9 +176,7 @@ for _op, _tr in (
     (aten.split_with_sizes.default, lambda cts, x, sizes, dim=0: torch.cat(cts, dim)),
     (aten.unbind.int, lambda cts, x, dim=0: torch.stack(cts, dim)),
 ):
-    _j, _v = _multi_out_linear(_op, _tr)
-    register_jvp_rule(_op)(_j)
-    register_vjp_rule(_op)(_v)
+    def_multi_out_linear(_op, _tr)
 
 
 @register_jvp_rule(aten.cat.default)

@@ -22,6 +22,10 @@ aten = torch.ops.aten
 
 
 def make_pointwise_rule(func):
+    """The rule of Note [Batching pointwise ops] for ``func``, returned unregistered: the
+    interpreter builds it on first use for every op tagged ``torch.Tag.pointwise``
+    (``_derived_rule`` in _tensor.py), which spares cold start a scan of all ops."""
+
     def pointwise_vmap_rule(interp, args, bdims, kwargs):
         n_tensors = 0
         nd = 0

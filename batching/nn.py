@@ -29,7 +29,7 @@ def _reduce(loss, reduction):
     return flat.mean(1) if reduction == _MEAN else flat.sum(1)
 
 
-def _broadcast_front(interp, tensors, bdims):
+def _expanded_to_common_front(interp, tensors, bdims):
     """Batched tensors get their batch dim in front and all tensors get expanded to the
     common physical shape ``[B, *broadcast(logical shapes)]``."""
     B = interp.batch_size
@@ -50,7 +50,7 @@ def def_loss(op, reduction_pos, tensor_pos=(0, 1)):
     def loss_vmap_rule(interp, args, bdims, kwargs):
         a = list(args)
         reduction = a[reduction_pos] if len(a) > reduction_pos else kwargs.get("reduction", _MEAN)
-        fronted = _broadcast_front(
+        fronted = _expanded_to_common_front(
             interp, [a[k] for k in tensor_pos], [bdims[k] for k in tensor_pos]
         )
         for k, t in zip(tensor_pos, fronted):
@@ -125,7 +125,7 @@ def def_softmax_backward(op):
     """(grad_output, output, dim, input_dtype): both aligned, dim shifted."""
 
     def softmax_backward_vmap_rule(interp, args, bdims, kwargs):
-        g, y = _broadcast_front(interp, args[:2], bdims[:2])
+        g, y = _expanded_to_common_front(interp, args[:2], bdims[:2])
         n = g.dim() - 1
         if n == 0:
             return op(g[:, None], y[:, None], 1, *args[3:], **kwargs)[:, 0], 0

@@ -11,7 +11,7 @@ from .reductions import def_dim, def_full
 
 aten = torch.ops.aten
 
-# dim defaults to the last one
+# their schemas default dim to -1, where def_dim's None would mean the flattened tensor
 _LAST_BY_DEFAULT = {
     aten.sort.default,
     aten.sort.stable,

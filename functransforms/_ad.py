@@ -4,11 +4,13 @@ jacfwd, hessian. Rules live in functransforms.autodiff."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from . import _pytree as pt
 from ._core import eager_under_compile, is_floating
+from ._typing import ArgNums, Func, PyTree, Randomness
 
 
 def _name(func):
@@ -16,7 +18,7 @@ def _name(func):
 
 
 # -- reverse mode -----------------------------------------------------------------------------
-def vjp(func, *primals, has_aux=False):
+def vjp(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any, ...]:
     """Run ``func(*primals)`` and return its output and a function computing vector-Jacobian
     products.
 
@@ -265,7 +267,9 @@ def _partial(func, args, nums):
     return f
 
 
-def grad_and_value(func, argnums=0, has_aux=False, *, holomorphic=False):
+def grad_and_value(
+    func: Func, argnums: ArgNums = 0, has_aux: bool = False, *, holomorphic: bool = False
+) -> Func:
     """Like :func:`grad`, but returns ``(grad, value)`` (``(grad, (value, aux))`` with aux).
 
     Example:
@@ -326,7 +330,9 @@ def _check_holomorphic_inputs(diff, call):
             )
 
 
-def grad(func, argnums=0, has_aux=False, *, holomorphic=False):
+def grad(
+    func: Func, argnums: ArgNums = 0, has_aux: bool = False, *, holomorphic: bool = False
+) -> Func:
     """The gradient of a scalar-valued ``func`` with respect to the inputs at ``argnums``.
 
     Complex inputs follow PyTorch's convention (docs/complex.md): dL/dx + i dL/dy. With
@@ -361,7 +367,9 @@ def grad(func, argnums=0, has_aux=False, *, holomorphic=False):
     return wrapper
 
 
-def value_and_grad(func, argnums=0, has_aux=False, *, holomorphic=False):
+def value_and_grad(
+    func: Func, argnums: ArgNums = 0, has_aux: bool = False, *, holomorphic: bool = False
+) -> Func:
     """JAX's order: ``(value, grad)``, or ``((value, aux), grad)`` with ``has_aux``.
 
     Example:
@@ -379,7 +387,14 @@ def value_and_grad(func, argnums=0, has_aux=False, *, holomorphic=False):
 
 
 # -- forward mode -----------------------------------------------------------------------------
-def jvp(func, primals, tangents, *, strict=False, has_aux=False):
+def jvp(
+    func: Func,
+    primals: tuple[PyTree, ...],
+    tangents: tuple[PyTree, ...],
+    *,
+    strict: bool = False,
+    has_aux: bool = False,
+) -> tuple[Any, ...]:
     """Jacobian-vector product: ``(func(*primals), J @ tangents)``.
 
     Args:
@@ -477,7 +492,7 @@ def _unwrap_dual(tree, interp):
     )
 
 
-def linearize(func, *primals, has_aux=False):
+def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any, ...]:
     """``(func(*primals), jvp_fn)`` where ``jvp_fn(*tangents)`` is the Jacobian-vector product
     at ``primals``. ``func`` runs once; ``jvp_fn`` reuses what that run recorded.
 
@@ -538,15 +553,15 @@ def linearize(func, *primals, has_aux=False):
 
 # -- Jacobians --------------------------------------------------------------------------------
 def jacrev(
-    func,
-    argnums=0,
+    func: Func,
+    argnums: ArgNums = 0,
     *,
-    has_aux=False,
-    chunk_size=None,
-    _preallocate_and_copy=False,
-    holomorphic=False,
-    _call=None,
-):
+    has_aux: bool = False,
+    chunk_size: int | None = None,
+    _preallocate_and_copy: bool = False,
+    holomorphic: bool = False,
+    _call: str | None = None,
+) -> Func:
     """The Jacobian of ``func`` by reverse mode: one vjp per output element, vmapped.
 
     Returns, for each output leaf, a tensor of shape ``out.shape + in.shape`` (a tuple over
@@ -600,7 +615,15 @@ def _row_splits(sizes):
         start += s
 
 
-def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=False, _call=None):
+def jacfwd(
+    func: Func,
+    argnums: ArgNums = 0,
+    has_aux: bool = False,
+    *,
+    randomness: Randomness = "error",
+    holomorphic: bool = False,
+    _call: str | None = None,
+) -> Func:
     """The Jacobian of ``func`` by forward mode: one jvp per input element, vmapped.
 
     Example:
@@ -656,7 +679,9 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", holomorphic=Fa
     return wrapper
 
 
-def hessian(func, argnums=0, *, has_aux=False, holomorphic=False):
+def hessian(
+    func: Func, argnums: ArgNums = 0, *, has_aux: bool = False, holomorphic: bool = False
+) -> Func:
     """The Hessian, as ``jacfwd(jacrev(func, argnums), argnums)``.
 
     Args:

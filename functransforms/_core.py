@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from . import _compat
 from .errors import EscapedTracerError
 
 
@@ -96,7 +97,7 @@ class TransformTensor(torch.Tensor):
 
     _interp: Interpreter
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _compat.disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -182,17 +183,17 @@ class TransformTensor(torch.Tensor):
 #     are never differentiated: the transforms return unwrapped values, whose graph is the
 #     real one, and the wrappers (with their junk graph) die with the transform.
 _AUTOGRAD_KEYS = (
-    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    _compat.DispatchKeySet(_compat.AutogradFunctionality)
+    | _compat.DispatchKeySet(_compat.AutogradOther)
+    | _compat.DispatchKeySet(_compat.AutogradNestedTensor)
+    | _compat.DispatchKeySet(_compat.ADInplaceOrView)
 )
-_ForceKeys = torch._C._ForceDispatchKeyGuard
-_tls_include = torch._C._dispatch_tls_local_include_set
-_tls_exclude = torch._C._dispatch_tls_local_exclude_set
+_ForceKeys = _compat.ForceDispatchKeyGuard
+_tls_include = _compat.dispatch_tls_local_include_set
+_tls_exclude = _compat.dispatch_tls_local_exclude_set
 _grad_enabled = torch.is_grad_enabled
-_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_ADINPLACE = torch._C.DispatchKey.ADInplaceOrView
+_excluded = _compat.dispatch_tls_is_dispatch_key_excluded
+_ADINPLACE = _compat.ADInplaceOrView
 
 
 def below_torch_autograd() -> bool:
@@ -283,11 +284,6 @@ def eager_under_compile(fn):
     return entry
 
 
-def wrapper_level(x) -> int:
-    """The level of a wrapper, or 0 for a plain tensor / non-tensor."""
-    return x._interp.level if isinstance(x, TransformTensor) else 0
-
-
 # Note [Reading a wrapper's metadata]
 #     A BatchedTensor defines a Python ``__torch_function__`` (Note [Pointwise fast path]), so
 #     every metadata query on it (``x.shape``, ``x.dtype``, ``x.stride()``, ``x.is_conj()``)
@@ -300,7 +296,7 @@ def wrapper_level(x) -> int:
 #     (entering the guard costs ~0.5 us, more than their four queries). Only queries go under
 #     the guard, never ops: ops on a BatchedTensor may take the fast path.
 SLOW_METADATA: set = set()  # wrapper classes with a Python __torch_function__ (BatchedTensor)
-plain_metadata = torch._C.DisableTorchFunctionSubclass
+plain_metadata = _compat.DisableTorchFunctionSubclass
 
 
 def metadata(t):
@@ -323,7 +319,3 @@ def is_floating(t) -> bool:
     """True for floating and complex dtypes: the values that can carry derivatives."""
     dtype = t.dtype
     return dtype.is_floating_point or dtype.is_complex
-
-
-def make_wrapper(cls, like_shape, dtype, device):
-    return torch.Tensor._make_wrapper_subclass(cls, like_shape, dtype=dtype, device=device)

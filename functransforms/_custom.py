@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -159,7 +161,9 @@ def _resolve_kwargs(fn, args, kwargs):
     return bound.args
 
 
-def custom_vjp(fn=None, *, nondiff_argnums=()):
+def custom_vjp(
+    fn: Callable[..., Any] | None = None, *, nondiff_argnums: int | tuple[int, ...] = ()
+) -> Callable[..., Any]:
     """Give ``fn`` a hand-written reverse-mode rule (JAX's ``custom_vjp``).
 
     ``nondiff_argnums`` marks arguments that are not differentiated (Python values, functions,
@@ -180,7 +184,9 @@ def custom_vjp(fn=None, *, nondiff_argnums=()):
     return _CustomFunction(fn, nondiff_argnums)
 
 
-def custom_jvp(fn=None, *, nondiff_argnums=()):
+def custom_jvp(
+    fn: Callable[..., Any] | None = None, *, nondiff_argnums: int | tuple[int, ...] = ()
+) -> Callable[..., Any]:
     """Give ``fn`` a hand-written forward-mode rule (JAX's ``custom_jvp``); reverse mode
     transposes it.
 
@@ -206,7 +212,7 @@ def custom_jvp(fn=None, *, nondiff_argnums=()):
     return _CustomFunction(fn, nondiff_argnums)
 
 
-def custom_vmap(fn):
+def custom_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Give ``fn`` a hand-written batching rule (JAX's ``jax.custom_batching.custom_vmap``).
 
     ``@f.def_vmap`` registers ``rule(axis_size, in_batched, *args) -> (out, out_batched)``:
@@ -228,7 +234,7 @@ def custom_vmap(fn):
     return _CustomFunction(fn)
 
 
-def sequential_vmap(fn):
+def sequential_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Under ``vmap``, run ``fn`` once per example and stack, silently (JAX's
     ``jax.custom_batching.sequential_vmap``): for functions with no batched form, where the
     per-example loop is the intended implementation rather than a fallback to warn about.

@@ -4,15 +4,17 @@ and custom functions: no new machinery."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from . import _pytree as pt
 from ._ad import jvp, vjp
 from ._custom import custom_vjp
+from ._typing import Func, PyTree
 
 
-def linear_transpose(func, *primals):
+def linear_transpose(func: Func, *primals: PyTree) -> Func:
     """The transpose of a linear function (JAX's ``linear_transpose``).
 
     Args:
@@ -47,7 +49,7 @@ def linear_transpose(func, *primals):
     return vjp_fn
 
 
-def checkpoint(func):
+def checkpoint(func: Func) -> Func:
     """Rematerialize ``func`` in reverse mode (JAX's ``checkpoint`` / ``remat``).
 
     Under ``grad``/``vjp``, ``func`` runs forward without recording its intermediate values; the
@@ -85,7 +87,7 @@ def checkpoint(func):
     return remat
 
 
-def debug_unwrap(tensor, *, recurse=True):
+def debug_unwrap(tensor: Any, *, recurse: bool = True) -> Any:
     """The value inside a transform's wrapper tensor, for debugging (torch.func's
     ``debug_unwrap``): a ``vmap`` wrapper gives its physical value (with the batch dim), a
     ``grad``/``jvp`` wrapper its primal; ``recurse=True`` unwraps every level. Plain tensors and

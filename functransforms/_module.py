@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -63,8 +64,14 @@ _MISSING = object()
 
 
 def functional_call(
-    module, parameter_and_buffer_dicts, args=None, kwargs=None, *, tie_weights=True, strict=False
-):
+    module: torch.nn.Module,
+    parameter_and_buffer_dicts: dict[str, Any] | tuple[dict[str, Any], ...],
+    args: Any = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    tie_weights: bool = True,
+    strict: bool = False,
+) -> Any:
     """Call ``module`` with its parameters and buffers replaced by the given tensors.
 
     Args:
@@ -114,7 +121,9 @@ def functional_call(
         return module(*args, **(kwargs or {}))
 
 
-def stack_module_state(models):
+def stack_module_state(
+    models: list[torch.nn.Module] | tuple[torch.nn.Module, ...],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Stack the parameters and buffers of same-structured modules for ``vmap`` ensembling.
 
     Returns:
@@ -149,7 +158,7 @@ def stack_module_state(models):
     return params, buffers
 
 
-def replace_all_batch_norm_modules_(root):
+def replace_all_batch_norm_modules_(root: torch.nn.Module) -> torch.nn.Module:
     """Make every batch norm module in ``root`` use batch statistics only, in place (as
     torch.func's): ``running_mean``/``running_var``/``num_batches_tracked`` become None and
     ``track_running_stats`` False, so that ``vmap`` over a model in training mode normalizes

@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 
 import torch
 
 from . import _pytree as pt
 from ._core import eager_under_compile
+from ._typing import Dims, Func, Randomness
 
 _RANDOMNESS = ("error", "different", "same")
 
 
 def vmap(
-    func,
-    in_dims=0,
-    out_dims=0,
-    randomness="error",
+    func: Func,
+    in_dims: Dims = 0,
+    out_dims: Dims = 0,
+    randomness: Randomness = "error",
     *,
-    chunk_size=None,
-    axis_name=None,
-    axis_size=None,
-):
+    chunk_size: int | None = None,
+    axis_name: Hashable | None = None,
+    axis_size: int | None = None,
+) -> Func:
     """Vectorize ``func`` over a dimension of its inputs.
 
     Args:

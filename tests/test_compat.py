@@ -18,9 +18,6 @@ PRIVATE = re.compile(r"\btorch(?:\.\w+)*?\._(?!_)\w*(?:\.\w+)*")
 # Files allowed to name private torch APIs, each with the reason.
 ALLOWED = {
     "functransforms/_compat.py": "the one module that does",
-    # temporary: the seams branch rewrites _core.py; its private uses move to _compat in the
-    # last commit of the layout branch, which deletes this entry
-    "functransforms/_core.py": "routed after the seams merge",
 }
 
 

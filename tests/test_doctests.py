@@ -1,10 +1,14 @@
-"""Every docstring example in the core runs (Example sections are doctests)."""
+"""Every docstring example in the core runs (Example sections are doctests), and so does every
+```python block of README.md and docs/*.md."""
 
 import doctest
 import importlib
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
 import functransforms
 
@@ -38,3 +42,73 @@ def test_public_api_matches_torch_func_names():
         "stack_module_state",
     ):
         assert callable(getattr(functransforms, name))
+
+
+# -- every ```python block of README.md and docs/*.md ------------------------------------------
+# A page's blocks run in order in one namespace (a later block may use an earlier one's names).
+# Blocks written as an interactive session (">>>") run as doctests, so their printed outputs are
+# checked too. A block that cannot run (a signature, a fragment that needs the reader's own data)
+# is fenced ```python no-run; docs/design.md ("Documentation examples") says when to use it.
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", flags=re.S | re.M)
+
+
+# What a page's examples must have computed, beyond running.
+_AFTER = {
+    # the Gaussian-process gradient with ft.grad (a missing derivative rule fails here)
+    "linalg.md": lambda ns: (
+        (ns["g"].shape == (4,) and ns["marginal_log_likelihood"](ns["params"], ns["y"]) > ns["mll"])
+        or pytest.fail("docs/linalg.md: the GP example did not improve the marginal likelihood")
+    ),
+}
+
+
+@pytest.fixture
+def restore_torch_globals():
+    """A page may set the thread count or the default dtype for its example."""
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+
+
+def _blocks(page):
+    """(line, info, code) for each ```python block of ``page``."""
+    text = page.read_text()
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(1).strip(), m.group(2))
+        for m in _FENCE.finditer(text)
+    ]
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if _blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix()
+)
+def test_markdown_python_blocks_run(page, restore_torch_globals):
+    namespace = {"__name__": page.stem.replace("-", "_")}
+    parser, runner = (
+        doctest.DocTestParser(),
+        doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE),
+    )
+    for line, info, code in _blocks(page):
+        where = f"{page.relative_to(ROOT)}:{line}"
+        if info == "no-run":
+            continue
+        assert info == "", f"{where}: unknown fence info {info!r} (only 'no-run' is known)"
+        if code.lstrip().startswith(">>>"):
+            test = parser.get_doctest(code, namespace, where, str(page), line)
+            result = runner.run(test, clear_globs=False)
+            assert result.failed == 0, f"{where}: {result.failed} example(s) failed"
+            namespace.update(test.globs)  # DocTest ran on a copy of the namespace
+        else:
+            exec(compile(code, where, "exec"), namespace)  # noqa: S102
+    check = _AFTER.get(page.name)
+    if check is not None:
+        check(namespace)
+
+
+def test_no_run_blocks_are_rare():
+    """``no-run`` is for signatures and fragments only: most examples must run."""
+    infos = [info for p in PAGES for _, info, _ in _blocks(p)]
+    assert infos.count("no-run") <= max(3, len(infos) // 10), infos

@@ -746,21 +746,6 @@ def test_take_batched_source_and_grad():
     _close(g(ft), g(tf))
 
 
-# -- docs/training.md runs ----------------------------------------------------------------------
-def test_training_page_examples():
-    """Every ```python block of docs/training.md, in order, in one namespace (each checks
-    itself against torch.func or plain autograd)."""
-    import pathlib
-    import re
-
-    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "training.md"
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    assert len(blocks) >= 4
-    namespace = {"__name__": "training_md"}
-    for block in blocks:
-        exec(compile(block, str(page), "exec"), namespace)  # noqa: S102
-
-
 # -- 5. torch.compile ---------------------------------------------------------------------------
 def _f(x):
     return (x.sin() * x).sum()

@@ -470,18 +470,6 @@ def test_inductor_backend():
         _close(jd(torch.ones(n, dtype=D)), torch.ones(n, dtype=D).sin() * 2)
 
 
-def test_docs_jit_md_examples_run():
-    import doctest
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "jit.md"
-    text = path.read_text().replace("```python\n", "").replace("```\n", "")
-    test = doctest.DocTestParser().get_doctest(text, {}, "jit.md", str(path), 0)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(test)
-    assert runner.failures == 0
-
-
 def test_dynamic_python_number_from_a_size_is_right():
     jf = ft.jit(lambda x: (x * 2, x.shape[0] * 3), dynamic=True)
     with warnings.catch_warnings():

@@ -17,9 +17,6 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-_REAL = (torch.float32, torch.float64)
-_COMPLEX = (torch.complex64, torch.complex128)
-
 
 def shapes(min_dims=0, max_dims=3, min_side=1, max_side=4):
     """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``min_side..max_side``."""

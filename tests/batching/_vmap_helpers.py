@@ -14,15 +14,18 @@ B = 3
 DT = torch.float64
 
 
-def F(*shape):
+def floats(*shape):
+    """A float tensor argument of this shape (drawn by ``build``)."""
     return ("f", shape)
 
 
-def I(high, *shape):  # noqa: E743
+def ints(high, *shape):
+    """An integer tensor argument with values in ``[0, high)``."""
     return ("i", shape, high)
 
 
-def M(*shape):
+def masks(*shape):
+    """A boolean tensor argument."""
     return ("b", shape)
 
 

@@ -3,12 +3,8 @@ import warnings
 import pytest
 import torch
 from functransforms.batching import _tensor
-from hypothesis import settings
 
 from functransforms.errors import FallbackWarning
-
-settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60)
-settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

@@ -3,73 +3,103 @@
 import pytest
 import torch
 import torch.nn.functional as Fn
-from _vmap_helpers import F, I, M, build, check, check_loop, mixes
+from _vmap_helpers import build, check, check_loop, floats, ints, masks, mixes
 
 CASES = {
-    "getitem_int_tensor": (lambda x, i: x[i], [F(5, 4), I(5, 3)]),
-    "getitem_2d_index": (lambda x, i: x[i], [F(5, 4), I(5, 2, 3)]),
-    "getitem_second_dim": (lambda x, i: x[:, i], [F(4, 5), I(5, 3)]),
-    "getitem_two_adjacent": (lambda x, i, j: x[:, i, j], [F(2, 5, 4), I(5, 3), I(4, 3)]),
-    "getitem_two_adjacent_front": (lambda x, i, j: x[i, j], [F(5, 4, 2), I(5, 3), I(4, 3)]),
-    "getitem_non_adjacent": (lambda x, i, j: x[i, :, j], [F(5, 2, 4), I(5, 3), I(4, 3)]),
-    "getitem_broadcast_idx": (lambda x, i, j: x[i, j], [F(5, 4), I(5, 3, 1), I(4, 2)]),
-    "getitem_mask": (lambda x: x[torch.tensor([True, False, True, True])], [F(4, 3)]),
-    "getitem_mask_tail": (lambda x: x[:, torch.tensor([True, False, True])], [F(4, 3)]),
-    "getitem_ellipsis": (lambda x, i: x[..., i], [F(2, 3, 5), I(5, 4)]),
-    "index_select": (lambda x, i: torch.index_select(x, 1, i), [F(3, 5), I(5, 4)]),
-    "index_select_neg": (lambda x, i: torch.index_select(x, -2, i), [F(5, 3), I(5, 2)]),
-    "gather": (lambda x, i: torch.gather(x, 1, i), [F(3, 5), I(5, 3, 4)]),
-    "gather0": (lambda x, i: torch.gather(x, 0, i), [F(5, 3), I(5, 2, 3)]),
-    "take_along_dim": (lambda x, i: torch.take_along_dim(x, i, 1), [F(3, 5), I(5, 3, 2)]),
-    "scatter_src": (lambda x, i, s: x.scatter(1, i, s), [F(3, 5), I(5, 3, 2), F(3, 2)]),
-    "scatter_value": (lambda x, i: x.scatter(0, i, 2.5), [F(5, 3), I(5, 2, 3)]),
-    "scatter_add": (lambda x, i, s: x.scatter_add(1, i, s), [F(3, 5), I(5, 3, 4), F(3, 4)]),
+    "getitem_int_tensor": (lambda x, i: x[i], [floats(5, 4), ints(5, 3)]),
+    "getitem_2d_index": (lambda x, i: x[i], [floats(5, 4), ints(5, 2, 3)]),
+    "getitem_second_dim": (lambda x, i: x[:, i], [floats(4, 5), ints(5, 3)]),
+    "getitem_two_adjacent": (lambda x, i, j: x[:, i, j], [floats(2, 5, 4), ints(5, 3), ints(4, 3)]),
+    "getitem_two_adjacent_front": (
+        lambda x, i, j: x[i, j],
+        [floats(5, 4, 2), ints(5, 3), ints(4, 3)],
+    ),
+    "getitem_non_adjacent": (lambda x, i, j: x[i, :, j], [floats(5, 2, 4), ints(5, 3), ints(4, 3)]),
+    "getitem_broadcast_idx": (lambda x, i, j: x[i, j], [floats(5, 4), ints(5, 3, 1), ints(4, 2)]),
+    "getitem_mask": (lambda x: x[torch.tensor([True, False, True, True])], [floats(4, 3)]),
+    "getitem_mask_tail": (lambda x: x[:, torch.tensor([True, False, True])], [floats(4, 3)]),
+    "getitem_ellipsis": (lambda x, i: x[..., i], [floats(2, 3, 5), ints(5, 4)]),
+    "index_select": (lambda x, i: torch.index_select(x, 1, i), [floats(3, 5), ints(5, 4)]),
+    "index_select_neg": (lambda x, i: torch.index_select(x, -2, i), [floats(5, 3), ints(5, 2)]),
+    "gather": (lambda x, i: torch.gather(x, 1, i), [floats(3, 5), ints(5, 3, 4)]),
+    "gather0": (lambda x, i: torch.gather(x, 0, i), [floats(5, 3), ints(5, 2, 3)]),
+    "take_along_dim": (lambda x, i: torch.take_along_dim(x, i, 1), [floats(3, 5), ints(5, 3, 2)]),
+    "scatter_src": (
+        lambda x, i, s: x.scatter(1, i, s),
+        [floats(3, 5), ints(5, 3, 2), floats(3, 2)],
+    ),
+    "scatter_value": (lambda x, i: x.scatter(0, i, 2.5), [floats(5, 3), ints(5, 2, 3)]),
+    "scatter_add": (
+        lambda x, i, s: x.scatter_add(1, i, s),
+        [floats(3, 5), ints(5, 3, 4), floats(3, 4)],
+    ),
     "scatter_reduce": (
         lambda x, i, s: x.scatter_reduce(1, i, s, "amax", include_self=False),
-        [F(3, 5), I(5, 3, 4), F(3, 4)],
+        [floats(3, 5), ints(5, 3, 4), floats(3, 4)],
     ),
-    "index_add": (lambda x, i, s: x.index_add(1, i, s, alpha=2.0), [F(3, 5), I(5, 4), F(3, 4)]),
-    "index_add0": (lambda x, i, s: x.index_add(0, i, s), [F(5, 2), I(5, 4), F(4, 2)]),
+    "index_add": (
+        lambda x, i, s: x.index_add(1, i, s, alpha=2.0),
+        [floats(3, 5), ints(5, 4), floats(3, 4)],
+    ),
+    "index_add0": (lambda x, i, s: x.index_add(0, i, s), [floats(5, 2), ints(5, 4), floats(4, 2)]),
     "index_copy": (
         lambda x, s: x.index_copy(1, torch.tensor([3, 0]), s),
-        [F(3, 5), F(3, 2)],
+        [floats(3, 5), floats(3, 2)],
     ),
-    "index_fill": (lambda x, i: x.index_fill(1, i, -1.0), [F(3, 5), I(5, 2)]),
-    "index_put": (lambda x, i, v: torch.index_put(x, (i,), v), [F(5, 3), I(5, 2), F(2, 3)]),
+    "index_fill": (lambda x, i: x.index_fill(1, i, -1.0), [floats(3, 5), ints(5, 2)]),
+    "index_put": (
+        lambda x, i, v: torch.index_put(x, (i,), v),
+        [floats(5, 3), ints(5, 2), floats(2, 3)],
+    ),
     "index_put_acc": (
         lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True),
-        [F(5, 3), I(5, 4), F(4, 3)],
+        [floats(5, 3), ints(5, 4), floats(4, 3)],
     ),
     "index_put_second": (
         lambda x, i, v: torch.index_put(x, (torch.arange(3)[:, None], i), v),
-        [F(3, 5), I(5, 2), F(3, 2)],
+        [floats(3, 5), ints(5, 2), floats(3, 2)],
     ),
-    "index_put_scalar_v": (lambda x, i, v: torch.index_put(x, (i,), v), [F(5, 3), I(5, 2), F()]),
-    "masked_fill": (lambda x, m: x.masked_fill(m, 3.0), [F(3, 4), M(3, 4)]),
-    "masked_fill_bcast": (lambda x, m: x.masked_fill(m, 3.0), [F(3, 4), M(4)]),
-    "masked_fill_tensor": (lambda x, m, v: x.masked_fill(m, v), [F(3, 4), M(3, 4), F()]),
-    "where": (lambda c, x, y: torch.where(c, x, y), [M(3, 4), F(3, 4), F(4)]),
-    "where_scalar": (lambda c, y: torch.where(c, 1.0, y), [M(3, 4), F(4)]),
-    "embedding": (lambda w, i: Fn.embedding(i, w), [F(6, 3), I(6, 4)]),
-    "embedding_2d": (lambda w, i: Fn.embedding(i, w), [F(6, 3), I(6, 2, 4)]),
-    "slice_scatter": (lambda x, s: torch.slice_scatter(x, s, 1, 1, 5, 2), [F(3, 6), F(3, 2)]),
-    "select_scatter": (lambda x, s: torch.select_scatter(x, s, 0, 1), [F(3, 4), F(4)]),
-    "diagonal_scatter": (lambda x, s: torch.diagonal_scatter(x, s, 1), [F(4, 4), F(3)]),
+    "index_put_scalar_v": (
+        lambda x, i, v: torch.index_put(x, (i,), v),
+        [floats(5, 3), ints(5, 2), floats()],
+    ),
+    "masked_fill": (lambda x, m: x.masked_fill(m, 3.0), [floats(3, 4), masks(3, 4)]),
+    "masked_fill_bcast": (lambda x, m: x.masked_fill(m, 3.0), [floats(3, 4), masks(4)]),
+    "masked_fill_tensor": (
+        lambda x, m, v: x.masked_fill(m, v),
+        [floats(3, 4), masks(3, 4), floats()],
+    ),
+    "where": (lambda c, x, y: torch.where(c, x, y), [masks(3, 4), floats(3, 4), floats(4)]),
+    "where_scalar": (lambda c, y: torch.where(c, 1.0, y), [masks(3, 4), floats(4)]),
+    "embedding": (lambda w, i: Fn.embedding(i, w), [floats(6, 3), ints(6, 4)]),
+    "embedding_2d": (lambda w, i: Fn.embedding(i, w), [floats(6, 3), ints(6, 2, 4)]),
+    "slice_scatter": (
+        lambda x, s: torch.slice_scatter(x, s, 1, 1, 5, 2),
+        [floats(3, 6), floats(3, 2)],
+    ),
+    "select_scatter": (lambda x, s: torch.select_scatter(x, s, 0, 1), [floats(3, 4), floats(4)]),
+    "diagonal_scatter": (lambda x, s: torch.diagonal_scatter(x, s, 1), [floats(4, 4), floats(3)]),
     "diagonal_scatter_dims": (
         lambda x, s: torch.diagonal_scatter(x, s, 0, -1, 0),
-        [F(3, 2, 3), F(2, 3)],
+        [floats(3, 2, 3), floats(2, 3)],
     ),
-    "new_zeros": (lambda x: x.new_zeros(2, 3) + x.sum(), [F(4)]),
-    "new_full": (lambda x: x.new_full((2,), 7.0) * x[0], [F(4)]),
-    "one_hot": (lambda i: Fn.one_hot(i, 5), [I(5, 3)]),
+    "new_zeros": (lambda x: x.new_zeros(2, 3) + x.sum(), [floats(4)]),
+    "new_full": (lambda x: x.new_full((2,), 7.0) * x[0], [floats(4)]),
+    "one_hot": (lambda i: Fn.one_hot(i, 5), [ints(5, 3)]),
 }
 
 
 # torch.vmap gets index_fill wrong for an unbatched self and a batched value (it fills every
 # example with the last example's value), so these cases compare with the per-example loop.
 LOOP_CASES = {
-    "index_fill_tensor": (lambda x, v: x.index_fill(1, torch.tensor([0, 2]), v), [F(3, 5), F()]),
-    "index_fill_tensor_0d": (lambda x, v: x.index_fill(0, torch.tensor(0), v), [F(), F()]),
+    "index_fill_tensor": (
+        lambda x, v: x.index_fill(1, torch.tensor([0, 2]), v),
+        [floats(3, 5), floats()],
+    ),
+    "index_fill_tensor_0d": (
+        lambda x, v: x.index_fill(0, torch.tensor(0), v),
+        [floats(), floats()],
+    ),
 }
 
 
@@ -87,7 +117,7 @@ def test_setitem_with_batched_index_matches_loop():
         x[:, (torch.tensor([0, 2]) + s) % 5] = v
         return x
 
-    specs = [F(2, 5, 3), I(5), F(2, 2, 3)]
+    specs = [floats(2, 5, 3), ints(5), floats(2, 2, 3)]
     for in_dims in mixes(specs, choices=(0, -1), extra=(1,)) + [(0, None, None), (2, 0, None)]:
         check_loop(f, in_dims, *build(specs, in_dims))
 
@@ -140,7 +170,7 @@ def test_index_put_inplace_batched_self():
         return x
 
     for in_dims in [(0, 0, 0), (0, None, 0), (0, 0, None), (-1, None, None)]:
-        args = build([F(5, 3), I(5, 4), F(4, 3)], in_dims)
+        args = build([floats(5, 3), ints(5, 4), floats(4, 3)], in_dims)
         check(f, in_dims, *args)
 
 
@@ -152,7 +182,7 @@ def test_scatter_inplace_and_index_add_inplace():
         return y
 
     for in_dims in [(0, 0, 0), (0, None, None), (1, 0, None), (-1, None, 0)]:
-        args = build([F(3, 5), I(3, 3, 4), F(3, 4)], in_dims)
+        args = build([floats(3, 5), ints(3, 3, 4), floats(3, 4)], in_dims)
         check(f, in_dims, *args)
 
 

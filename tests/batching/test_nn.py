@@ -3,75 +3,90 @@
 import pytest
 import torch
 import torch.nn.functional as Fn
-from _vmap_helpers import F, I, build, check, mixes
+from _vmap_helpers import build, check, floats, ints, mixes
 
 aten = torch.ops.aten
 
 CASES = {
-    "mse_mean": (lambda x, t: Fn.mse_loss(x, t), [F(3, 4), F(3, 4)]),
-    "mse_sum": (lambda x, t: Fn.mse_loss(x, t, reduction="sum"), [F(3, 4), F(3, 4)]),
-    "mse_none": (lambda x, t: Fn.mse_loss(x, t, reduction="none"), [F(3, 4), F(3, 4)]),
-    "mse_0d": (lambda x, t: Fn.mse_loss(x, t), [F(), F()]),
-    "smooth_l1": (lambda x, t: Fn.smooth_l1_loss(x, t, beta=0.5), [F(3, 4), F(3, 4)]),
-    "huber": (lambda x, t: Fn.huber_loss(x, t, delta=0.7, reduction="sum"), [F(5), F(5)]),
-    "l1": (lambda x, t: Fn.l1_loss(x, t), [F(5), F(5)]),
-    "soft_margin": (lambda x, t: Fn.soft_margin_loss(x, t), [F(5), F(5)]),
+    "mse_mean": (lambda x, t: Fn.mse_loss(x, t), [floats(3, 4), floats(3, 4)]),
+    "mse_sum": (lambda x, t: Fn.mse_loss(x, t, reduction="sum"), [floats(3, 4), floats(3, 4)]),
+    "mse_none": (lambda x, t: Fn.mse_loss(x, t, reduction="none"), [floats(3, 4), floats(3, 4)]),
+    "mse_0d": (lambda x, t: Fn.mse_loss(x, t), [floats(), floats()]),
+    "smooth_l1": (lambda x, t: Fn.smooth_l1_loss(x, t, beta=0.5), [floats(3, 4), floats(3, 4)]),
+    "huber": (lambda x, t: Fn.huber_loss(x, t, delta=0.7, reduction="sum"), [floats(5), floats(5)]),
+    "l1": (lambda x, t: Fn.l1_loss(x, t), [floats(5), floats(5)]),
+    "soft_margin": (lambda x, t: Fn.soft_margin_loss(x, t), [floats(5), floats(5)]),
     "bce": (
         lambda x, t: Fn.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(t)),
-        [F(3, 4), F(3, 4)],
+        [floats(3, 4), floats(3, 4)],
     ),
     "bce_weight": (
         lambda x, t, w: Fn.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(t), weight=w),
-        [F(3, 4), F(3, 4), F(4)],
+        [floats(3, 4), floats(3, 4), floats(4)],
     ),
     "bce_logits": (
         lambda x, t, w: Fn.binary_cross_entropy_with_logits(x, torch.sigmoid(t), pos_weight=w),
-        [F(3, 4), F(3, 4), F(4)],
+        [floats(3, 4), floats(3, 4), floats(4)],
     ),
-    "nll_mean": (lambda x, t: Fn.nll_loss(x.log_softmax(-1), t), [F(4, 5), I(5, 4)]),
-    "nll_sum": (lambda x, t: Fn.nll_loss(x, t, reduction="sum"), [F(4, 5), I(5, 4)]),
-    "nll_none": (lambda x, t: Fn.nll_loss(x, t, reduction="none"), [F(4, 5), I(5, 4)]),
-    "nll_1d": (lambda x, t: Fn.nll_loss(x, t), [F(5), I(5)]),
-    "nll_weight": (lambda x, t, w: Fn.nll_loss(x, t, weight=w.exp()), [F(4, 5), I(5, 4), F(5)]),
-    "nll_ignore": (lambda x, t: Fn.nll_loss(x, t, ignore_index=2), [F(6, 5), I(5, 6)]),
-    "cross_entropy": (lambda x, t: Fn.cross_entropy(x, t), [F(4, 5), I(5, 4)]),
-    "layer_norm": (lambda x: Fn.layer_norm(x, (4,)), [F(3, 4)]),
+    "nll_mean": (lambda x, t: Fn.nll_loss(x.log_softmax(-1), t), [floats(4, 5), ints(5, 4)]),
+    "nll_sum": (lambda x, t: Fn.nll_loss(x, t, reduction="sum"), [floats(4, 5), ints(5, 4)]),
+    "nll_none": (lambda x, t: Fn.nll_loss(x, t, reduction="none"), [floats(4, 5), ints(5, 4)]),
+    "nll_1d": (lambda x, t: Fn.nll_loss(x, t), [floats(5), ints(5)]),
+    "nll_weight": (
+        lambda x, t, w: Fn.nll_loss(x, t, weight=w.exp()),
+        [floats(4, 5), ints(5, 4), floats(5)],
+    ),
+    "nll_ignore": (lambda x, t: Fn.nll_loss(x, t, ignore_index=2), [floats(6, 5), ints(5, 6)]),
+    "cross_entropy": (lambda x, t: Fn.cross_entropy(x, t), [floats(4, 5), ints(5, 4)]),
+    "layer_norm": (lambda x: Fn.layer_norm(x, (4,)), [floats(3, 4)]),
     "layer_norm_affine": (
         lambda x, w, b: Fn.layer_norm(x, (3, 4), w, b),
-        [F(2, 3, 4), F(3, 4), F(3, 4)],
+        [floats(2, 3, 4), floats(3, 4), floats(3, 4)],
     ),
-    "layer_norm_1d": (lambda x, w: Fn.layer_norm(x, (4,), w), [F(4), F(4)]),
-    "conv1d": (lambda x, w, b: Fn.conv1d(x, w, b, padding=1), [F(2, 3, 7), F(4, 3, 3), F(4)]),
-    "conv2d": (lambda x, w: Fn.conv2d(x, w, stride=2), [F(2, 2, 6, 6), F(3, 2, 3, 3)]),
-    "conv2d_unbatched": (lambda x, w, b: Fn.conv2d(x, w, b), [F(2, 5, 5), F(3, 2, 2, 2), F(3)]),
+    "layer_norm_1d": (lambda x, w: Fn.layer_norm(x, (4,), w), [floats(4), floats(4)]),
+    "conv1d": (
+        lambda x, w, b: Fn.conv1d(x, w, b, padding=1),
+        [floats(2, 3, 7), floats(4, 3, 3), floats(4)],
+    ),
+    "conv2d": (lambda x, w: Fn.conv2d(x, w, stride=2), [floats(2, 2, 6, 6), floats(3, 2, 3, 3)]),
+    "conv2d_unbatched": (
+        lambda x, w, b: Fn.conv2d(x, w, b),
+        [floats(2, 5, 5), floats(3, 2, 2, 2), floats(3)],
+    ),
     "conv2d_groups": (
         lambda x, w, b: Fn.conv2d(x, w, b, groups=2, dilation=2),
-        [F(1, 4, 7, 7), F(6, 2, 2, 2), F(6)],
+        [floats(1, 4, 7, 7), floats(6, 2, 2, 2), floats(6)],
     ),
     "conv_transpose2d": (
         lambda x, w, b: Fn.conv_transpose2d(x, w, b, stride=2),
-        [F(2, 4, 3, 3), F(4, 3, 2, 2), F(3)],
+        [floats(2, 4, 3, 3), floats(4, 3, 2, 2), floats(3)],
     ),
     "conv_transpose1d_groups": (
         lambda x, w: Fn.conv_transpose1d(x, w, groups=2),
-        [F(2, 4, 5), F(4, 1, 3)],
+        [floats(2, 4, 5), floats(4, 1, 3)],
     ),
-    "max_pool2d": (lambda x: Fn.max_pool2d(x, 2), [F(2, 3, 6, 6)]),
-    "max_pool2d_indices": (lambda x: Fn.max_pool2d(x, 3, 2, 1, return_indices=True), [F(3, 6, 6)]),
-    "avg_pool2d": (lambda x: Fn.avg_pool2d(x, 2, padding=1), [F(2, 3, 5, 5)]),
-    "adaptive_avg_pool2d": (lambda x: Fn.adaptive_avg_pool2d(x, (2, 3)), [F(2, 3, 5, 7)]),
-    "max_pool1d": (lambda x: Fn.max_pool1d(x, 2), [F(2, 3, 6)]),
-    "avg_pool1d": (lambda x: Fn.avg_pool1d(x, 2), [F(2, 3, 6)]),
+    "max_pool2d": (lambda x: Fn.max_pool2d(x, 2), [floats(2, 3, 6, 6)]),
+    "max_pool2d_indices": (
+        lambda x: Fn.max_pool2d(x, 3, 2, 1, return_indices=True),
+        [floats(3, 6, 6)],
+    ),
+    "avg_pool2d": (lambda x: Fn.avg_pool2d(x, 2, padding=1), [floats(2, 3, 5, 5)]),
+    "adaptive_avg_pool2d": (lambda x: Fn.adaptive_avg_pool2d(x, (2, 3)), [floats(2, 3, 5, 7)]),
+    "max_pool1d": (lambda x: Fn.max_pool1d(x, 2), [floats(2, 3, 6)]),
+    "avg_pool1d": (lambda x: Fn.avg_pool1d(x, 2), [floats(2, 3, 6)]),
     "softmax_bwd": (
         lambda g, y: aten._softmax_backward_data(g, y, -1, torch.float64),
-        [F(3, 4), F(3, 4)],
+        [floats(3, 4), floats(3, 4)],
     ),
     "log_softmax_bwd": (
         lambda g, y: aten._log_softmax_backward_data(g, y, 0, torch.float64),
-        [F(3, 4), F(3, 4)],
+        [floats(3, 4), floats(3, 4)],
     ),
-    "gelu_bwd": (lambda g, x: aten.gelu_backward(g, x), [F(3, 4), F(4)]),
-    "threshold_bwd": (lambda g, x: aten.threshold_backward(g, x, 0.0), [F(3, 4), F(3, 4)]),
+    "gelu_bwd": (lambda g, x: aten.gelu_backward(g, x), [floats(3, 4), floats(4)]),
+    "threshold_bwd": (
+        lambda g, x: aten.threshold_backward(g, x, 0.0),
+        [floats(3, 4), floats(3, 4)],
+    ),
 }
 
 
@@ -96,7 +111,7 @@ def test_conv_nested_and_chunked():
 def test_cross_entropy_label_smoothing():
     # torch.vmap itself fails when only the target is batched (an in-place op inside torch)
     f = lambda x, t: Fn.cross_entropy(x, t, label_smoothing=0.1)
-    specs = [F(4, 5), I(5, 4)]
+    specs = [floats(4, 5), ints(5, 4)]
     for in_dims in [(0, 0), (0, None), (-1, 0), (1, -1)]:
         check(f, in_dims, *build(specs, in_dims))
 
