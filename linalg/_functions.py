@@ -53,7 +53,8 @@ _with_rules(_rules.add)(add)
 def _IMPLICIT_SOLVE(A) -> bool:
     # Dense solves are differentiated by torch.linalg.solve's own rules; structured ones as a
     # whole (Note [Implicit differentiation of structured solves]).
-    return type(A) is not DenseOperator
+    # An InverseOperator's solve is a matmul by its base: differentiated op by op.
+    return type(A) is not DenseOperator and type(A) is not InverseOperator
 
 
 def _name(x) -> str:
