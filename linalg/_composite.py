@@ -116,11 +116,13 @@ class TransposeOperator(LinearOperator):
 
 @diagonal.register(TransposeOperator)
 def _diagonal_transpose(A):
+    # diag(A^T) = diag(A)
     return diagonal(A.base)
 
 
 @solve.register(TransposeOperator)
 def _solve_transpose(A, B):
+    # A^{-T} B: the base's solve for symmetric real A, else (A^{-1})^T B
     if A.symmetric and not A.is_complex:
         return solve(A.base, B)
     return inv(A.base)._transpose()._matmul(B)
@@ -128,16 +130,19 @@ def _solve_transpose(A, B):
 
 @inv.register(TransposeOperator)
 def _inv_transpose(A):
+    # (A^T)^{-1} = (A^{-1})^T
     return inv(A.base)._transpose()
 
 
 @slogdet.register(TransposeOperator)
 def _slogdet_transpose(A):
+    # det A^T = det A
     return slogdet(A.base)
 
 
 @trace.register(TransposeOperator)
 def _trace_transpose(A):
+    # tr A^T = tr A
     return trace(A.base)
 
 
@@ -171,27 +176,32 @@ class AdjointOperator(TransposeOperator):
 
 @diagonal.register(AdjointOperator)
 def _diagonal_adjoint(A):
+    # diag(A^H) = conj(diag(A))
     return diagonal(A.base).conj()
 
 
 @solve.register(AdjointOperator)
 def _solve_adjoint(A, B):
+    # A^{-H} B = (A^{-1})^H B
     return inv(A.base)._adjoint()._matmul(B)
 
 
 @inv.register(AdjointOperator)
 def _inv_adjoint(A):
+    # (A^H)^{-1} = (A^{-1})^H
     return inv(A.base)._adjoint()
 
 
 @slogdet.register(AdjointOperator)
 def _slogdet_adjoint(A):
+    # det A^H = conj(det A)
     sign, logabs = slogdet(A.base)
     return sign.conj(), logabs
 
 
 @trace.register(AdjointOperator)
 def _trace_adjoint(A):
+    # tr A^H = conj(tr A)
     return trace(A.base).conj()
 
 
@@ -261,6 +271,7 @@ class SumOperator(_MultiOperator):
 
 @diagonal.register(SumOperator)
 def _diagonal_sum(A):
+    # diag(sum A_i) = sum diag(A_i)
     out = diagonal(A.ops[0])
     for op in A.ops[1:]:
         out = out + diagonal(op)
@@ -269,11 +280,13 @@ def _diagonal_sum(A):
 
 @scale.register(SumOperator)
 def _scale_sum(A, c):
+    # c sum A_i = sum c A_i
     return SumOperator([scale(op, c) for op in A.ops], **_scaled_props(A, c))
 
 
 @trace.register(SumOperator)
 def _trace_sum(A):
+    # tr(sum A_i) = sum tr(A_i)
     return sum(trace(op) for op in A.ops)
 
 
@@ -337,6 +350,7 @@ class ProductOperator(_MultiOperator):
 
 @scale.register(ProductOperator)
 def _scale_product(A, c):
+    # c (A_1 A_2 ...) = (c A_1) A_2 ...
     ops = [scale(A.ops[0], c)] + A.ops[1:]
     return ProductOperator(ops, **_scaled_props(A, c))
 
@@ -353,6 +367,7 @@ def _solve_product(A, B):
 
 @inv.register(ProductOperator)
 def _inv_product(A):
+    # (A_1 ... A_k)^{-1} = A_k^{-1} ... A_1^{-1} (square factors)
     if not A._all_square():
         return dense_inv(A)
     return ProductOperator([inv(op) for op in reversed(A.ops)], **A._props())
@@ -360,6 +375,7 @@ def _inv_product(A):
 
 @slogdet.register(ProductOperator)
 def _slogdet_product(A):
+    # det(A_1 ... A_k) = prod det(A_i) (square factors)
     if not A._all_square():
         return dense_slogdet(A)
     signs, logs = zip(*(slogdet(op) for op in A.ops))
@@ -445,6 +461,7 @@ class BlockDiagonalOperator(_MultiOperator):
 
 @diagonal.register(BlockDiagonalOperator)
 def _diagonal_block_diagonal(A):
+    # the blocks' diagonals, concatenated
     parts = [diagonal(op) for op in A.ops]
     batch = broadcast_batch(*(p.shape[:-1] for p in parts))
     return torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
@@ -452,6 +469,7 @@ def _diagonal_block_diagonal(A):
 
 @scale.register(BlockDiagonalOperator)
 def _scale_block_diagonal(A, c):
+    # c blockdiag(A_i) = blockdiag(c A_i)
     return BlockDiagonalOperator([scale(op, c) for op in A.ops], **_scaled_props(A, c))
 
 
@@ -479,11 +497,13 @@ def _solve_block_diagonal(A, B):
 
 @inv.register(BlockDiagonalOperator)
 def _inv_block_diagonal(A):
+    # blockdiag(A_i)^{-1} = blockdiag(A_i^{-1})
     return A._map_ops(lambda op: inv(op))
 
 
 @slogdet.register(BlockDiagonalOperator)
 def _slogdet_block_diagonal(A):
+    # det blockdiag(A_i) = prod det(A_i)
     signs, logs = zip(*(slogdet(op) for op in A.ops))
     sign, logabs = signs[0], logs[0]
     for s, l in zip(signs[1:], logs[1:]):
@@ -493,11 +513,13 @@ def _slogdet_block_diagonal(A):
 
 @cholesky.register(BlockDiagonalOperator)
 def _cholesky_block_diagonal(A):
+    # chol blockdiag(A_i) = blockdiag(chol A_i)
     return BlockDiagonalOperator([cholesky(op) for op in A.ops])
 
 
 @eigh.register(BlockDiagonalOperator)
 def _eigh_block_diagonal(A):
+    # the blocks' eigenpairs, sorted by a permutation
     pairs = [eigh(op) for op in A.ops]
     evals = [p[0] for p in pairs]
     batch = broadcast_batch(*(e.shape[:-1] for e in evals))
@@ -509,6 +531,7 @@ def _eigh_block_diagonal(A):
 
 @trace.register(BlockDiagonalOperator)
 def _trace_block_diagonal(A):
+    # tr blockdiag(A_i) = sum tr(A_i)
     return sum(trace(op) for op in A.ops)
 
 

@@ -60,6 +60,7 @@ class _StoredMatrix:
 
 @diagonal.register(_StoredMatrix)
 def _diagonal_stored_matrix(A):
+    # the stored matrix's diagonal
     return A.A.diagonal(dim1=-2, dim2=-1)
 
 
@@ -107,11 +108,13 @@ class DenseOperator(_StoredMatrix, LinearOperator):
 
 @scale.register(DenseOperator)
 def _scale_dense(A, c):
+    # c A, kept dense
     return DenseOperator(A.A * c, **_scaled_props(A, c))
 
 
 @add.register(DenseOperator)
 def _add_dense(A, B):
+    # Dense + Dense is one dense matrix
     if isinstance(B, DenseOperator):
         return DenseOperator(A.A + B.A, **_sum_props(A, B))
     return None
@@ -119,6 +122,7 @@ def _add_dense(A, B):
 
 @matmul.register(DenseOperator)
 def _matmul_dense(A, B):
+    # Dense @ Dense is one dense matrix (unitary if both are)
     if isinstance(B, DenseOperator):
         return DenseOperator(A.A @ B.A, unitary=A.unitary and B.unitary)
     return None
@@ -176,16 +180,20 @@ class DiagonalOperator(LinearOperator):
 
 @diagonal.register(DiagonalOperator)
 def _diagonal_diagonal(A):
+    # diag(diag(d)) = d
     return A.d
 
 
 @scale.register(DiagonalOperator)
 def _scale_diagonal(A, c):
+    # c diag(d) = diag(c d)
     return DiagonalOperator(A.d * c, **_scaled_props(A, c))
 
 
 @add.register(DiagonalOperator)
 def _add_diagonal(A, B):
+    # diag(d) + diag(e) = diag(d + e), diag(d) + s I = diag(d + s); a dense or triangular
+    # matrix absorbs a diagonal without changing its kind
     if isinstance(B, DiagonalOperator):
         return DiagonalOperator(A.d + B.d, **_sum_props(A, B))
     if isinstance(B, ScaledIdentityOperator):
@@ -200,6 +208,7 @@ def _add_diagonal(A, B):
 
 @matmul.register(DiagonalOperator)
 def _matmul_diagonal(A, B):
+    # diag(d) diag(e) = diag(d e), diag(d) (s I) = diag(s d)
     if isinstance(B, DiagonalOperator):
         return DiagonalOperator(A.d * B.d)
     if isinstance(B, ScaledIdentityOperator):
@@ -209,26 +218,31 @@ def _matmul_diagonal(A, B):
 
 @solve.register(DiagonalOperator)
 def _solve_diagonal(A, B):
+    # diag(d)^{-1} B = B / d (row-wise)
     return B / A.d.unsqueeze(-1)
 
 
 @inv.register(DiagonalOperator)
 def _inv_diagonal(A):
+    # diag(d)^{-1} = diag(1 / d)
     return DiagonalOperator(1 / A.d, **A._props())
 
 
 @slogdet.register(DiagonalOperator)
 def _slogdet_diagonal(A):
+    # det diag(d) = prod d
     return _sign_prod(A.d), A.d.abs().log().sum(-1)
 
 
 @cholesky.register(DiagonalOperator)
 def _cholesky_diagonal(A):
+    # chol diag(d) = diag(sqrt d) (d > 0)
     return DiagonalOperator(A.d.sqrt())
 
 
 @eigh.register(DiagonalOperator)
 def _eigh_diagonal(A):
+    # the eigenvalues are d sorted, the eigenvectors the sorting permutation
     evals, idx = torch.sort(A.d.real if A.is_complex else A.d, dim=-1)
     return evals, PermutationOperator(idx, dtype=A.dtype).mT
 
@@ -245,6 +259,7 @@ def _svd_diagonal(A):
 
 @trace.register(DiagonalOperator)
 def _trace_diagonal(A):
+    # tr diag(d) = sum d
     return A.d.sum(-1)
 
 
@@ -300,16 +315,19 @@ class ScaledIdentityOperator(LinearOperator):
 
 @diagonal.register(ScaledIdentityOperator)
 def _diagonal_scaled_identity(A):
+    # diag(c I) = c, n times
     return A.scale.unsqueeze(-1).expand(A.scale.shape + (A.n,))
 
 
 @scale.register(ScaledIdentityOperator)
 def _scale_scaled_identity(A, c):
+    # a (c I) = (a c) I
     return ScaledIdentityOperator(A.scale * c, A.n, **_scaled_props(A, c))
 
 
 @add.register(ScaledIdentityOperator)
 def _add_scaled_identity(A, B):
+    # c I + d I = (c + d) I; c I + diag(e): the diagonal rule
     if isinstance(B, ScaledIdentityOperator):
         return ScaledIdentityOperator(A.scale + B.scale, A.n, **_sum_props(A, B))
     if isinstance(B, DiagonalOperator):
@@ -331,16 +349,19 @@ def _rmatmul_scaled_identity(B, A):
 
 @solve.register(ScaledIdentityOperator)
 def _solve_scaled_identity(A, B):
+    # (c I)^{-1} B = B / c
     return B / A.scale.unsqueeze(-1).unsqueeze(-1)
 
 
 @inv.register(ScaledIdentityOperator)
 def _inv_scaled_identity(A):
+    # (c I)^{-1} = (1 / c) I
     return ScaledIdentityOperator(1 / A.scale, A.n, **A._props())
 
 
 @slogdet.register(ScaledIdentityOperator)
 def _slogdet_scaled_identity(A):
+    # det(c I) = c^n
     s = A.scale
     sign = (s / s.abs()) ** A.n if s.is_complex() else torch.sign(s) ** A.n
     return sign, A.n * s.abs().log()
@@ -348,17 +369,20 @@ def _slogdet_scaled_identity(A):
 
 @cholesky.register(ScaledIdentityOperator)
 def _cholesky_scaled_identity(A):
+    # chol(c I) = sqrt(c) I
     return ScaledIdentityOperator(A.scale.sqrt(), A.n)
 
 
 @eigh.register(ScaledIdentityOperator)
 def _eigh_scaled_identity(A):
+    # c I = I (c I) I^T
     evals = diagonal(A).real if A.is_complex else diagonal(A)
     return evals, IdentityOperator(A.n, dtype=A.dtype, device=A.device)
 
 
 @trace.register(ScaledIdentityOperator)
 def _trace_scaled_identity(A):
+    # tr(c I) = n c
     return A.n * A.scale
 
 
@@ -402,6 +426,7 @@ def _rmatmul_identity(B, A):
 
 @solve.register(IdentityOperator)
 def _solve_identity(A, B):
+    # I^{-1} B = B
     return B
 
 
@@ -431,11 +456,13 @@ class TriangularOperator(_StoredMatrix, LinearOperator):
 
 @scale.register(TriangularOperator)
 def _scale_triangular(A, c):
+    # c T is triangular of the same kind
     return TriangularOperator(A.A * c, **_scaled_props(A, c))
 
 
 @add.register(TriangularOperator)
 def _add_triangular(A, B):
+    # sums of triangular matrices of one kind keep the kind
     if isinstance(B, TriangularOperator) and B.upper == A.upper:
         return TriangularOperator(A.A + B.A, **_sum_props(A, B))
     return None
@@ -443,6 +470,7 @@ def _add_triangular(A, B):
 
 @matmul.register(TriangularOperator)
 def _matmul_triangular(A, B):
+    # products of triangular matrices of one kind keep the kind
     if isinstance(B, TriangularOperator) and B.upper == A.upper:
         return TriangularOperator(A.A @ B.A, upper=A.upper)
     return None
@@ -450,11 +478,13 @@ def _matmul_triangular(A, B):
 
 @solve.register(TriangularOperator)
 def _solve_triangular(A, B):
+    # forward / back substitution, O(n^2)
     return torch.linalg.solve_triangular(A.A, B, upper=A.upper)
 
 
 @slogdet.register(TriangularOperator)
 def _slogdet_triangular(A):
+    # det T = prod diag(T)
     d = diagonal(A)
     return _sign_prod(d), d.abs().log().sum(-1)
 
@@ -468,6 +498,7 @@ def _cholesky_triangular(A):
 
 @trace.register(TriangularOperator)
 def _trace_triangular(A):
+    # tr T = sum diag(T)
     return diagonal(A).sum(-1)
 
 
@@ -527,6 +558,7 @@ class PermutationOperator(LinearOperator):
 
 @diagonal.register(PermutationOperator)
 def _diagonal_permutation(A):
+    # P[i, i] = 1 where perm[i] = i
     ar = torch.arange(A.shape[-1], device=A.device)
     return (A.perm == ar).to(A.dtype)
 
@@ -540,11 +572,13 @@ def _matmul_permutation(A, B):
 
 @solve.register(PermutationOperator)
 def _solve_permutation(A, B):
+    # P^{-1} = P^T
     return A._transpose()._matmul(B)
 
 
 @inv.register(PermutationOperator)
 def _inv_permutation(A):
+    # P^{-1} = P^T
     return A._transpose()
 
 

@@ -90,23 +90,27 @@ class LowRankOperator(LinearOperator):
 
 @diagonal.register(LowRankOperator)
 def _diagonal_low_rank(A):
+    # diag(U V^H)_i = sum_j U_ij conj(V_ij)
     k = min(A.shape[-2], A.shape[-1])
     return (A.U[..., :k, :] * A._V[..., :k, :].conj()).sum(-1)
 
 
 @trace.register(LowRankOperator)
 def _trace_low_rank(A):
+    # tr(U V^H) = sum of its diagonal
     return diagonal(A).sum(-1)
 
 
 @scale.register(LowRankOperator)
 def _scale_low_rank(A, c):
+    # c U V^H = (c U) V^H
     V = A.V if A.V is not None else A.U
     return LowRankOperator(A.U * c, V, **_scaled_props(A, c))
 
 
 @add.register(LowRankOperator)
 def _add_low_rank(A, B):
+    # U V^H + D is low rank plus diagonal; U1 V1^H + U2 V2^H = [U1 U2] [V1 V2]^H
     if isinstance(B, DiagonalOperator):
         return LowRankPlusDiagonalOperator(A.U, B.d, A.V, **_lr_props(A, B))
     if isinstance(B, ScaledIdentityOperator):
@@ -210,16 +214,19 @@ class LowRankPlusDiagonalOperator(LinearOperator):
 
 @diagonal.register(LowRankPlusDiagonalOperator)
 def _diagonal_low_rank_plus_diagonal(A):
+    # diag(D + U V^H) = d + diag(U V^H)
     return A.d + (A.U * A._V.conj()).sum(-1)
 
 
 @scale.register(LowRankPlusDiagonalOperator)
 def _scale_low_rank_plus_diagonal(A, c):
+    # c (D + U V^H) = c D + (c U) V^H
     return LowRankPlusDiagonalOperator(A.U * c, A.d * c, A._V, **_scaled_props(A, c))
 
 
 @add.register(LowRankPlusDiagonalOperator)
 def _add_low_rank_plus_diagonal(A, B):
+    # (D + U V^H) + E = (D + E) + U V^H for diagonal E
     if isinstance(B, (DiagonalOperator, ScaledIdentityOperator)):
         props = dict(symmetric=A.symmetric and B.symmetric)
         props["positive_definite"] = A.positive_definite and B.positive_definite
@@ -267,4 +274,5 @@ def _slogdet_low_rank_plus_diagonal(A):
 
 @trace.register(LowRankPlusDiagonalOperator)
 def _trace_low_rank_plus_diagonal(A):
+    # tr(D + U V^H) = sum of its diagonal
     return diagonal(A).sum(-1)

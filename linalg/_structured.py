@@ -91,22 +91,26 @@ class ToeplitzOperator(LinearOperator):
 
 @diagonal.register(ToeplitzOperator)
 def _diagonal_toeplitz(A):
+    # a Toeplitz matrix's diagonal is its first entry
     return A.column[..., :1].expand(A.batch_shape + (A.shape[-1],))
 
 
 @trace.register(ToeplitzOperator)
 def _trace_toeplitz(A):
+    # tr T = n c_0
     return A.shape[-1] * A.column[..., 0]
 
 
 @scale.register(ToeplitzOperator)
 def _scale_toeplitz(A, c):
+    # c T is Toeplitz
     row = None if A.row is None else A.row * c
     return ToeplitzOperator(A.column * c, row, **_scaled_props(A, c))
 
 
 @add.register(ToeplitzOperator)
 def _add_toeplitz(A, B):
+    # sums of Toeplitz matrices are Toeplitz
     if isinstance(B, ToeplitzOperator):
         row = None if (A.row is None and B.row is None) else A._r() + B._r()
         return ToeplitzOperator(A.column + B.column, row)
@@ -156,12 +160,14 @@ class RootOperator(LinearOperator):
 
 @diagonal.register(RootOperator)
 def _diagonal_root(A):
+    # diag(R R^H)_i = |row i of R|^2
     R = A.root._to_dense()
     return (R * R.conj()).real.sum(-1).to(A.dtype)
 
 
 @trace.register(RootOperator)
 def _trace_root(A):
+    # tr(R R^H) = ||R||_F^2
     return A.root._frobenius_sq().to(A.dtype)
 
 
@@ -175,6 +181,7 @@ def _solve_root(A, B):
 
 @slogdet.register(RootOperator)
 def _slogdet_root(A):
+    # det(R R^H) = |det R|^2 (square R)
     if not A.root.is_square:
         return dense_slogdet(A)
     _, logabs = slogdet(A.root)
@@ -183,6 +190,7 @@ def _slogdet_root(A):
 
 @inv.register(RootOperator)
 def _inv_root(A):
+    # (R R^H)^{-1} = R^{-H} R^{-1} (square R)
     if not A.root.is_square:
         return dense_inv(A)
     return RootOperator(inv(A.root)._adjoint(), **A._props())
@@ -217,6 +225,7 @@ class CholeskyOperator(RootOperator):
 
 @cholesky.register(CholeskyOperator)
 def _cholesky_cholesky(A):
+    # chol(L L^H) = L
     return A.root
 
 
