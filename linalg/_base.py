@@ -195,12 +195,12 @@ class LinearOperator:
         return self._matmul(eye)
 
     def _transpose(self) -> LinearOperator:
-        return _algebra().TransposeOperator(self)
+        return _composite.TransposeOperator(self)
 
     def _adjoint(self) -> LinearOperator:
         if not self.is_complex:
             return self._transpose()
-        return _algebra().AdjointOperator(self)
+        return _composite.AdjointOperator(self)
 
     def _conj(self) -> LinearOperator:
         return self._adjoint()._transpose()
@@ -211,13 +211,13 @@ class LinearOperator:
         return self._to_dense()
 
     def matmul(self, other):
-        return _algebra().matmul(self, other)
+        return _composite.matmul(self, other)
 
     def __matmul__(self, other):
-        return _algebra().matmul(self, other)
+        return _composite.matmul(self, other)
 
     def __rmatmul__(self, other):
-        return _algebra().matmul(other, self)
+        return _composite.matmul(other, self)
 
     def __mul__(self, c):
         if isinstance(c, LinearOperator):
@@ -243,16 +243,16 @@ class LinearOperator:
         return _rules.scale(self, -1.0)
 
     def __add__(self, other):
-        return _algebra().add(self, other)
+        return _composite.add(self, other)
 
     def __radd__(self, other):
-        return _algebra().add(other, self)
+        return _composite.add(other, self)
 
     def __sub__(self, other):
-        return _algebra().add(self, -other)
+        return _composite.add(self, -other)
 
     def __rsub__(self, other):
-        return _algebra().add(other, -self)
+        return _composite.add(other, -self)
 
     @property
     def mT(self) -> LinearOperator:
@@ -389,21 +389,7 @@ class LinearOperator:
     # ----------------------------------------------------------------- torch integration
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # Imported on use to break the cycle _base -> _dispatch -> _functions -> every operator
-        # module -> _base: the routing table names the algorithms of every operator.
-        from ._dispatch import torch_function
-
-        return torch_function(func, args, kwargs or {})
-
-
-def _algebra():
-    """The module of the lazy composite operators and the resolvers of ``a @ b`` / ``a + b``."""
-    # Imported on use to break the cycle _base -> _composite -> _base: the base class's algebra
-    # (A.mT, A @ B, A + B) builds TransposeOperator, ProductOperator and SumOperator, which
-    # subclass LinearOperator.
-    from . import _composite
-
-    return _composite
+        return _dispatch.torch_function(func, args, kwargs or {})
 
 
 # ------------------------------------------------------------------ the dense fallback
@@ -577,3 +563,12 @@ _EMPTY = torch.Size()
 
 def prod(xs) -> int:
     return math.prod(xs)
+
+
+# Note [The base class's import cycles]: imported last, once every name above exists. The base
+# class's algebra (A.mT, A @ B, A + B) builds TransposeOperator, ProductOperator and SumOperator
+# (cycle _base -> _composite -> _base: they subclass LinearOperator), and __torch_function__
+# routes through _dispatch.py's table (cycle _base -> _dispatch -> _functions -> the operator
+# modules -> _base). Both modules import this one, complete by now; the package imports _base
+# first. Module-level, so the hot paths (every torch function on an operator) pay no import.
+from . import _composite, _dispatch  # noqa: E402

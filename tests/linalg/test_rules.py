@@ -1,6 +1,6 @@
 """Structure rules are single-dispatch functions: users register rules for their own operators,
-precedence is the MRO (unary) and left-then-right (binary), and the package keeps no
-function-local imports but the two that break a named cycle (Note [Dispatch precedence])."""
+precedence is the MRO (unary) and left-then-right (binary) (Note [Dispatch precedence]), and
+the package keeps no function-local imports (Note [The base class's import cycles])."""
 
 import ast
 import pathlib
@@ -186,4 +186,4 @@ def test_function_local_imports_only_break_named_cycles():
                             "comment naming the import cycle it breaks"
                         )
                         found.append((path.name, node.name))
-    assert sorted(found) == [("_base.py", "__torch_function__"), ("_base.py", "_algebra")]
+    assert found == []  # the base class's two cycles are broken by a module-level import
