@@ -54,6 +54,7 @@ from ._functions import (
     svdvals,
     trace,
 )
+from ._implicit import InverseOperator
 from ._iterative import (
     SolverInfo,
     cg,
@@ -74,6 +75,7 @@ __all__ = [
     "DenseOperator",
     "DiagonalOperator",
     "IdentityOperator",
+    "InverseOperator",
     "KroneckerOperator",
     "KroneckerPlusScaledIdentityOperator",
     "LinearOperator",

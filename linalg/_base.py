@@ -21,12 +21,16 @@ Unflattening calls the constructor again, so that shapes are recomputed from the
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from functransforms._pytree import register_pytree_node
+
+from . import _rules
 
 _PROPERTY_NAMES = ("symmetric", "positive_definite", "lower", "upper", "unitary")
 
@@ -35,8 +39,10 @@ class LinearOperator:
     """A structured (batch of) matrices, never materialized unless asked.
 
     Subclasses implement ``_matmul(X)`` for ``X`` of shape ``(..., n, k)`` and, where structure
-    allows, faster ``_transpose``, ``_diagonal``, ``_solve``, ``_slogdet``, ``_cholesky``,
-    ``_eigh``, ``_inverse``... The defaults are dense and correct.
+    allows, a faster ``_rmatmul``, ``_to_dense`` and ``_transpose``. Everything else (solve,
+    inv, slogdet, cholesky, eigh, svd, trace, diagonal, scale, sums and products) is a
+    single-dispatch rule in ``_rules.py`` with a dense default: an operator's module registers
+    the identities its structure allows (Note [Dispatch precedence]).
 
     Args:
         shape: ``batch_shape + (m, n)``.
@@ -189,36 +195,15 @@ class LinearOperator:
         return self._matmul(eye)
 
     def _transpose(self) -> LinearOperator:
-        from ._composite import TransposeOperator
-
-        return TransposeOperator(self)
+        return _composite.TransposeOperator(self)
 
     def _adjoint(self) -> LinearOperator:
         if not self.is_complex:
             return self._transpose()
-        from ._composite import AdjointOperator
-
-        return AdjointOperator(self)
+        return _composite.AdjointOperator(self)
 
     def _conj(self) -> LinearOperator:
         return self._adjoint()._transpose()
-
-    def _diagonal(self) -> torch.Tensor:
-        return self._to_dense().diagonal(dim1=-2, dim2=-1)
-
-    def _scale(self, c) -> LinearOperator:
-        from ._composite import ProductOperator
-        from ._dense import ScaledIdentityOperator
-
-        return ProductOperator([ScaledIdentityOperator(c, self._shape[-2], like=self), self])
-
-    def _add(self, other: LinearOperator) -> LinearOperator | None:
-        """A structured sum, or None to let the other side / SumOperator handle it."""
-        return None
-
-    def _matmul_operator(self, other: LinearOperator) -> LinearOperator | None:
-        """A structured product, or None for a ProductOperator."""
-        return None
 
     # ----------------------------------------------------------------- user-facing algebra
     def to_dense(self) -> torch.Tensor:
@@ -226,13 +211,13 @@ class LinearOperator:
         return self._to_dense()
 
     def matmul(self, other):
-        return _functions().matmul(self, other)
+        return _composite.matmul(self, other)
 
     def __matmul__(self, other):
-        return _functions().matmul(self, other)
+        return _composite.matmul(self, other)
 
     def __rmatmul__(self, other):
-        return _functions().matmul(other, self)
+        return _composite.matmul(other, self)
 
     def __mul__(self, c):
         if isinstance(c, LinearOperator):
@@ -247,7 +232,7 @@ class LinearOperator:
             )
         if isinstance(c, torch.Tensor):
             c = c.reshape(())
-        return self._scale(c)
+        return _rules.scale(self, c)
 
     __rmul__ = __mul__
 
@@ -255,19 +240,19 @@ class LinearOperator:
         return self * (1.0 / c)
 
     def __neg__(self):
-        return self._scale(-1.0)
+        return _rules.scale(self, -1.0)
 
     def __add__(self, other):
-        return _functions().add(self, other)
+        return _composite.add(self, other)
 
     def __radd__(self, other):
-        return _functions().add(other, self)
+        return _composite.add(other, self)
 
     def __sub__(self, other):
-        return _functions().add(self, -other)
+        return _composite.add(self, -other)
 
     def __rsub__(self, other):
-        return _functions().add(other, -self)
+        return _composite.add(other, -self)
 
     @property
     def mT(self) -> LinearOperator:
@@ -305,7 +290,11 @@ class LinearOperator:
         return self._conj() if self.is_complex else self
 
     def diagonal(self, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor:
-        return _functions().diagonal(self, offset=offset, dim1=dim1, dim2=dim2)
+        """The main diagonal through the structure (``diagonal`` rule); other offsets: dense."""
+        nd = self.ndim
+        if offset == 0 and {dim1 % nd, dim2 % nd} == {nd - 2, nd - 1}:
+            return _rules.diagonal(self)
+        return torch.diagonal(self._to_dense(), offset=offset, dim1=dim1, dim2=dim2)
 
     def evaluate(self) -> torch.Tensor:
         return self._to_dense()
@@ -380,71 +369,18 @@ class LinearOperator:
             return self._core_ndims
         return tuple(0 if isinstance(c, LinearOperator) else 2 for c in children)
 
-    # ----------------------------------------------------------------- linear algebra defaults
-    def _solve(self, B: torch.Tensor) -> torch.Tensor:
-        """``self^{-1} B`` for ``B`` of shape ``(..., n, k)``. Dense default."""
-        A = self._to_dense()
-        if self.positive_definite:
-            return torch.cholesky_solve(B, dense_cholesky(A, self))
-        if self.lower or self.upper:
-            return torch.linalg.solve_triangular(A, B, upper=self.upper)
-        if self.unitary:
-            return A.mH @ B
-        return torch.linalg.solve(A, B)
-
-    def _inverse(self) -> LinearOperator:
-        from ._dense import DenseOperator, TriangularOperator
-
-        if self.unitary:
-            return self._adjoint()
-        if self.lower or self.upper:
-            eye = torch.eye(self._shape[-1], dtype=self._dtype, device=self._device)
-            return TriangularOperator(self._solve(eye), upper=self.upper)
-        eye = torch.eye(self._shape[-1], dtype=self._dtype, device=self._device)
-        return DenseOperator(self._solve(eye), **self._props())
-
-    def _slogdet(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.positive_definite:
-            logabs = self._dense_logdet_pd()
-            return torch.ones_like(logabs), logabs
-        if self.lower or self.upper:
-            d = self._diagonal()
-            return _sign_prod(d), d.abs().log().sum(-1)
-        return torch.linalg.slogdet(self._to_dense())
-
+    # ----------------------------------------------------------------- internal fast paths
     def _logdet_pd(self, scale=1) -> torch.Tensor:
         """``scale * log det`` of a positive definite operator (no sign bookkeeping)."""
-        if type(self)._slogdet is not LinearOperator._slogdet:
-            out = self._slogdet()[1]
+        rule = _rules.slogdet.dispatch(type(self))
+        if rule is not _rules.slogdet.dispatch(LinearOperator):  # a structured slogdet
+            out = rule(self)[1]
             return out if scale == 1 else scale * out
         return self._dense_logdet_pd(scale)
 
     def _dense_logdet_pd(self, scale=1) -> torch.Tensor:
         d = dense_cholesky(self._to_dense(), self).diagonal(dim1=-2, dim2=-1)
         return (2 * scale) * (d.real if d.is_complex() else d).log().sum(-1)
-
-    def _cholesky(self) -> LinearOperator:
-        from ._dense import TriangularOperator
-
-        return TriangularOperator(dense_cholesky(self._to_dense(), self), upper=False)
-
-    def _eigh(self) -> tuple[torch.Tensor, LinearOperator]:
-        from ._dense import DenseOperator
-
-        evals, evecs = torch.linalg.eigh(self._to_dense())
-        return evals, DenseOperator(evecs, unitary=True)
-
-    def _eigvalsh(self) -> torch.Tensor:
-        return self._eigh()[0]
-
-    def _svd(self):
-        from ._dense import DenseOperator
-
-        U, S, Vh = torch.linalg.svd(self._to_dense(), full_matrices=False)
-        return DenseOperator(U), S, DenseOperator(Vh)
-
-    def _trace(self) -> torch.Tensor:
-        return self._diagonal().sum(-1)
 
     def _frobenius_sq(self) -> torch.Tensor:
         A = self._to_dense()
@@ -453,25 +389,53 @@ class LinearOperator:
     # ----------------------------------------------------------------- torch integration
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _route(func, args, kwargs or {})
+        return _dispatch.torch_function(func, args, kwargs or {})
 
 
-def _functions():
-    # The public functions module, bound on first use (it imports this module).
-    global _functions
-    from . import _functions as module
+# ------------------------------------------------------------------ the dense fallback
+def _densify(x):
+    if isinstance(x, LinearOperator):
+        return x._to_dense()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_densify(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _densify(v) for k, v in x.items()}
+    return x
 
-    _functions = lambda: module  # noqa: E731
-    return module
+
+def _func_name(func) -> str:
+    mod = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    if "TensorBase" in name or mod.startswith("torch._C"):
+        return name.replace("TensorBase", "Tensor")
+    return f"{mod}.{name}" if mod else name
 
 
-def _route(func, args, kwargs):
-    # Bound on first use (the dispatch table imports every operator module).
-    global _route
-    from ._dispatch import torch_function
+@functools.cache
+def _warn_once(func_name: str, op_names: str) -> None:
+    warnings.warn(
+        f"{func_name} has no structured rule for {op_names}: computing it on the dense "
+        f"matrix (to_dense()). Every later call does the same, silently.",
+        stacklevel=4,
+    )
 
-    _route = torch_function
-    return torch_function(func, args, kwargs)
+
+def dense_fallback(func, args, kwargs, reason: str | None = None):
+    """``func`` on the materialized operators, with a one-time warning naming it and them."""
+    ops = sorted({type(x).__name__ for x in _flat_ops((args, kwargs))})
+    _warn_once(reason or _func_name(func), ", ".join(ops))
+    return func(*_densify(args), **_densify(kwargs))
+
+
+def _flat_ops(x):
+    if isinstance(x, LinearOperator):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat_ops(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flat_ops(y)
 
 
 def dense_cholesky(A: torch.Tensor, op: Any = None, max_tries: int = 6) -> torch.Tensor:
@@ -487,7 +451,6 @@ def dense_cholesky(A: torch.Tensor, op: Any = None, max_tries: int = 6) -> torch
         return L
     if not failed:
         return L
-    import warnings
 
     name = type(op).__name__ if op is not None else "tensor"
     diag_mean = A.detach().diagonal(dim1=-2, dim2=-1).abs().mean(-1)
@@ -600,3 +563,12 @@ _EMPTY = torch.Size()
 
 def prod(xs) -> int:
     return math.prod(xs)
+
+
+# Note [The base class's import cycles]: imported last, once every name above exists. The base
+# class's algebra (A.mT, A @ B, A + B) builds TransposeOperator, ProductOperator and SumOperator
+# (cycle _base -> _composite -> _base: they subclass LinearOperator), and __torch_function__
+# routes through _dispatch.py's table (cycle _base -> _dispatch -> _functions -> the operator
+# modules -> _base). Both modules import this one, complete by now; the package imports _base
+# first. Module-level, so the hot paths (every torch function on an operator) pay no import.
+from . import _composite, _dispatch  # noqa: E402

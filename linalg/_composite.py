@@ -1,10 +1,24 @@
-"""Operators built from operators: Transpose, Adjoint, Sum, Product, BlockDiagonal."""
+"""Operators built from operators (Transpose, Adjoint, Sum, Product, BlockDiagonal), and the
+resolvers of ``a @ b`` and ``a + b`` (Note [Dispatch precedence] in ``_rules.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from ._base import LinearOperator, broadcast_batch
+from ._base import LinearOperator, broadcast_batch, dense_fallback
+from ._dense import (
+    DenseOperator,
+    PermutationOperator,
+    ScaledIdentityOperator,
+    _scaled_props,
+    dense_inv,
+    dense_slogdet,
+    dense_solve,
+)
+from ._rules import add as add_rule
+from ._rules import cholesky, diagonal, eigh, inv, scale, slogdet, solve, trace
+from ._rules import matmul as matmul_rule
+from ._rules import rmatmul as rmatmul_rule
 
 
 def as_operator(x, call: str = "as_operator(x)") -> LinearOperator:
@@ -19,12 +33,18 @@ def as_operator(x, call: str = "as_operator(x)") -> LinearOperator:
     if isinstance(x, LinearOperator):
         return x
     if isinstance(x, torch.Tensor):
-        from ._dense import DenseOperator
-
         return DenseOperator(x)
     raise TypeError(
         f"{call}: expected a LinearOperator or a torch.Tensor, received {type(x).__name__}."
     )
+
+
+def _matmul_of(op, X):
+    return op._matmul(X)
+
+
+def _rmatmul_of(op, X):
+    return op._rmatmul(X)
 
 
 class _MultiOperator(LinearOperator):
@@ -90,25 +110,40 @@ class TransposeOperator(LinearOperator):
     def _transpose(self):
         return self.base
 
-    def _diagonal(self):
-        return self.base._diagonal()
-
-    def _solve(self, B):
-        if self.symmetric and not self.is_complex:
-            return self.base._solve(B)
-        return self.base._inverse()._transpose()._matmul(B)
-
-    def _inverse(self):
-        return self.base._inverse()._transpose()
-
-    def _slogdet(self):
-        return self.base._slogdet()
-
-    def _trace(self):
-        return self.base._trace()
-
     def _frobenius_sq(self):
         return self.base._frobenius_sq()
+
+
+@diagonal.register(TransposeOperator)
+def _diagonal_transpose(A):
+    # diag(A^T) = diag(A)
+    return diagonal(A.base)
+
+
+@solve.register(TransposeOperator)
+def _solve_transpose(A, B):
+    # A^{-T} B: the base's solve for symmetric real A, else (A^{-1})^T B
+    if A.symmetric and not A.is_complex:
+        return solve(A.base, B)
+    return inv(A.base)._transpose()._matmul(B)
+
+
+@inv.register(TransposeOperator)
+def _inv_transpose(A):
+    # (A^T)^{-1} = (A^{-1})^T
+    return inv(A.base)._transpose()
+
+
+@slogdet.register(TransposeOperator)
+def _slogdet_transpose(A):
+    # det A^T = det A
+    return slogdet(A.base)
+
+
+@trace.register(TransposeOperator)
+def _trace_transpose(A):
+    # tr A^T = tr A
+    return trace(A.base)
 
 
 class AdjointOperator(TransposeOperator):
@@ -133,28 +168,41 @@ class AdjointOperator(TransposeOperator):
 
     def _transpose(self):
         # (A^H)^T = conj(A): realized densely (rare: complex operators without structure).
-        from ._dense import DenseOperator
-
         return DenseOperator(self.base._to_dense().conj())
 
     def _adjoint(self):
         return self.base
 
-    def _diagonal(self):
-        return self.base._diagonal().conj()
 
-    def _solve(self, B):
-        return self.base._inverse()._adjoint()._matmul(B)
+@diagonal.register(AdjointOperator)
+def _diagonal_adjoint(A):
+    # diag(A^H) = conj(diag(A))
+    return diagonal(A.base).conj()
 
-    def _inverse(self):
-        return self.base._inverse()._adjoint()
 
-    def _slogdet(self):
-        sign, logabs = self.base._slogdet()
-        return sign.conj(), logabs
+@solve.register(AdjointOperator)
+def _solve_adjoint(A, B):
+    # A^{-H} B = (A^{-1})^H B
+    return inv(A.base)._adjoint()._matmul(B)
 
-    def _trace(self):
-        return self.base._trace().conj()
+
+@inv.register(AdjointOperator)
+def _inv_adjoint(A):
+    # (A^H)^{-1} = (A^{-1})^H
+    return inv(A.base)._adjoint()
+
+
+@slogdet.register(AdjointOperator)
+def _slogdet_adjoint(A):
+    # det A^H = conj(det A)
+    sign, logabs = slogdet(A.base)
+    return sign.conj(), logabs
+
+
+@trace.register(AdjointOperator)
+def _trace_adjoint(A):
+    # tr A^H = conj(tr A)
+    return trace(A.base).conj()
 
 
 class SumOperator(_MultiOperator):
@@ -220,19 +268,26 @@ class SumOperator(_MultiOperator):
     def _adjoint(self):
         return SumOperator([op._adjoint() for op in self.ops], **self._props())
 
-    def _diagonal(self):
-        out = self.ops[0]._diagonal()
-        for op in self.ops[1:]:
-            out = out + op._diagonal()
-        return out
 
-    def _scale(self, c):
-        from ._dense import _scaled_props
+@diagonal.register(SumOperator)
+def _diagonal_sum(A):
+    # diag(sum A_i) = sum diag(A_i)
+    out = diagonal(A.ops[0])
+    for op in A.ops[1:]:
+        out = out + diagonal(op)
+    return out
 
-        return SumOperator([op._scale(c) for op in self.ops], **_scaled_props(self, c))
 
-    def _trace(self):
-        return sum(op._trace() for op in self.ops)
+@scale.register(SumOperator)
+def _scale_sum(A, c):
+    # c sum A_i = sum c A_i
+    return SumOperator([scale(op, c) for op in A.ops], **_scaled_props(A, c))
+
+
+@trace.register(SumOperator)
+def _trace_sum(A):
+    # tr(sum A_i) = sum tr(A_i)
+    return sum(trace(op) for op in A.ops)
 
 
 class ProductOperator(_MultiOperator):
@@ -289,36 +344,45 @@ class ProductOperator(_MultiOperator):
     def _adjoint(self):
         return ProductOperator([op._adjoint() for op in reversed(self.ops)], **self._props())
 
-    def _scale(self, c):
-        from ._dense import _scaled_props
-
-        ops = [self.ops[0]._scale(c)] + self.ops[1:]
-        return ProductOperator(ops, **_scaled_props(self, c))
-
     def _all_square(self):
         return all(op.is_square for op in self.ops)
 
-    def _solve(self, B):
-        # (A_1 ... A_k)^{-1} B = A_k^{-1} ... A_1^{-1} B when every factor is square.
-        if not self._all_square():
-            return super()._solve(B)
-        for op in self.ops:
-            B = op._solve(B)
-        return B
 
-    def _inverse(self):
-        if not self._all_square():
-            return super()._inverse()
-        return ProductOperator([op._inverse() for op in reversed(self.ops)], **self._props())
+@scale.register(ProductOperator)
+def _scale_product(A, c):
+    # c (A_1 A_2 ...) = (c A_1) A_2 ...
+    ops = [scale(A.ops[0], c)] + A.ops[1:]
+    return ProductOperator(ops, **_scaled_props(A, c))
 
-    def _slogdet(self):
-        if not self._all_square():
-            return super()._slogdet()
-        signs, logs = zip(*(op._slogdet() for op in self.ops))
-        sign, logabs = signs[0], logs[0]
-        for s, l in zip(signs[1:], logs[1:]):
-            sign, logabs = sign * s, logabs + l
-        return sign, logabs
+
+@solve.register(ProductOperator)
+def _solve_product(A, B):
+    # (A_1 ... A_k)^{-1} B = A_k^{-1} ... A_1^{-1} B when every factor is square.
+    if not A._all_square():
+        return dense_solve(A, B)
+    for op in A.ops:
+        B = solve(op, B)
+    return B
+
+
+@inv.register(ProductOperator)
+def _inv_product(A):
+    # (A_1 ... A_k)^{-1} = A_k^{-1} ... A_1^{-1} (square factors)
+    if not A._all_square():
+        return dense_inv(A)
+    return ProductOperator([inv(op) for op in reversed(A.ops)], **A._props())
+
+
+@slogdet.register(ProductOperator)
+def _slogdet_product(A):
+    # det(A_1 ... A_k) = prod det(A_i) (square factors)
+    if not A._all_square():
+        return dense_slogdet(A)
+    signs, logs = zip(*(slogdet(op) for op in A.ops))
+    sign, logabs = signs[0], logs[0]
+    for s, l in zip(signs[1:], logs[1:]):
+        sign, logabs = sign * s, logabs + l
+    return sign, logabs
 
 
 class BlockDiagonalOperator(_MultiOperator):
@@ -352,16 +416,17 @@ class BlockDiagonalOperator(_MultiOperator):
     def _split(self, X, dim=-2):
         return torch.split(X, self.sizes, dim=dim)
 
-    def _per_block(self, method, X, out_dim=-2):
-        parts = [getattr(op, method)(x) for op, x in zip(self.ops, self._split(X, out_dim))]
+    def _per_block(self, fn, X, out_dim=-2):
+        """``fn(block, rows of X)`` for every block, concatenated along ``out_dim``."""
+        parts = [fn(op, x) for op, x in zip(self.ops, self._split(X, out_dim))]
         batch = broadcast_batch(*(p.shape[:-2] for p in parts))
         return torch.cat([p.expand(batch + p.shape[-2:]) for p in parts], dim=out_dim)
 
     def _matmul(self, X):
-        return self._per_block("_matmul", X)
+        return self._per_block(_matmul_of, X)
 
     def _rmatmul(self, X):
-        return self._per_block("_rmatmul", X, out_dim=-1)
+        return self._per_block(_rmatmul_of, X, out_dim=-1)
 
     def _to_dense(self):
         dense = [op._to_dense() for op in self.ops]
@@ -390,63 +455,183 @@ class BlockDiagonalOperator(_MultiOperator):
             setattr(self, k, v)
         return self
 
-    def _diagonal(self):
-        parts = [op._diagonal() for op in self.ops]
-        batch = broadcast_batch(*(p.shape[:-1] for p in parts))
-        return torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
-
-    def _scale(self, c):
-        from ._dense import _scaled_props
-
-        return BlockDiagonalOperator([op._scale(c) for op in self.ops], **_scaled_props(self, c))
-
-    def _matmul_operator(self, other):
-        if isinstance(other, BlockDiagonalOperator) and other.sizes == self.sizes:
-            from ._functions import matmul
-
-            return BlockDiagonalOperator([matmul(a, b) for a, b in zip(self.ops, other.ops)])
-        return None
-
-    def _add(self, other):
-        if isinstance(other, BlockDiagonalOperator) and other.sizes == self.sizes:
-            from ._functions import add
-
-            return BlockDiagonalOperator([add(a, b) for a, b in zip(self.ops, other.ops)])
-        return None
-
-    def _solve(self, B):
-        return self._per_block("_solve", B)
-
-    def _inverse(self):
-        return self._map_ops(lambda op: op._inverse())
-
-    def _slogdet(self):
-        signs, logs = zip(*(op._slogdet() for op in self.ops))
-        sign, logabs = signs[0], logs[0]
-        for s, l in zip(signs[1:], logs[1:]):
-            sign, logabs = sign * s, logabs + l
-        return sign, logabs
-
-    def _cholesky(self):
-        return BlockDiagonalOperator([op._cholesky() for op in self.ops])
-
-    def _eigh(self):
-        from ._dense import PermutationOperator
-
-        pairs = [op._eigh() for op in self.ops]
-        evals = [p[0] for p in pairs]
-        batch = broadcast_batch(*(e.shape[:-1] for e in evals))
-        evals = torch.cat([e.expand(batch + e.shape[-1:]) for e in evals], dim=-1)
-        evals, idx = torch.sort(evals, dim=-1)
-        Q = BlockDiagonalOperator([p[1] for p in pairs], unitary=True)
-        return evals, ProductOperator([Q, PermutationOperator(idx, dtype=self.dtype).mT])
-
-    def _trace(self):
-        return sum(op._trace() for op in self.ops)
-
     def _frobenius_sq(self):
         return sum(op._frobenius_sq() for op in self.ops)
 
 
+@diagonal.register(BlockDiagonalOperator)
+def _diagonal_block_diagonal(A):
+    # the blocks' diagonals, concatenated
+    parts = [diagonal(op) for op in A.ops]
+    batch = broadcast_batch(*(p.shape[:-1] for p in parts))
+    return torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
+
+
+@scale.register(BlockDiagonalOperator)
+def _scale_block_diagonal(A, c):
+    # c blockdiag(A_i) = blockdiag(c A_i)
+    return BlockDiagonalOperator([scale(op, c) for op in A.ops], **_scaled_props(A, c))
+
+
+@matmul_rule.register(BlockDiagonalOperator)
+def _matmul_block_diagonal(A, B):
+    if isinstance(B, BlockDiagonalOperator) and B.sizes == A.sizes:
+        # blockdiag(A_i) blockdiag(B_i) = blockdiag(A_i B_i)
+        return BlockDiagonalOperator([matmul(a, b) for a, b in zip(A.ops, B.ops)])
+    return None
+
+
+@add_rule.register(BlockDiagonalOperator)
+def _add_block_diagonal(A, B):
+    if isinstance(B, BlockDiagonalOperator) and B.sizes == A.sizes:
+        # blockdiag(A_i) + blockdiag(B_i) = blockdiag(A_i + B_i)
+        return BlockDiagonalOperator([add(a, b) for a, b in zip(A.ops, B.ops)])
+    return None
+
+
+@solve.register(BlockDiagonalOperator)
+def _solve_block_diagonal(A, B):
+    # blockdiag(A_i)^{-1} B = the blocks' solves stacked
+    return A._per_block(solve, B)
+
+
+@inv.register(BlockDiagonalOperator)
+def _inv_block_diagonal(A):
+    # blockdiag(A_i)^{-1} = blockdiag(A_i^{-1})
+    return A._map_ops(lambda op: inv(op))
+
+
+@slogdet.register(BlockDiagonalOperator)
+def _slogdet_block_diagonal(A):
+    # det blockdiag(A_i) = prod det(A_i)
+    signs, logs = zip(*(slogdet(op) for op in A.ops))
+    sign, logabs = signs[0], logs[0]
+    for s, l in zip(signs[1:], logs[1:]):
+        sign, logabs = sign * s, logabs + l
+    return sign, logabs
+
+
+@cholesky.register(BlockDiagonalOperator)
+def _cholesky_block_diagonal(A):
+    # chol blockdiag(A_i) = blockdiag(chol A_i)
+    return BlockDiagonalOperator([cholesky(op) for op in A.ops])
+
+
+@eigh.register(BlockDiagonalOperator)
+def _eigh_block_diagonal(A):
+    # the blocks' eigenpairs, sorted by a permutation
+    pairs = [eigh(op) for op in A.ops]
+    evals = [p[0] for p in pairs]
+    batch = broadcast_batch(*(e.shape[:-1] for e in evals))
+    evals = torch.cat([e.expand(batch + e.shape[-1:]) for e in evals], dim=-1)
+    evals, idx = torch.sort(evals, dim=-1)
+    Q = BlockDiagonalOperator([p[1] for p in pairs], unitary=True)
+    return evals, ProductOperator([Q, PermutationOperator(idx, dtype=A.dtype).mT])
+
+
+@trace.register(BlockDiagonalOperator)
+def _trace_block_diagonal(A):
+    # tr blockdiag(A_i) = sum tr(A_i)
+    return sum(trace(op) for op in A.ops)
+
+
 def _swap_lu(op):
     return dict(lower=op.upper, upper=op.lower)
+
+
+# ------------------------------------------------------------------ the algebra's resolvers
+@scale.register(LinearOperator)
+def _scale_lazy(A, c):
+    # The default: c A = (c I) A, kept lazy.
+    return ProductOperator([ScaledIdentityOperator(c, A._shape[-2], like=A), A])
+
+
+def _name(x) -> str:
+    return type(x).__name__
+
+
+def matmul(a, b):
+    """``a @ b`` for operators and tensors; operator @ operator keeps structure when it can.
+
+    Two operators: ``a``'s `matmul` rules, then ``b``'s `rmatmul` rules, then a lazy
+    ProductOperator (Note [Dispatch precedence]).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import KroneckerOperator, matmul
+        >>> K = KroneckerOperator(torch.eye(2), torch.eye(3))  # [6, 6]
+        >>> type(matmul(K, K)).__name__  # Kronecker of products
+        'KroneckerOperator'
+    """
+    a_op, b_op = isinstance(a, LinearOperator), isinstance(b, LinearOperator)
+    if a_op and b_op:
+        if a.shape[-1] != b.shape[-2]:
+            raise ValueError(
+                f"matmul({a!r}, {b!r}): inner dimensions differ ({a.shape[-1]} != {b.shape[-2]})."
+            )
+        out = matmul_rule(a, b)
+        if out is None:
+            out = rmatmul_rule(b, a)
+        return out if out is not None else ProductOperator([a, b])
+    if a_op:
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(
+                f"matmul({a!r}, b): expected b to be a Tensor or LinearOperator, "
+                f"received {_name(b)}."
+            )
+        if b.dim() == 1:
+            _check_inner(a, b, a.shape[-1], b.shape[0])
+            return a._matmul(b.unsqueeze(-1)).squeeze(-1)
+        _check_inner(a, b, a.shape[-1], b.shape[-2])
+        return a._matmul(b)
+    if b_op:
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(
+                f"matmul(a, {b!r}): expected a to be a Tensor or LinearOperator, "
+                f"received {_name(a)}."
+            )
+        if a.dim() == 1:
+            _check_inner(a, b, a.shape[0], b.shape[-2])
+            return b._rmatmul(a.unsqueeze(-2)).squeeze(-2)
+        _check_inner(a, b, a.shape[-1], b.shape[-2])
+        return b._rmatmul(a)
+    return torch.matmul(a, b)
+
+
+def _check_inner(a, b, k1, k2):
+    if k1 != k2:
+        sa = tuple(a.shape)
+        sb = tuple(b.shape)
+        raise ValueError(
+            f"matmul(a, b): inner dimensions differ: a has shape {sa}, b has shape {sb}."
+        )
+
+
+def add(a, b):
+    """``a + b``: Diagonal + Diagonal is Diagonal, LowRank + Diagonal is LowRankPlusDiagonal,
+    Kronecker + s I is KroneckerPlusScaledIdentity, otherwise a lazy SumOperator.
+
+    Two operators: ``a``'s `add` rules, then ``b``'s (with ``a`` as second argument: sums
+    commute), then a lazy SumOperator (Note [Dispatch precedence]).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, LowRankOperator, add
+        >>> type(add(LowRankOperator(torch.ones(3, 1)), DiagonalOperator(torch.ones(3)))).__name__
+        'LowRankPlusDiagonalOperator'
+    """
+    if isinstance(a, torch.Tensor) and a.dim() >= 2:
+        a = DenseOperator(a)
+    if isinstance(b, torch.Tensor) and b.dim() >= 2:
+        b = DenseOperator(b)
+    if not (isinstance(a, LinearOperator) and isinstance(b, LinearOperator)):
+        op = a if isinstance(a, LinearOperator) else b
+        return dense_fallback(
+            torch.add, (a, b), {}, reason=f"{_name(op)} + {_name(a if op is b else b)}"
+        )
+    if a.shape[-2:] != b.shape[-2:]:
+        raise ValueError(f"add({a!r}, {b!r}): expected operators of one matrix shape.")
+    out = add_rule(a, b)
+    if out is None:
+        out = add_rule(b, a)
+    return out if out is not None else SumOperator([a, b])

@@ -1,4 +1,5 @@
-"""Elementary operators: Dense, Diagonal, Identity, ScaledIdentity, Triangular, Permutation."""
+"""Elementary operators: Dense, Diagonal, Identity, ScaledIdentity, Triangular, Permutation,
+and the dense defaults of every structure rule (registered for `LinearOperator`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,20 @@ import torch
 from functransforms._custom import custom_vjp
 
 from ._base import LinearOperator, _sign_prod, broadcast_batch, dense_cholesky
+from ._rules import (
+    add,
+    cholesky,
+    diagonal,
+    eigh,
+    inv,
+    matmul,
+    rmatmul,
+    scale,
+    slogdet,
+    solve,
+    svd,
+    trace,
+)
 
 
 def _as_tensor(x, name: str, call: str) -> torch.Tensor:
@@ -42,8 +57,11 @@ class _StoredMatrix:
     def _adjoint(self):
         return type(self)(self.A.mH, **_transposed_props(self))
 
-    def _diagonal(self):
-        return self.A.diagonal(dim1=-2, dim2=-1)
+
+@diagonal.register(_StoredMatrix)
+def _diagonal_stored_matrix(A):
+    # the stored matrix's diagonal
+    return A.A.diagonal(dim1=-2, dim2=-1)
 
 
 class DenseOperator(_StoredMatrix, LinearOperator):
@@ -84,21 +102,30 @@ class DenseOperator(_StoredMatrix, LinearOperator):
     def _half_logdet_pd(self):
         """``½ log det A = sum log diag(chol A)`` (positive definite only)."""
         if not self.positive_definite:
-            return self._slogdet()[1] / 2
+            return slogdet(self)[1] / 2
         return pd_logdet_sum((0.5,), self.A)
 
-    def _scale(self, c):
-        return DenseOperator(self.A * c, **_scaled_props(self, c))
 
-    def _add(self, other):
-        if isinstance(other, DenseOperator):
-            return DenseOperator(self.A + other.A, **_sum_props(self, other))
-        return None
+@scale.register(DenseOperator)
+def _scale_dense(A, c):
+    # c A, kept dense
+    return DenseOperator(A.A * c, **_scaled_props(A, c))
 
-    def _matmul_operator(self, other):
-        if isinstance(other, DenseOperator):
-            return DenseOperator(self.A @ other.A, unitary=self.unitary and other.unitary)
-        return None
+
+@add.register(DenseOperator)
+def _add_dense(A, B):
+    # Dense + Dense is one dense matrix
+    if isinstance(B, DenseOperator):
+        return DenseOperator(A.A + B.A, **_sum_props(A, B))
+    return None
+
+
+@matmul.register(DenseOperator)
+def _matmul_dense(A, B):
+    # Dense @ Dense is one dense matrix (unitary if both are)
+    if isinstance(B, DenseOperator):
+        return DenseOperator(A.A @ B.A, unitary=A.unitary and B.unitary)
+    return None
 
 
 class DiagonalOperator(LinearOperator):
@@ -147,62 +174,93 @@ class DiagonalOperator(LinearOperator):
     def _adjoint(self):
         return DiagonalOperator(self.d.conj(), **self._props()) if self.is_complex else self
 
-    def _diagonal(self):
-        return self.d
-
-    def _scale(self, c):
-        return DiagonalOperator(self.d * c, **_scaled_props(self, c))
-
-    def _add(self, other):
-        if isinstance(other, DiagonalOperator):
-            return DiagonalOperator(self.d + other.d, **_sum_props(self, other))
-        if isinstance(other, ScaledIdentityOperator):
-            return DiagonalOperator(self.d + other.scale.unsqueeze(-1), **_sum_props(self, other))
-        if isinstance(other, (DenseOperator, TriangularOperator)):
-            return type(other)._from_children(
-                [other._to_dense() + self._to_dense()],
-                {**_sum_props(self, other), **_static(other)},
-            )
-        return None
-
-    def _matmul_operator(self, other):
-        if isinstance(other, DiagonalOperator):
-            return DiagonalOperator(self.d * other.d)
-        if isinstance(other, ScaledIdentityOperator):
-            return DiagonalOperator(self.d * other.scale.unsqueeze(-1))
-        return None
-
-    def _solve(self, B):
-        return B / self.d.unsqueeze(-1)
-
-    def _inverse(self):
-        return DiagonalOperator(1 / self.d, **self._props())
-
-    def _slogdet(self):
-        return _sign_prod(self.d), self.d.abs().log().sum(-1)
-
-    def _cholesky(self):
-        return DiagonalOperator(self.d.sqrt())
-
-    def _eigh(self):
-        evals, idx = torch.sort(self.d.real if self.is_complex else self.d, dim=-1)
-        return evals, PermutationOperator(idx, dtype=self.dtype).mT
-
-    def _svd(self):
-        # diag(d) = U diag(s) V^H with s = |d| sorted descending, V = columns e_idx, U = V phase.
-        from ._composite import ProductOperator
-
-        s, idx = torch.sort(self.d.abs(), dim=-1, descending=True)
-        V = PermutationOperator(idx, dtype=self.dtype).mT
-        dsorted = torch.gather(self.d, -1, idx)
-        phase = torch.where(s > 0, dsorted / torch.where(s > 0, s, 1), 1).to(self.dtype)
-        return ProductOperator([V, DiagonalOperator(phase)]), s, V.mH
-
-    def _trace(self):
-        return self.d.sum(-1)
-
     def _frobenius_sq(self):
         return (self.d * self.d.conj()).real.sum(-1)
+
+
+@diagonal.register(DiagonalOperator)
+def _diagonal_diagonal(A):
+    # diag(diag(d)) = d
+    return A.d
+
+
+@scale.register(DiagonalOperator)
+def _scale_diagonal(A, c):
+    # c diag(d) = diag(c d)
+    return DiagonalOperator(A.d * c, **_scaled_props(A, c))
+
+
+@add.register(DiagonalOperator)
+def _add_diagonal(A, B):
+    # diag(d) + diag(e) = diag(d + e), diag(d) + s I = diag(d + s); a dense or triangular
+    # matrix absorbs a diagonal without changing its kind
+    if isinstance(B, DiagonalOperator):
+        return DiagonalOperator(A.d + B.d, **_sum_props(A, B))
+    if isinstance(B, ScaledIdentityOperator):
+        return DiagonalOperator(A.d + B.scale.unsqueeze(-1), **_sum_props(A, B))
+    if isinstance(B, (DenseOperator, TriangularOperator)):
+        return type(B)._from_children(
+            [B._to_dense() + A._to_dense()],
+            {**_sum_props(A, B), **_static(B)},
+        )
+    return None
+
+
+@matmul.register(DiagonalOperator)
+def _matmul_diagonal(A, B):
+    # diag(d) diag(e) = diag(d e), diag(d) (s I) = diag(s d)
+    if isinstance(B, DiagonalOperator):
+        return DiagonalOperator(A.d * B.d)
+    if isinstance(B, ScaledIdentityOperator):
+        return DiagonalOperator(A.d * B.scale.unsqueeze(-1))
+    return None
+
+
+@solve.register(DiagonalOperator)
+def _solve_diagonal(A, B):
+    # diag(d)^{-1} B = B / d (row-wise)
+    return B / A.d.unsqueeze(-1)
+
+
+@inv.register(DiagonalOperator)
+def _inv_diagonal(A):
+    # diag(d)^{-1} = diag(1 / d)
+    return DiagonalOperator(1 / A.d, **A._props())
+
+
+@slogdet.register(DiagonalOperator)
+def _slogdet_diagonal(A):
+    # det diag(d) = prod d
+    return _sign_prod(A.d), A.d.abs().log().sum(-1)
+
+
+@cholesky.register(DiagonalOperator)
+def _cholesky_diagonal(A):
+    # chol diag(d) = diag(sqrt d) (d > 0)
+    return DiagonalOperator(A.d.sqrt())
+
+
+@eigh.register(DiagonalOperator)
+def _eigh_diagonal(A):
+    # the eigenvalues are d sorted, the eigenvectors the sorting permutation
+    evals, idx = torch.sort(A.d.real if A.is_complex else A.d, dim=-1)
+    return evals, PermutationOperator(idx, dtype=A.dtype).mT
+
+
+@svd.register(DiagonalOperator)
+def _svd_diagonal(A):
+    # diag(d) = U diag(s) V^H with s = |d| sorted descending, V = columns e_idx, U = V phase.
+    s, idx = torch.sort(A.d.abs(), dim=-1, descending=True)
+    V = PermutationOperator(idx, dtype=A.dtype).mT
+    dsorted = torch.gather(A.d, -1, idx)
+    phase = torch.where(s > 0, dsorted / torch.where(s > 0, s, 1), 1).to(A.dtype)
+    return V @ DiagonalOperator(phase), s, V.mH  # a lazy product
+
+
+@trace.register(DiagonalOperator)
+def _trace_diagonal(A):
+    # tr diag(d) = sum d
+    return A.d.sum(-1)
 
 
 class ScaledIdentityOperator(LinearOperator):
@@ -251,47 +309,81 @@ class ScaledIdentityOperator(LinearOperator):
     def _adjoint(self):
         return ScaledIdentityOperator(self.scale.conj(), self.n) if self.is_complex else self
 
-    def _diagonal(self):
-        return self.scale.unsqueeze(-1).expand(self.scale.shape + (self.n,))
-
-    def _scale(self, c):
-        return ScaledIdentityOperator(self.scale * c, self.n, **_scaled_props(self, c))
-
-    def _add(self, other):
-        if isinstance(other, ScaledIdentityOperator):
-            return ScaledIdentityOperator(
-                self.scale + other.scale, self.n, **_sum_props(self, other)
-            )
-        if isinstance(other, DiagonalOperator):
-            return other._add(self)
-        return None
-
-    def _matmul_operator(self, other):
-        return other._scale(self.scale)
-
-    def _solve(self, B):
-        return B / self.scale.unsqueeze(-1).unsqueeze(-1)
-
-    def _inverse(self):
-        return ScaledIdentityOperator(1 / self.scale, self.n, **self._props())
-
-    def _slogdet(self):
-        s = self.scale
-        sign = (s / s.abs()) ** self.n if s.is_complex() else torch.sign(s) ** self.n
-        return sign, self.n * s.abs().log()
-
-    def _cholesky(self):
-        return ScaledIdentityOperator(self.scale.sqrt(), self.n)
-
-    def _eigh(self):
-        evals = self._diagonal().real if self.is_complex else self._diagonal()
-        return evals, IdentityOperator(self.n, dtype=self.dtype, device=self.device)
-
-    def _trace(self):
-        return self.n * self.scale
-
     def _frobenius_sq(self):
         return self.n * (self.scale * self.scale.conj()).real
+
+
+@diagonal.register(ScaledIdentityOperator)
+def _diagonal_scaled_identity(A):
+    # diag(c I) = c, n times
+    return A.scale.unsqueeze(-1).expand(A.scale.shape + (A.n,))
+
+
+@scale.register(ScaledIdentityOperator)
+def _scale_scaled_identity(A, c):
+    # a (c I) = (a c) I
+    return ScaledIdentityOperator(A.scale * c, A.n, **_scaled_props(A, c))
+
+
+@add.register(ScaledIdentityOperator)
+def _add_scaled_identity(A, B):
+    # c I + d I = (c + d) I; c I + diag(e): the diagonal rule
+    if isinstance(B, ScaledIdentityOperator):
+        return ScaledIdentityOperator(A.scale + B.scale, A.n, **_sum_props(A, B))
+    if isinstance(B, DiagonalOperator):
+        return add(B, A)
+    return None
+
+
+@matmul.register(ScaledIdentityOperator)
+def _matmul_scaled_identity(A, B):
+    # (c I) B = c B
+    return scale(B, A.scale)
+
+
+@rmatmul.register(ScaledIdentityOperator)
+def _rmatmul_scaled_identity(B, A):
+    # A (c I) = c A
+    return scale(A, B.scale)
+
+
+@solve.register(ScaledIdentityOperator)
+def _solve_scaled_identity(A, B):
+    # (c I)^{-1} B = B / c
+    return B / A.scale.unsqueeze(-1).unsqueeze(-1)
+
+
+@inv.register(ScaledIdentityOperator)
+def _inv_scaled_identity(A):
+    # (c I)^{-1} = (1 / c) I
+    return ScaledIdentityOperator(1 / A.scale, A.n, **A._props())
+
+
+@slogdet.register(ScaledIdentityOperator)
+def _slogdet_scaled_identity(A):
+    # det(c I) = c^n
+    s = A.scale
+    sign = (s / s.abs()) ** A.n if s.is_complex() else torch.sign(s) ** A.n
+    return sign, A.n * s.abs().log()
+
+
+@cholesky.register(ScaledIdentityOperator)
+def _cholesky_scaled_identity(A):
+    # chol(c I) = sqrt(c) I
+    return ScaledIdentityOperator(A.scale.sqrt(), A.n)
+
+
+@eigh.register(ScaledIdentityOperator)
+def _eigh_scaled_identity(A):
+    # c I = I (c I) I^T
+    evals = diagonal(A).real if A.is_complex else diagonal(A)
+    return evals, IdentityOperator(A.n, dtype=A.dtype, device=A.device)
+
+
+@trace.register(ScaledIdentityOperator)
+def _trace_scaled_identity(A):
+    # tr(c I) = n c
+    return A.n * A.scale
 
 
 class IdentityOperator(ScaledIdentityOperator):
@@ -319,11 +411,23 @@ class IdentityOperator(ScaledIdentityOperator):
     def _matmul(self, X):
         return X
 
-    def _matmul_operator(self, other):
-        return other
 
-    def _solve(self, B):
-        return B
+@matmul.register(IdentityOperator)
+def _matmul_identity(A, B):
+    # I B = B
+    return B
+
+
+@rmatmul.register(IdentityOperator)
+def _rmatmul_identity(B, A):
+    # A I = A
+    return A
+
+
+@solve.register(IdentityOperator)
+def _solve_identity(A, B):
+    # I^{-1} B = B
+    return B
 
 
 class TriangularOperator(_StoredMatrix, LinearOperator):
@@ -349,33 +453,53 @@ class TriangularOperator(_StoredMatrix, LinearOperator):
         props["lower"], props["upper"] = not upper, bool(upper)
         super().__init__(A.shape, A.dtype, A.device, **props)
 
-    def _scale(self, c):
-        return TriangularOperator(self.A * c, **_scaled_props(self, c))
 
-    def _add(self, other):
-        if isinstance(other, TriangularOperator) and other.upper == self.upper:
-            return TriangularOperator(self.A + other.A, **_sum_props(self, other))
-        return None
+@scale.register(TriangularOperator)
+def _scale_triangular(A, c):
+    # c T is triangular of the same kind
+    return TriangularOperator(A.A * c, **_scaled_props(A, c))
 
-    def _matmul_operator(self, other):
-        if isinstance(other, TriangularOperator) and other.upper == self.upper:
-            return TriangularOperator(self.A @ other.A, upper=self.upper)
-        return None
 
-    def _solve(self, B):
-        return torch.linalg.solve_triangular(self.A, B, upper=self.upper)
+@add.register(TriangularOperator)
+def _add_triangular(A, B):
+    # sums of triangular matrices of one kind keep the kind
+    if isinstance(B, TriangularOperator) and B.upper == A.upper:
+        return TriangularOperator(A.A + B.A, **_sum_props(A, B))
+    return None
 
-    def _slogdet(self):
-        d = self._diagonal()
-        return _sign_prod(d), d.abs().log().sum(-1)
 
-    def _cholesky(self):
-        if self.positive_definite:  # a PD triangular matrix is diagonal
-            return DiagonalOperator(self._diagonal().sqrt())
-        return TriangularOperator(dense_cholesky(self._to_dense(), self))
+@matmul.register(TriangularOperator)
+def _matmul_triangular(A, B):
+    # products of triangular matrices of one kind keep the kind
+    if isinstance(B, TriangularOperator) and B.upper == A.upper:
+        return TriangularOperator(A.A @ B.A, upper=A.upper)
+    return None
 
-    def _trace(self):
-        return self._diagonal().sum(-1)
+
+@solve.register(TriangularOperator)
+def _solve_triangular(A, B):
+    # forward / back substitution, O(n^2)
+    return torch.linalg.solve_triangular(A.A, B, upper=A.upper)
+
+
+@slogdet.register(TriangularOperator)
+def _slogdet_triangular(A):
+    # det T = prod diag(T)
+    d = diagonal(A)
+    return _sign_prod(d), d.abs().log().sum(-1)
+
+
+@cholesky.register(TriangularOperator)
+def _cholesky_triangular(A):
+    if A.positive_definite:  # a PD triangular matrix is diagonal
+        return DiagonalOperator(diagonal(A).sqrt())
+    return TriangularOperator(dense_cholesky(A._to_dense(), A))
+
+
+@trace.register(TriangularOperator)
+def _trace_triangular(A):
+    # tr T = sum diag(T)
+    return diagonal(A).sum(-1)
 
 
 class PermutationOperator(LinearOperator):
@@ -426,32 +550,45 @@ class PermutationOperator(LinearOperator):
     def _transpose(self):
         return PermutationOperator(self._inverse_perm(), dtype=self.dtype)
 
-    def _diagonal(self):
-        ar = torch.arange(self.shape[-1], device=self.device)
-        return (self.perm == ar).to(self.dtype)
-
-    def _matmul_operator(self, other):
-        if isinstance(other, PermutationOperator):  # (P Q x)[i] = x[q[p[i]]]
-            return PermutationOperator(torch.gather(other.perm, -1, self.perm), dtype=self.dtype)
-        return None
-
-    def _solve(self, B):
-        return self._transpose()._matmul(B)
-
-    def _inverse(self):
-        return self._transpose()
-
-    def _slogdet(self):
-        # sign = (-1)^(n - number of cycles); integer data, no derivative.
-        perms = self.perm.reshape(-1, self.shape[-1]).tolist()
-        signs = [_perm_sign(p) for p in perms]
-        sign = torch.tensor(signs, dtype=self.dtype, device=self.device).reshape(self.batch_shape)
-        return sign, torch.zeros(self.batch_shape, dtype=self.dtype, device=self.device)
-
     def _frobenius_sq(self):
         return torch.full(
             self.batch_shape, float(self.shape[-1]), dtype=self.dtype, device=self.device
         )
+
+
+@diagonal.register(PermutationOperator)
+def _diagonal_permutation(A):
+    # P[i, i] = 1 where perm[i] = i
+    ar = torch.arange(A.shape[-1], device=A.device)
+    return (A.perm == ar).to(A.dtype)
+
+
+@matmul.register(PermutationOperator)
+def _matmul_permutation(A, B):
+    if isinstance(B, PermutationOperator):  # (P Q x)[i] = x[q[p[i]]]
+        return PermutationOperator(torch.gather(B.perm, -1, A.perm), dtype=A.dtype)
+    return None
+
+
+@solve.register(PermutationOperator)
+def _solve_permutation(A, B):
+    # P^{-1} = P^T
+    return A._transpose()._matmul(B)
+
+
+@inv.register(PermutationOperator)
+def _inv_permutation(A):
+    # P^{-1} = P^T
+    return A._transpose()
+
+
+@slogdet.register(PermutationOperator)
+def _slogdet_permutation(A):
+    # sign = (-1)^(n - number of cycles); integer data, no derivative.
+    perms = A.perm.reshape(-1, A.shape[-1]).tolist()
+    signs = [_perm_sign(p) for p in perms]
+    sign = torch.tensor(signs, dtype=A.dtype, device=A.device).reshape(A.batch_shape)
+    return sign, torch.zeros(A.batch_shape, dtype=A.dtype, device=A.device)
 
 
 def _perm_sign(p) -> float:
@@ -464,6 +601,70 @@ def _perm_sign(p) -> float:
                 seen[j] = True
                 j = p[j]
     return -1.0 if (len(p) - cycles) % 2 else 1.0
+
+
+# ------------------------------------------------------------------ the dense defaults
+# Registered for LinearOperator, so that they apply to every operator without a structured rule
+# (Note [Dispatch precedence]): materialize, then torch's dense algorithm, chosen by the declared
+# properties (Note [Properties are promises]).
+@solve.register(LinearOperator)
+def dense_solve(A, B):
+    M = A._to_dense()
+    if A.positive_definite:
+        return torch.cholesky_solve(B, dense_cholesky(M, A))
+    if A.lower or A.upper:
+        return torch.linalg.solve_triangular(M, B, upper=A.upper)
+    if A.unitary:  # A^{-1} = A^H
+        return M.mH @ B
+    return torch.linalg.solve(M, B)
+
+
+@inv.register(LinearOperator)
+def dense_inv(A):
+    if A.unitary:  # A^{-1} = A^H
+        return A._adjoint()
+    eye = torch.eye(A._shape[-1], dtype=A._dtype, device=A._device)
+    if A.lower or A.upper:  # the inverse of a triangular matrix is triangular of the same kind
+        return TriangularOperator(solve(A, eye), upper=A.upper)
+    return DenseOperator(solve(A, eye), **A._props())
+
+
+@slogdet.register(LinearOperator)
+def dense_slogdet(A):
+    if A.positive_definite:
+        logabs = A._dense_logdet_pd()
+        return torch.ones_like(logabs), logabs
+    if A.lower or A.upper:  # det of a triangular matrix = product of its diagonal
+        d = diagonal(A)
+        return _sign_prod(d), d.abs().log().sum(-1)
+    return torch.linalg.slogdet(A._to_dense())
+
+
+@cholesky.register(LinearOperator)
+def dense_cholesky_operator(A):
+    return TriangularOperator(dense_cholesky(A._to_dense(), A), upper=False)
+
+
+@eigh.register(LinearOperator)
+def dense_eigh(A):
+    evals, evecs = torch.linalg.eigh(A._to_dense())
+    return evals, DenseOperator(evecs, unitary=True)
+
+
+@svd.register(LinearOperator)
+def dense_svd(A):
+    U, S, Vh = torch.linalg.svd(A._to_dense(), full_matrices=False)
+    return DenseOperator(U), S, DenseOperator(Vh)
+
+
+@trace.register(LinearOperator)
+def dense_trace(A):
+    return diagonal(A).sum(-1)
+
+
+@diagonal.register(LinearOperator)
+def dense_diagonal(A):
+    return A._to_dense().diagonal(dim1=-2, dim2=-1)
 
 
 # ------------------------------------------------------------------ property algebra

@@ -7,62 +7,18 @@ never a silent wrong result, never NotImplementedError for a function with a den
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 
 from . import _functions as F
-from ._base import LinearOperator
+from . import _rules
+
+# _warn_once is re-exported: tests clear its cache through this module.
+from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
 from ._iterative import _CONFIG
 
 
 def _is_op(x) -> bool:
     return isinstance(x, LinearOperator)
-
-
-def _densify(x):
-    if isinstance(x, LinearOperator):
-        return x._to_dense()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_densify(y) for y in x)
-    if isinstance(x, dict):
-        return {k: _densify(v) for k, v in x.items()}
-    return x
-
-
-def _func_name(func) -> str:
-    mod = getattr(func, "__module__", None) or ""
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    if "TensorBase" in name or mod.startswith("torch._C"):
-        return name.replace("TensorBase", "Tensor")
-    return f"{mod}.{name}" if mod else name
-
-
-@functools.cache
-def _warn_once(func_name: str, op_names: str) -> None:
-    warnings.warn(
-        f"{func_name} has no structured rule for {op_names}: computing it on the dense "
-        f"matrix (to_dense()). Every later call does the same, silently.",
-        stacklevel=4,
-    )
-
-
-def dense_fallback(func, args, kwargs, reason: str | None = None):
-    ops = sorted({type(x).__name__ for x in _flat_ops((args, kwargs))})
-    _warn_once(reason or _func_name(func), ", ".join(ops))
-    return func(*_densify(args), **_densify(kwargs))
-
-
-def _flat_ops(x):
-    if isinstance(x, LinearOperator):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _flat_ops(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _flat_ops(y)
 
 
 # ------------------------------------------------------------------ adapters (torch signatures)
@@ -177,7 +133,7 @@ def _norm(A, ord=None, dim=None, keepdim=False, *, dtype=None, out=None):
 def _diag(A, diagonal=0, *, out=None):
     if not _is_op(A) or A.ndim != 2 or diagonal != 0 or out is not None:
         return None
-    return A._diagonal()
+    return _rules.diagonal(A)
 
 
 def _add(input, other, *, alpha=1, out=None):

@@ -1,8 +1,13 @@
 """Public linear-algebra functions on operators (what `__torch_function__` routes to).
 
-Each function accepts LinearOperators (and tensors where torch does), keeps structure where the
-operator has it, and returns operators for matrix-valued results (`inv`, `cholesky`, the
-eigenvectors of `eigh`), so that they stay structured.
+Each function validates its arguments, handles what torch's signature allows (vectors,
+``left=False``, ``upper=True``, iterative methods) and calls the single-dispatch structure rule
+of ``_rules.py`` for the operator's class. Matrix-valued results (`inv`, `cholesky`, the
+eigenvectors of `eigh`) are operators, so that they stay structured.
+
+``solve.register``, ``inv.register``, ... register a structure rule for an operator class (the
+rule's registry is exposed on the public function): see docs/linalg.md, "Structure rules for
+your own operators", and Note [Dispatch precedence].
 """
 
 from __future__ import annotations
@@ -11,17 +16,45 @@ import math
 
 import torch
 
+from . import _rules
 from ._base import LinearOperator
-from ._composite import ProductOperator, SumOperator
+from ._composite import add, matmul
 from ._dense import DenseOperator
-from ._implicit import implicit_solve
-from ._iterative import resolve_method
+from ._implicit import InverseOperator, implicit_solve, under_our_transforms
+from ._iterative import (
+    hutchinson_trace,
+    hutchpp_trace,
+    iterative_logdet,
+    iterative_solve,
+    resolve_method,
+)
+
+
+def _with_rules(rule):
+    """Expose ``rule``'s registry on the public function (``solve.register(MyOperator)``)."""
+
+    def expose(public):
+        public.register = rule.register
+        public.dispatch = rule.dispatch
+        public.registry = rule.registry
+        return public
+
+    return expose
+
+
+# ``a @ b`` and ``a + b`` are resolved in _composite.py (Note [Dispatch precedence]); their
+# rules: ``matmul.register(T)`` for ``T @ X``, ``matmul.register_right(T)`` for ``X @ T``,
+# ``add.register(T)`` for ``T + X`` and ``X + T``.
+_with_rules(_rules.matmul)(matmul)
+matmul.register_right = _rules.rmatmul.register
+_with_rules(_rules.add)(add)
 
 
 def _IMPLICIT_SOLVE(A) -> bool:
     # Dense solves are differentiated by torch.linalg.solve's own rules; structured ones as a
     # whole (Note [Implicit differentiation of structured solves]).
-    return type(A) is not DenseOperator
+    # An InverseOperator's solve is a matmul by its base: differentiated op by op.
+    return type(A) is not DenseOperator and type(A) is not InverseOperator
 
 
 def _name(x) -> str:
@@ -39,105 +72,6 @@ def _require_square(A: LinearOperator, call: str) -> None:
         raise ValueError(f"{call}: expected a square operator, received {A!r}.")
 
 
-# ------------------------------------------------------------------ products and sums
-def matmul(a, b):
-    """``a @ b`` for operators and tensors; operator @ operator keeps structure when it can.
-
-    Example:
-        >>> import torch
-        >>> from functransforms.linalg import KroneckerOperator, matmul
-        >>> K = KroneckerOperator(torch.eye(2), torch.eye(3))  # [6, 6]
-        >>> type(matmul(K, K)).__name__  # Kronecker of products
-        'KroneckerOperator'
-    """
-    a_op, b_op = isinstance(a, LinearOperator), isinstance(b, LinearOperator)
-    if a_op and b_op:
-        if a.shape[-1] != b.shape[-2]:
-            raise ValueError(
-                f"matmul({a!r}, {b!r}): inner dimensions differ ({a.shape[-1]} != {b.shape[-2]})."
-            )
-        out = a._matmul_operator(b)
-        if out is None and b._matmul_operator.__func__ is not LinearOperator._matmul_operator:
-            out = _rmatmul_operator(b, a)
-        return out if out is not None else ProductOperator([a, b])
-    if a_op:
-        if not isinstance(b, torch.Tensor):
-            raise TypeError(
-                f"matmul({a!r}, b): expected b to be a Tensor or LinearOperator, "
-                f"received {_name(b)}."
-            )
-        if b.dim() == 1:
-            _check_inner(a, b, a.shape[-1], b.shape[0])
-            return a._matmul(b.unsqueeze(-1)).squeeze(-1)
-        _check_inner(a, b, a.shape[-1], b.shape[-2])
-        return a._matmul(b)
-    if b_op:
-        if not isinstance(a, torch.Tensor):
-            raise TypeError(
-                f"matmul(a, {b!r}): expected a to be a Tensor or LinearOperator, "
-                f"received {_name(a)}."
-            )
-        if a.dim() == 1:
-            _check_inner(a, b, a.shape[0], b.shape[-2])
-            return b._rmatmul(a.unsqueeze(-2)).squeeze(-2)
-        _check_inner(a, b, a.shape[-1], b.shape[-2])
-        return b._rmatmul(a)
-    return torch.matmul(a, b)
-
-
-def _rmatmul_operator(b: LinearOperator, a: LinearOperator):
-    """Structured ``a @ b`` known to ``b`` (scaled identities, identities)."""
-    from ._dense import IdentityOperator, ScaledIdentityOperator
-
-    if isinstance(b, IdentityOperator):
-        return a
-    if isinstance(b, ScaledIdentityOperator):
-        return a._scale(b.scale)
-    return None
-
-
-def _check_inner(a, b, k1, k2):
-    if k1 != k2:
-        sa = tuple(a.shape)
-        sb = tuple(b.shape)
-        raise ValueError(
-            f"matmul(a, b): inner dimensions differ: a has shape {sa}, b has shape {sb}."
-        )
-
-
-def add(a, b):
-    """``a + b``: Diagonal + Diagonal is Diagonal, LowRank + Diagonal is LowRankPlusDiagonal,
-    Kronecker + s I is KroneckerPlusScaledIdentity, otherwise a lazy SumOperator.
-
-    Example:
-        >>> import torch
-        >>> from functransforms.linalg import DiagonalOperator, LowRankOperator, add
-        >>> type(add(LowRankOperator(torch.ones(3, 1)), DiagonalOperator(torch.ones(3)))).__name__
-        'LowRankPlusDiagonalOperator'
-    """
-    if isinstance(a, torch.Tensor) and a.dim() >= 2:
-        from ._dense import DenseOperator
-
-        a = DenseOperator(a)
-    if isinstance(b, torch.Tensor) and b.dim() >= 2:
-        from ._dense import DenseOperator
-
-        b = DenseOperator(b)
-    if not (isinstance(a, LinearOperator) and isinstance(b, LinearOperator)):
-        op = a if isinstance(a, LinearOperator) else b
-        from ._dispatch import dense_fallback
-
-        return dense_fallback(
-            torch.add, (a, b), {}, reason=f"{_name(op)} + {_name(a if op is b else b)}"
-        )
-    if a.shape[-2:] != b.shape[-2:]:
-        raise ValueError(f"add({a!r}, {b!r}): expected operators of one matrix shape.")
-    out = a._add(b)
-    if out is None:
-        out = b._add(a)
-    return out if out is not None else SumOperator([a, b])
-
-
 # ------------------------------------------------------------------ solves
 def _is_vector_rhs(A: LinearOperator, B: torch.Tensor) -> bool:
     # torch.linalg.solve's rule: B is a (batch of) vectors when B.ndim == 1, or
@@ -145,6 +79,7 @@ def _is_vector_rhs(A: LinearOperator, B: torch.Tensor) -> bool:
     return B.dim() == 1 or (B.dim() == A.ndim - 1 and B.shape == A.shape[:-1])
 
 
+@_with_rules(_rules.solve)
 def solve(A, B, *, left: bool = True, method: str | None = None, **options):
     """``A^{-1} B`` through A's structure (exact), or an iterative method when asked.
 
@@ -175,10 +110,8 @@ def solve(A, B, *, left: bool = True, method: str | None = None, **options):
         )
     method, options = resolve_method("solve", method, options)
     if method is None:
-        X = implicit_solve(A, Bm) if _IMPLICIT_SOLVE(A) else A._solve(Bm)
+        X = implicit_solve(A, Bm) if _IMPLICIT_SOLVE(A) else _rules.solve(A, Bm)
     else:
-        from ._iterative import iterative_solve
-
         X = iterative_solve(A, Bm, method, **options)
     return X.squeeze(-1) if vec else X
 
@@ -194,8 +127,6 @@ def solve_triangular(A, B, *, upper: bool, left: bool = True, unitriangular: boo
         >>> solve_triangular(T, torch.tensor([[2.0], [2.0]]), upper=False).tolist()  # [2, 1]
         [[1.0], [1.0]]
     """
-    from ._dense import TriangularOperator
-
     A = _require_operator(A, "solve_triangular(A, B)")
     kind_ok = (A.upper if upper else A.lower) and not unitriangular
     if not kind_ok:
@@ -206,8 +137,8 @@ def solve_triangular(A, B, *, upper: bool, left: bool = True, unitriangular: boo
     if isinstance(B, LinearOperator):
         B = B._to_dense()
     if not left:
-        return A._transpose()._solve(B.mT).mT
-    return A._solve(B) if not isinstance(A, TriangularOperator) else A._solve(B)
+        return _rules.solve(A._transpose(), B.mT).mT
+    return _rules.solve(A, B)
 
 
 def cholesky_solve(B, L, upper: bool = False):
@@ -225,11 +156,12 @@ def cholesky_solve(B, L, upper: bool = False):
         L = L._adjoint()
     if isinstance(B, LinearOperator):
         B = B._to_dense()
-    Y = L._solve(B) if L.lower else solve_triangular(L, B, upper=False)
+    Y = _rules.solve(L, B) if L.lower else solve_triangular(L, B, upper=False)
     LH = L._adjoint()
-    return LH._solve(Y) if LH.upper else solve_triangular(LH, Y, upper=True)
+    return _rules.solve(LH, Y) if LH.upper else solve_triangular(LH, Y, upper=True)
 
 
+@_with_rules(_rules.inv)
 def inv(A) -> LinearOperator:
     """The inverse, as an operator with A's structure (Kronecker of inverses, Woodbury, ...).
 
@@ -242,10 +174,15 @@ def inv(A) -> LinearOperator:
     """
     A = _require_operator(A, "inv(A)")
     _require_square(A, "inv(A)")
-    return A._inverse()
+    if _IMPLICIT_SOLVE(A) and under_our_transforms(A):
+        # Applied by implicitly differentiated solves (Note [Implicit differentiation of
+        # structured solves]): inv(A) @ X is solve(A, X) in every mode.
+        return InverseOperator(A)
+    return _rules.inv(A)
 
 
 # ------------------------------------------------------------------ determinants
+@_with_rules(_rules.slogdet)
 def slogdet(A, *, method: str | None = None, **options):
     """``(sign, log|det A|)`` through A's structure.
 
@@ -260,11 +197,9 @@ def slogdet(A, *, method: str | None = None, **options):
     _require_square(A, "slogdet(A)")
     method, options = resolve_method("logdet", method, options)
     if method is not None:
-        from ._iterative import iterative_logdet
-
         logabs = iterative_logdet(A, method, **options)
         return torch.ones_like(logabs), logabs
-    sign, logabs = A._slogdet()
+    sign, logabs = _rules.slogdet(A)
     if A.is_complex and not sign.is_complex():  # torch: the sign has the matrix's dtype
         sign = sign.to(A.dtype)
     return sign, logabs
@@ -314,6 +249,7 @@ def det(A) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ factorizations
+@_with_rules(_rules.cholesky)
 def cholesky(A, *, upper: bool = False) -> LinearOperator:
     """The Cholesky factor of a symmetric PD operator, as a (structured) lower triangular operator.
 
@@ -325,10 +261,11 @@ def cholesky(A, *, upper: bool = False) -> LinearOperator:
     """
     A = _require_operator(A, "cholesky(A)")
     _require_square(A, "cholesky(A)")
-    L = A._cholesky()
+    L = _rules.cholesky(A)
     return L._adjoint() if upper else L
 
 
+@_with_rules(_rules.eigh)
 def eigh(A, UPLO: str = "L"):
     """``(eigenvalues ascending, eigenvectors as an operator)`` of a symmetric operator.
 
@@ -345,11 +282,9 @@ def eigh(A, UPLO: str = "L"):
     A = _require_operator(A, "eigh(A)")
     _require_square(A, "eigh(A)")
     if not A.symmetric:
-        from ._dense import DenseOperator
-
         evals, evecs = torch.linalg.eigh(A._to_dense(), UPLO=UPLO)
         return evals, DenseOperator(evecs, unitary=True)
-    return A._eigh()
+    return _rules.eigh(A)
 
 
 def eigvalsh(A, UPLO: str = "L") -> torch.Tensor:
@@ -366,9 +301,10 @@ def eigvalsh(A, UPLO: str = "L") -> torch.Tensor:
     A = _require_operator(A, "eigvalsh(A)")
     if not A.symmetric:
         return torch.linalg.eigvalsh(A._to_dense(), UPLO=UPLO)
-    return A._eigvalsh()
+    return _rules.eigh(A)[0]
 
 
+@_with_rules(_rules.svd)
 def svd(A, full_matrices: bool = True):
     """``(U, S, Vh)`` with U, Vh operators (structured for Diagonal/Kronecker).
 
@@ -381,11 +317,9 @@ def svd(A, full_matrices: bool = True):
     """
     A = _require_operator(A, "svd(A)")
     if full_matrices and not A.is_square:
-        from ._dense import DenseOperator
-
         U, S, Vh = torch.linalg.svd(A._to_dense(), full_matrices=True)
         return DenseOperator(U), S, DenseOperator(Vh)
-    return A._svd()
+    return _rules.svd(A)
 
 
 def svdvals(A) -> torch.Tensor:
@@ -401,6 +335,7 @@ def svdvals(A) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ reductions
+@_with_rules(_rules.trace)
 def trace(A, *, method: str | None = None, **options) -> torch.Tensor:
     """Trace (exact through structure; ``method="hutchinson"``/``"hutchpp"`` estimates it).
 
@@ -414,13 +349,12 @@ def trace(A, *, method: str | None = None, **options) -> torch.Tensor:
     _require_square(A, "trace(A)")
     method, options = resolve_method("trace", method, options)
     if method is not None:
-        from ._iterative import hutchinson_trace, hutchpp_trace
-
         fn = {"hutchinson": hutchinson_trace, "hutchpp": hutchpp_trace}[method]
         return fn(A, **options)
-    return A._trace()
+    return _rules.trace(A)
 
 
+@_with_rules(_rules.diagonal)
 def diagonal(A, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor:
     """The main diagonal through the structure (other offsets: dense).
 
@@ -433,7 +367,7 @@ def diagonal(A, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor
     A = _require_operator(A, "diagonal(A)")
     nd = A.ndim
     if offset == 0 and {dim1 % nd, dim2 % nd} == {nd - 2, nd - 1}:
-        return A._diagonal()
+        return _rules.diagonal(A)
     return torch.diagonal(A._to_dense(), offset=offset, dim1=dim1, dim2=dim2)
 
 

@@ -16,7 +16,12 @@ answer is 6292.5 (issue 8). We differentiate the solve as a whole instead, in ev
 Both rules call the same custom function again for their solves (with A's tensors as they come,
 possibly wrapped by enclosing transforms), so higher orders (hessian, jvp of grad) differentiate
 the rule again and never the factorizations. The rule is used only when one of our transforms
-is active (plain calls, and torch's own transforms used as test oracles, run ``A._solve``).
+is active (plain calls, and torch's own transforms used as test oracles, run the `solve` rule
+directly).
+
+Inverses too: under our transforms, ``inv(A)`` of a structured A is an `InverseOperator`, whose
+matmul is this implicit solve, so ``inv(K) @ v`` has the derivatives of ``solve(K, v)`` (outside
+our transforms ``inv`` returns the structured inverse, a Kronecker of inverses, say).
 """
 
 from __future__ import annotations
@@ -29,18 +34,91 @@ from functransforms._core import TransformTensor, is_floating
 from functransforms._custom import custom_vjp
 from functransforms._pytree import tree_flatten, tree_unflatten
 
+from ._base import LinearOperator
+from ._rules import inv, slogdet, solve
+
 
 def _under_our_transforms(tensors) -> bool:
     return any(isinstance(t, TransformTensor) for t in tensors)
 
 
+def under_our_transforms(A: LinearOperator) -> bool:
+    """Whether one of A's tensors takes part in one of our transforms."""
+    return _under_our_transforms(tree_flatten(A)[0])
+
+
 def implicit_solve(A, B: torch.Tensor) -> torch.Tensor:
-    """``A._solve(B)`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note
+    """``solve(A, B)`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note
     [Implicit differentiation of structured solves])."""
     leaves, spec = tree_flatten(A)
     if not _under_our_transforms([B, *leaves]):
-        return A._solve(B)
+        return solve(A, B)
     return _solver(spec, len(leaves))(B, *leaves)
+
+
+class InverseOperator(LinearOperator):
+    """``A^{-1}`` applied by implicitly differentiated solves (what `inv` returns for a
+    structured A under our transforms; Note [Implicit differentiation of structured solves]).
+
+    Example:
+        >>> import torch
+        >>> from functransforms.linalg import DiagonalOperator, InverseOperator
+        >>> Ainv = InverseOperator(DiagonalOperator(torch.tensor([2.0, 4.0])))  # [2, 2]
+        >>> (Ainv @ torch.ones(2)).tolist()  # [2]
+        [0.5, 0.25]
+    """
+
+    _tree_fields = ("base",)
+
+    def __init__(self, base: LinearOperator, **props):
+        if not isinstance(base, LinearOperator) or not base.is_square:
+            raise TypeError(
+                f"InverseOperator(base): expected a square LinearOperator, received {base!r}."
+            )
+        self.base = base
+        # A^{-1} keeps symmetry, definiteness, triangularity and unitarity.
+        super().__init__(base.shape, base.dtype, base.device, **{**base.properties(), **props})
+
+    def _repr_extra(self):
+        return repr(self.base)
+
+    def _matmul(self, X):
+        return implicit_solve(self.base, X)
+
+    def _rmatmul(self, X):
+        # X A^{-1} = (A^{-T} X^T)^T
+        return implicit_solve(self.base._transpose(), X.mT).mT
+
+    def _to_dense(self):
+        eye = torch.eye(self.shape[-1], dtype=self.dtype, device=self.device)
+        return implicit_solve(self.base, eye)
+
+    def _transpose(self):
+        # (A^{-1})^T = (A^T)^{-1}
+        return InverseOperator(self.base._transpose())
+
+    def _adjoint(self):
+        # (A^{-1})^H = (A^H)^{-1}
+        return InverseOperator(self.base._adjoint())
+
+
+@inv.register(InverseOperator)
+def _inv_inverse(A):
+    # inv(A^{-1}) = A
+    return A.base
+
+
+@solve.register(InverseOperator)
+def _solve_inverse(A, B):
+    # (A^{-1})^{-1} B = A B
+    return A.base._matmul(B)
+
+
+@slogdet.register(InverseOperator)
+def _slogdet_inverse(A):
+    # det(A^{-1}) = 1 / det(A): the sign (of modulus 1) conjugated, the log negated
+    sign, logabs = slogdet(A.base)
+    return sign.conj(), -logabs
 
 
 def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
@@ -74,7 +152,7 @@ def _solver(spec, n_leaves):
 
     @custom_vjp
     def S(B, *leaves):
-        return op(leaves)._solve(B)
+        return solve(op(leaves), B)
 
     def fwd(B, *leaves):
         X = S(B, *leaves)  # enclosing levels see the custom rule too

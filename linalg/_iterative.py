@@ -24,7 +24,12 @@ import warnings
 
 import torch
 
+from functransforms._core import TransformTensor
+from functransforms._custom import custom_vjp
+from functransforms._pytree import tree_flatten, tree_map, tree_unflatten
+
 from ._base import LinearOperator, _try_bool
+from ._rules import diagonal, solve
 
 _CONFIG: contextvars.ContextVar = contextvars.ContextVar(
     "functransforms_linalg_iterative", default=None
@@ -147,10 +152,10 @@ def _preconditioner(A, M):
             raise ValueError(
                 f"cg(..., preconditioner={M!r}): expected 'jacobi', an operator or a callable."
             )
-        d = A._diagonal().unsqueeze(-1)
+        d = diagonal(A).unsqueeze(-1)
         return lambda R: R / d
     if isinstance(M, LinearOperator):
-        return M._solve
+        return lambda R: solve(M, R)
     if callable(M):
         return M
     raise TypeError(
@@ -231,8 +236,6 @@ def cg(
 
 def _constant(A: LinearOperator) -> LinearOperator:
     """A copy of A whose tensors are detached (constants for differentiation)."""
-    from functransforms._pytree import tree_map
-
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, A)
 
 
@@ -272,8 +275,6 @@ class _ImplicitSolveFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, G):
-        from functransforms._pytree import tree_unflatten
-
         A = tree_unflatten(ctx.spec, list(ctx.saved_tensors))
         return (implicit_solve_vjp(A, G, ctx.options), None, None) + (None,) * len(
             ctx.saved_tensors
@@ -281,8 +282,6 @@ class _ImplicitSolveFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, R_dot, *_):
-        from functransforms._pytree import tree_unflatten
-
         A = tree_unflatten(ctx.spec, list(ctx.saved_tensors))
         return implicit_solve_jvp(A, R_dot, ctx.options)
 
@@ -290,8 +289,6 @@ class _ImplicitSolveFunction(torch.autograd.Function):
 def _implicit_zero(R, A_const, options):
     """S(R) (value 0, derivatives solves): the core's custom rules when our transforms are
     active, else an autograd Function (torch's own transforms, plain autograd)."""
-    from functransforms._pytree import tree_flatten
-
     leaves, spec = tree_flatten(A_const)
     if _under_our_transforms([R, *leaves]):
         return _core_implicit_zero(R, A_const, options)
@@ -299,17 +296,10 @@ def _implicit_zero(R, A_const, options):
 
 
 def _under_our_transforms(tensors) -> bool:
-    try:
-        from functransforms._core import TransformTensor
-    except ImportError:  # the core is not importable: only torch's transforms can be active
-        return False
     return any(isinstance(t, TransformTensor) for t in tensors)
 
 
 def _core_implicit_zero(R, A_const, options):
-    import functransforms as ft
-    from functransforms._pytree import tree_flatten, tree_unflatten
-
     # The operator travels as a flat tuple of its tensors (transforms see plain tensors).
     leaves, spec = tree_flatten(A_const)
 
@@ -319,7 +309,7 @@ def _core_implicit_zero(R, A_const, options):
     def S(R, leaves):
         return torch.zeros_like(R)
 
-    S = ft.custom_vjp(S)
+    S = custom_vjp(S)
     S.defvjp(
         lambda R, leaves: (torch.zeros_like(R), leaves),
         lambda leaves, G: (implicit_solve_vjp(op(leaves), G, options), None),

@@ -17,7 +17,7 @@ import torch
 
 from ._base import _PROPERTY_NAMES as _PROPS
 from ._base import LinearOperator, broadcast_batch, prod
-from ._composite import ProductOperator
+from ._composite import ProductOperator, matmul
 from ._dense import (
     DenseOperator,
     DiagonalOperator,
@@ -27,16 +27,23 @@ from ._dense import (
     _transposed_props,
     pd_logdet_sum,
 )
+from ._rules import add, cholesky, diagonal, eigh, inv, scale, slogdet, solve, svd, trace
+from ._rules import matmul as matmul_rule
 
 
-def kron_apply(factors, X: torch.Tensor, method: str = "_matmul") -> torch.Tensor:
-    """Apply ``⊗ f`` (each factor through ``f.<method>``) to ``X`` of shape ``(..., N, k)``."""
+def _matmul_of(f, X):
+    return f._matmul(X)
+
+
+def kron_apply(factors, X: torch.Tensor, method=_matmul_of) -> torch.Tensor:
+    """Apply ``⊗ f`` (each factor through ``method(f, ·)``, its matmul by default, or a rule
+    such as `solve`) to ``X`` of shape ``(..., N, k)``."""
     if len(factors) == 2 and X.dim() == 2 and X.shape[-1] == 1:
         # (A ⊗ B) vec(M) = vec(A M B^T) for row-major vec: two matrix operations, one copy.
         f0, f1 = factors
         M = X.reshape(f0._shape[-1], f1._shape[-1])
-        Y = getattr(f0, method)(M)  # A M
-        Z = getattr(f1, method)(Y.mT)  # B (A M)^T
+        Y = method(f0, M)  # A M
+        Z = method(f1, Y.mT)  # B (A M)^T
         if Z.dim() == 2:
             Zt = Z.mT if type(Z) is torch.Tensor else _compact(Z.mT)
             return Zt.reshape(-1, 1)
@@ -52,14 +59,14 @@ def kron_apply(factors, X: torch.Tensor, method: str = "_matmul") -> torch.Tenso
             # The last factor acts on the trailing axis: f (T as rows)^T, no permutation needed
             # on the way in (the solvers take the transposed view as is).
             Z = T.reshape(batch + (-1, dims[i]))
-            out = getattr(f, method)(Z.mT)  # (batch..., m_i, rest)
+            out = method(f, Z.mT)  # (batch..., m_i, rest)
             dims[i] = out.shape[-2]
             batch = out.shape[:-2]
             return _compact(out.mT).reshape(batch + (prod(dims), 1))
         # T: (batch..., d_0, ..., d_{K-1}, k) -> (batch..., d_i, rest) -> f -> back
         Ti = _compact(T.movedim(nb + i, nb)) if i else T
         rest = Ti.shape[nb + 1 :]
-        out = getattr(f, method)(Ti.reshape(batch + (dims[i], -1)))
+        out = method(f, Ti.reshape(batch + (dims[i], -1)))
         dims[i] = out.shape[-2]
         batch = out.shape[:-2]
         nb = len(batch)
@@ -162,10 +169,10 @@ class KroneckerOperator(LinearOperator):
         return self._map(lambda f: f._expand_batch(batch_shape), **self._props())
 
     def _matmul(self, X):
-        return kron_apply(self.factors, X, "_matmul")
+        return kron_apply(self.factors, X)
 
     def _rmatmul(self, X):
-        return kron_apply([f._transpose() for f in self.factors], X.mT, "_matmul").mT
+        return kron_apply([f._transpose() for f in self.factors], X.mT).mT
 
     def _to_dense(self):
         out = self.factors[0]._to_dense()
@@ -183,48 +190,6 @@ class KroneckerOperator(LinearOperator):
 
     def _adjoint(self):
         return self._map(lambda f: f._adjoint(), **_transposed_props(self))
-
-    def _diagonal(self):
-        return kron_vectors([f._diagonal() for f in self.factors])
-
-    def _scale(self, c):
-        fs = list(self.factors)
-        fs[0] = fs[0]._scale(c)
-        return KroneckerOperator(*fs, **_scaled_props(self, c))
-
-    def _matmul_operator(self, other):
-        # (⊗ A_i)(⊗ B_i) = ⊗ (A_i B_i) when the factor shapes chain.
-        if isinstance(other, KroneckerOperator) and len(other.factors) == len(self.factors):
-            if all(a.shape[-1] == b.shape[-2] for a, b in zip(self.factors, other.factors)):
-                from ._functions import matmul
-
-                return KroneckerOperator(
-                    *[matmul(a, b) for a, b in zip(self.factors, other.factors)]
-                )
-        return None
-
-    def _add(self, other):
-        if isinstance(other, ScaledIdentityOperator) and self.symmetric and self.is_square:
-            return KroneckerPlusScaledIdentityOperator(self, other.scale)
-        return None
-
-    def _solve(self, B):
-        # (⊗ A_i)^{-1} = ⊗ A_i^{-1}
-        return kron_apply(self.factors, B, "_solve")
-
-    def _inverse(self):
-        return self._map(lambda f: f._inverse(), **self._props())
-
-    def _slogdet(self):
-        # det(⊗ A_i) = prod_i det(A_i)^(N / n_i)
-        N = self.shape[-1]
-        sign, logabs = None, None
-        for f in self.factors:
-            s, l = f._slogdet()
-            p = N // f.shape[-1]
-            s, l = s**p, p * l
-            sign, logabs = (s, l) if sign is None else (sign * s, logabs + l)
-        return sign, logabs
 
     def _logdet_pd(self, scale=1):
         # logdet(⊗ A_i) = sum_i (N / n_i) logdet(A_i): the dense PD factors in one weighted
@@ -244,38 +209,104 @@ class KroneckerOperator(LinearOperator):
             out = term if out is None else out + term
         return out
 
-    def _cholesky(self):
-        return self._map(lambda f: f._cholesky())
-
-    def _eigh(self):
-        pairs = [f._eigh() for f in self.factors]
-        evals = kron_vectors([p[0] for p in pairs])
-        evals, idx = torch.sort(evals, dim=-1)
-        Q = KroneckerOperator(*[p[1] for p in pairs], unitary=True)
-        return evals, ProductOperator(
-            [Q, PermutationOperator(idx, dtype=self.dtype).mT], unitary=True
-        )
-
-    def _svd(self):
-        triples = [f._svd() for f in self.factors]
-        s = kron_vectors([t[1] for t in triples])
-        s, idx = torch.sort(s, dim=-1, descending=True)
-        P = PermutationOperator(idx, dtype=self.dtype).mT
-        U = ProductOperator([KroneckerOperator(*[t[0] for t in triples]), P])
-        Vh = ProductOperator([P.mT, KroneckerOperator(*[t[2] for t in triples])])
-        return U, s, Vh
-
-    def _trace(self):
-        out = self.factors[0]._trace()
-        for f in self.factors[1:]:
-            out = out * f._trace()
-        return out
-
     def _frobenius_sq(self):
         out = self.factors[0]._frobenius_sq()
         for f in self.factors[1:]:
             out = out * f._frobenius_sq()
         return out
+
+
+@diagonal.register(KroneckerOperator)
+def _diagonal_kronecker(A):
+    # diag(⊗ A_i) = ⊗ diag(A_i)
+    return kron_vectors([diagonal(f) for f in A.factors])
+
+
+@scale.register(KroneckerOperator)
+def _scale_kronecker(A, c):
+    # c (A_1 ⊗ A_2 ⊗ ...) = (c A_1) ⊗ A_2 ⊗ ...
+    fs = list(A.factors)
+    fs[0] = scale(fs[0], c)
+    return KroneckerOperator(*fs, **_scaled_props(A, c))
+
+
+@matmul_rule.register(KroneckerOperator)
+def _matmul_kronecker(A, B):
+    # (⊗ A_i)(⊗ B_i) = ⊗ (A_i B_i) when the factor shapes chain.
+    if isinstance(B, KroneckerOperator) and len(B.factors) == len(A.factors):
+        if all(a.shape[-1] == b.shape[-2] for a, b in zip(A.factors, B.factors)):
+            return KroneckerOperator(*[matmul(a, b) for a, b in zip(A.factors, B.factors)])
+    return None
+
+
+@add.register(KroneckerOperator)
+def _add_kronecker(A, B):
+    # (⊗ A_i) + s I keeps the factors' eigendecompositions usable (symmetric factors)
+    if isinstance(B, ScaledIdentityOperator) and A.symmetric and A.is_square:
+        return KroneckerPlusScaledIdentityOperator(A, B.scale)
+    return None
+
+
+@solve.register(KroneckerOperator)
+def _solve_kronecker(A, B):
+    # (⊗ A_i)^{-1} = ⊗ A_i^{-1}
+    return kron_apply(A.factors, B, solve)
+
+
+@inv.register(KroneckerOperator)
+def _inv_kronecker(A):
+    # inv(⊗ A_i) = ⊗ inv(A_i)
+    return A._map(lambda f: inv(f), **A._props())
+
+
+@slogdet.register(KroneckerOperator)
+def _slogdet_kronecker(A):
+    # det(⊗ A_i) = prod_i det(A_i)^(N / n_i)
+    N = A.shape[-1]
+    sign, logabs = None, None
+    for f in A.factors:
+        s, l = slogdet(f)
+        p = N // f.shape[-1]
+        s, l = s**p, p * l
+        sign, logabs = (s, l) if sign is None else (sign * s, logabs + l)
+    return sign, logabs
+
+
+@cholesky.register(KroneckerOperator)
+def _cholesky_kronecker(A):
+    # chol(⊗ A_i) = ⊗ chol(A_i)
+    return A._map(lambda f: cholesky(f))
+
+
+@eigh.register(KroneckerOperator)
+def _eigh_kronecker(A):
+    # ⊗ (Q_i Λ_i Q_i^T) = (⊗ Q_i)(⊗ Λ_i)(⊗ Q_i)^T, eigenvalues sorted by a permutation
+    pairs = [eigh(f) for f in A.factors]
+    evals = kron_vectors([p[0] for p in pairs])
+    evals, idx = torch.sort(evals, dim=-1)
+    Q = KroneckerOperator(*[p[1] for p in pairs], unitary=True)
+    return evals, ProductOperator([Q, PermutationOperator(idx, dtype=A.dtype).mT], unitary=True)
+
+
+@svd.register(KroneckerOperator)
+def _svd_kronecker(A):
+    # ⊗ (U_i S_i V_i^H) = (⊗ U_i)(⊗ S_i)(⊗ V_i)^H, singular values sorted by a permutation
+    triples = [svd(f) for f in A.factors]
+    s = kron_vectors([t[1] for t in triples])
+    s, idx = torch.sort(s, dim=-1, descending=True)
+    P = PermutationOperator(idx, dtype=A.dtype).mT
+    U = ProductOperator([KroneckerOperator(*[t[0] for t in triples]), P])
+    Vh = ProductOperator([P.mT, KroneckerOperator(*[t[2] for t in triples])])
+    return U, s, Vh
+
+
+@trace.register(KroneckerOperator)
+def _trace_kronecker(A):
+    # tr(⊗ A_i) = prod_i tr(A_i)
+    out = trace(A.factors[0])
+    for f in A.factors[1:]:
+        out = out * trace(f)
+    return out
 
 
 class KroneckerPlusScaledIdentityOperator(LinearOperator):
@@ -344,55 +375,70 @@ class KroneckerPlusScaledIdentityOperator(LinearOperator):
     def _transpose(self):
         return self
 
-    def _diagonal(self):
-        return self.kron._diagonal() + self._s()
-
-    def _scale(self, c):
-        return KroneckerPlusScaledIdentityOperator(
-            self.kron._scale(c), self.scale * c, **_scaled_props(self, c)
-        )
-
-    def _add(self, other):
-        if isinstance(other, ScaledIdentityOperator):
-            return KroneckerPlusScaledIdentityOperator(
-                self.kron, self.scale + other.scale, **self._props()
-            )
-        return None
-
     def _factor_eigh(self):
-        pairs = [f._eigh() for f in self.kron.factors]
+        pairs = [eigh(f) for f in self.kron.factors]
         lam = kron_vectors([p[0] for p in pairs]) + self._s()
         return lam, [p[1] for p in pairs]
-
-    def _solve(self, B):
-        lam, Qs = self._factor_eigh()
-        Y = kron_apply([Q._transpose() if not self.is_complex else Q._adjoint() for Q in Qs], B)
-        return kron_apply(Qs, Y / lam.unsqueeze(-1))
-
-    def _inverse(self):
-        lam, Qs = self._factor_eigh()
-        Q = KroneckerOperator(*Qs, unitary=True)
-        return ProductOperator([Q, DiagonalOperator(1 / lam), Q._adjoint()], symmetric=True)
 
     def _logdet_pd(self, scale=1):
         lam, _ = self._factor_eigh()
         return scale * lam.log().sum(-1)
 
-    def _slogdet(self):
-        lam, _ = self._factor_eigh()
-        return torch.sign(lam).prod(-1), lam.abs().log().sum(-1)
 
-    def _eigh(self):
-        lam, Qs = self._factor_eigh()
-        lam, idx = torch.sort(lam, dim=-1)
-        Q = KroneckerOperator(*Qs, unitary=True)
-        return lam, ProductOperator(
-            [Q, PermutationOperator(idx, dtype=self.dtype).mT], unitary=True
-        )
+@diagonal.register(KroneckerPlusScaledIdentityOperator)
+def _diagonal_kronecker_plus_scaled_identity(A):
+    # diag(K + s I) = diag(K) + s
+    return diagonal(A.kron) + A._s()
 
-    def _cholesky(self):
-        # K + sI = (Q sqrt(Λ + s)) (Q sqrt(Λ + s))^T is a root, not triangular: dense Cholesky.
-        return super()._cholesky()
 
-    def _trace(self):
-        return self.kron._trace() + self.shape[-1] * self.scale
+@scale.register(KroneckerPlusScaledIdentityOperator)
+def _scale_kronecker_plus_scaled_identity(A, c):
+    # c (K + s I) = c K + (c s) I
+    return KroneckerPlusScaledIdentityOperator(scale(A.kron, c), A.scale * c, **_scaled_props(A, c))
+
+
+@add.register(KroneckerPlusScaledIdentityOperator)
+def _add_kronecker_plus_scaled_identity(A, B):
+    # (K + s I) + t I = K + (s + t) I
+    if isinstance(B, ScaledIdentityOperator):
+        return KroneckerPlusScaledIdentityOperator(A.kron, A.scale + B.scale, **A._props())
+    return None
+
+
+@solve.register(KroneckerPlusScaledIdentityOperator)
+def _solve_kronecker_plus_scaled_identity(A, B):
+    # (K + s I)^{-1} B = (⊗ Q_i) (⊗ Λ_i + s)^{-1} (⊗ Q_i)^H B
+    lam, Qs = A._factor_eigh()
+    Y = kron_apply([Q._transpose() if not A.is_complex else Q._adjoint() for Q in Qs], B)
+    return kron_apply(Qs, Y / lam.unsqueeze(-1))
+
+
+@inv.register(KroneckerPlusScaledIdentityOperator)
+def _inv_kronecker_plus_scaled_identity(A):
+    # inv(K + s I) = (⊗ Q_i) diag(1 / (⊗ Λ_i + s)) (⊗ Q_i)^H
+    lam, Qs = A._factor_eigh()
+    Q = KroneckerOperator(*Qs, unitary=True)
+    return ProductOperator([Q, DiagonalOperator(1 / lam), Q._adjoint()], symmetric=True)
+
+
+@slogdet.register(KroneckerPlusScaledIdentityOperator)
+def _slogdet_kronecker_plus_scaled_identity(A):
+    # det(K + s I) = prod (⊗ Λ_i + s)
+    lam, _ = A._factor_eigh()
+    return torch.sign(lam).prod(-1), lam.abs().log().sum(-1)
+
+
+@eigh.register(KroneckerPlusScaledIdentityOperator)
+def _eigh_kronecker_plus_scaled_identity(A):
+    # the eigenvectors of K, the eigenvalues shifted by s (Cholesky: the dense default, as
+    # (⊗ Q_i) sqrt(⊗ Λ_i + s) is a root, not triangular)
+    lam, Qs = A._factor_eigh()
+    lam, idx = torch.sort(lam, dim=-1)
+    Q = KroneckerOperator(*Qs, unitary=True)
+    return lam, ProductOperator([Q, PermutationOperator(idx, dtype=A.dtype).mT], unitary=True)
+
+
+@trace.register(KroneckerPlusScaledIdentityOperator)
+def _trace_kronecker_plus_scaled_identity(A):
+    # tr(K + s I) = tr(K) + n s
+    return trace(A.kron) + A.shape[-1] * A.scale

@@ -6,6 +6,7 @@ import torch
 
 from ._base import LinearOperator, broadcast_batch, dense_cholesky
 from ._dense import DiagonalOperator, ScaledIdentityOperator, _scaled_props
+from ._rules import add, diagonal, inv, matmul, scale, slogdet, solve, trace
 
 
 def _check_factor(U, name, call):
@@ -82,37 +83,49 @@ class LowRankOperator(LinearOperator):
     def _adjoint(self):
         return self if self.V is None else LowRankOperator(self.V, self.U)
 
-    def _diagonal(self):
-        k = min(self.shape[-2], self.shape[-1])
-        return (self.U[..., :k, :] * self._V[..., :k, :].conj()).sum(-1)
-
-    def _trace(self):
-        return self._diagonal().sum(-1)
-
     def _frobenius_sq(self):
         # ||U V^H||_F^2 = tr(U^H U V^H V)
         return (_herm(self.U, self.U) * _herm(self._V, self._V).mT).sum((-2, -1)).real
 
-    def _scale(self, c):
-        V = self.V if self.V is not None else self.U
-        return LowRankOperator(self.U * c, V, **_scaled_props(self, c))
 
-    def _add(self, other):
-        if isinstance(other, DiagonalOperator):
-            return LowRankPlusDiagonalOperator(self.U, other.d, self.V, **_lr_props(self, other))
-        if isinstance(other, ScaledIdentityOperator):
-            d = other._diagonal()
-            return LowRankPlusDiagonalOperator(self.U, d, self.V, **_lr_props(self, other))
-        if isinstance(other, LowRankOperator):
-            return LowRankOperator(
-                torch.cat([self.U, other.U], -1), torch.cat([self._V, other._V], -1)
-            )
-        return None
+@diagonal.register(LowRankOperator)
+def _diagonal_low_rank(A):
+    # diag(U V^H)_i = sum_j U_ij conj(V_ij)
+    k = min(A.shape[-2], A.shape[-1])
+    return (A.U[..., :k, :] * A._V[..., :k, :].conj()).sum(-1)
 
-    def _matmul_operator(self, other):
-        if isinstance(other, LowRankOperator):  # U1 (V1^H U2) V2^H
-            return LowRankOperator(self.U @ _herm(self._V, other.U), other._V)
-        return None
+
+@trace.register(LowRankOperator)
+def _trace_low_rank(A):
+    # tr(U V^H) = sum of its diagonal
+    return diagonal(A).sum(-1)
+
+
+@scale.register(LowRankOperator)
+def _scale_low_rank(A, c):
+    # c U V^H = (c U) V^H
+    V = A.V if A.V is not None else A.U
+    return LowRankOperator(A.U * c, V, **_scaled_props(A, c))
+
+
+@add.register(LowRankOperator)
+def _add_low_rank(A, B):
+    # U V^H + D is low rank plus diagonal; U1 V1^H + U2 V2^H = [U1 U2] [V1 V2]^H
+    if isinstance(B, DiagonalOperator):
+        return LowRankPlusDiagonalOperator(A.U, B.d, A.V, **_lr_props(A, B))
+    if isinstance(B, ScaledIdentityOperator):
+        d = diagonal(B)
+        return LowRankPlusDiagonalOperator(A.U, d, A.V, **_lr_props(A, B))
+    if isinstance(B, LowRankOperator):
+        return LowRankOperator(torch.cat([A.U, B.U], -1), torch.cat([A._V, B._V], -1))
+    return None
+
+
+@matmul.register(LowRankOperator)
+def _matmul_low_rank(A, B):
+    if isinstance(B, LowRankOperator):  # U1 (V1^H U2) V2^H
+        return LowRankOperator(A.U @ _herm(A._V, B.U), B._V)
+    return None
 
 
 def _lr_props(lr: LinearOperator, diag: LinearOperator) -> dict:
@@ -191,21 +204,6 @@ class LowRankPlusDiagonalOperator(LinearOperator):
             return self
         return LowRankPlusDiagonalOperator(self._V, self.d.conj(), self.U, **self._props())
 
-    def _diagonal(self):
-        return self.d + (self.U * self._V.conj()).sum(-1)
-
-    def _scale(self, c):
-        return LowRankPlusDiagonalOperator(
-            self.U * c, self.d * c, self._V, **_scaled_props(self, c)
-        )
-
-    def _add(self, other):
-        if isinstance(other, (DiagonalOperator, ScaledIdentityOperator)):
-            props = dict(symmetric=self.symmetric and other.symmetric)
-            props["positive_definite"] = self.positive_definite and other.positive_definite
-            return LowRankPlusDiagonalOperator(self.U, self.d + other._diagonal(), self.V, **props)
-        return None
-
     def _capacitance(self):
         """``C = I_r + V^H D^{-1} U`` and ``D^{-1} U``."""
         DinvU = self.U / self.d.unsqueeze(-1)
@@ -213,39 +211,68 @@ class LowRankPlusDiagonalOperator(LinearOperator):
         C = _herm(self._V, DinvU) + torch.eye(r, dtype=self.dtype, device=self.device)
         return C, DinvU
 
-    def _solve(self, B):
-        # Woodbury: (D + U V^H)^{-1} B = D^{-1} B - D^{-1} U C^{-1} V^H D^{-1} B
-        C, DinvU = self._capacitance()
-        DinvB = B / self.d.unsqueeze(-1)
-        rhs = _herm(self._V, DinvB)
-        if self.positive_definite:
-            L = dense_cholesky(C, self)
-            y = torch.linalg.solve_triangular(L, rhs, upper=False)
-            y = torch.linalg.solve_triangular(L.mH, y, upper=True)
-        else:
-            y = torch.linalg.solve(C, rhs)
-        return DinvB - DinvU @ y
 
-    def _inverse(self):
-        # (D + U V^H)^{-1} = D^{-1} + (-D^{-1} U C^{-1}) (D^{-H} V)^H
-        C, DinvU = self._capacitance()
-        Unew = -torch.linalg.solve(C, DinvU, left=False)  # D^{-1} U C^{-1}
-        return LowRankPlusDiagonalOperator(
-            Unew, 1 / self.d, self._V / self.d.conj().unsqueeze(-1), **self._props()
-        )
+@diagonal.register(LowRankPlusDiagonalOperator)
+def _diagonal_low_rank_plus_diagonal(A):
+    # diag(D + U V^H) = d + diag(U V^H)
+    return A.d + (A.U * A._V.conj()).sum(-1)
 
-    def _slogdet(self):
-        # Matrix determinant lemma: det(D + U V^H) = det(D) det(I + V^H D^{-1} U)
-        C, _ = self._capacitance()
-        if self.positive_definite:
-            L = dense_cholesky(C, self)
-            logC = 2 * L.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
-            signC = torch.ones_like(logC)
-        else:
-            signC, logC = torch.linalg.slogdet(C)
-        d = self.d
-        signD = (d / d.abs()).prod(-1) if d.is_complex() else torch.sign(d).prod(-1)
-        return signD * signC, d.abs().log().sum(-1) + logC
 
-    def _trace(self):
-        return self._diagonal().sum(-1)
+@scale.register(LowRankPlusDiagonalOperator)
+def _scale_low_rank_plus_diagonal(A, c):
+    # c (D + U V^H) = c D + (c U) V^H
+    return LowRankPlusDiagonalOperator(A.U * c, A.d * c, A._V, **_scaled_props(A, c))
+
+
+@add.register(LowRankPlusDiagonalOperator)
+def _add_low_rank_plus_diagonal(A, B):
+    # (D + U V^H) + E = (D + E) + U V^H for diagonal E
+    if isinstance(B, (DiagonalOperator, ScaledIdentityOperator)):
+        props = dict(symmetric=A.symmetric and B.symmetric)
+        props["positive_definite"] = A.positive_definite and B.positive_definite
+        return LowRankPlusDiagonalOperator(A.U, A.d + diagonal(B), A.V, **props)
+    return None
+
+
+@solve.register(LowRankPlusDiagonalOperator)
+def _solve_low_rank_plus_diagonal(A, B):
+    # Woodbury: (D + U V^H)^{-1} B = D^{-1} B - D^{-1} U C^{-1} V^H D^{-1} B
+    C, DinvU = A._capacitance()
+    DinvB = B / A.d.unsqueeze(-1)
+    rhs = _herm(A._V, DinvB)
+    if A.positive_definite:
+        L = dense_cholesky(C, A)
+        y = torch.linalg.solve_triangular(L, rhs, upper=False)
+        y = torch.linalg.solve_triangular(L.mH, y, upper=True)
+    else:
+        y = torch.linalg.solve(C, rhs)
+    return DinvB - DinvU @ y
+
+
+@inv.register(LowRankPlusDiagonalOperator)
+def _inv_low_rank_plus_diagonal(A):
+    # (D + U V^H)^{-1} = D^{-1} + (-D^{-1} U C^{-1}) (D^{-H} V)^H
+    C, DinvU = A._capacitance()
+    Unew = -torch.linalg.solve(C, DinvU, left=False)  # D^{-1} U C^{-1}
+    return LowRankPlusDiagonalOperator(Unew, 1 / A.d, A._V / A.d.conj().unsqueeze(-1), **A._props())
+
+
+@slogdet.register(LowRankPlusDiagonalOperator)
+def _slogdet_low_rank_plus_diagonal(A):
+    # Matrix determinant lemma: det(D + U V^H) = det(D) det(I + V^H D^{-1} U)
+    C, _ = A._capacitance()
+    if A.positive_definite:
+        L = dense_cholesky(C, A)
+        logC = 2 * L.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
+        signC = torch.ones_like(logC)
+    else:
+        signC, logC = torch.linalg.slogdet(C)
+    d = A.d
+    signD = (d / d.abs()).prod(-1) if d.is_complex() else torch.sign(d).prod(-1)
+    return signD * signC, d.abs().log().sum(-1) + logC
+
+
+@trace.register(LowRankPlusDiagonalOperator)
+def _trace_low_rank_plus_diagonal(A):
+    # tr(D + U V^H) = sum of its diagonal
+    return diagonal(A).sum(-1)

@@ -6,7 +6,8 @@ import torch
 
 from ._base import LinearOperator, broadcast_batch
 from ._composite import as_operator
-from ._dense import TriangularOperator, _scaled_props
+from ._dense import TriangularOperator, _scaled_props, dense_inv, dense_slogdet, dense_solve
+from ._rules import add, cholesky, diagonal, inv, scale, slogdet, solve, trace
 
 
 class ToeplitzOperator(LinearOperator):
@@ -87,21 +88,33 @@ class ToeplitzOperator(LinearOperator):
         )
         return ToeplitzOperator(column, self.column, **self._props())
 
-    def _diagonal(self):
-        return self.column[..., :1].expand(self.batch_shape + (self.shape[-1],))
 
-    def _trace(self):
-        return self.shape[-1] * self.column[..., 0]
+@diagonal.register(ToeplitzOperator)
+def _diagonal_toeplitz(A):
+    # a Toeplitz matrix's diagonal is its first entry
+    return A.column[..., :1].expand(A.batch_shape + (A.shape[-1],))
 
-    def _scale(self, c):
-        row = None if self.row is None else self.row * c
-        return ToeplitzOperator(self.column * c, row, **_scaled_props(self, c))
 
-    def _add(self, other):
-        if isinstance(other, ToeplitzOperator):
-            row = None if (self.row is None and other.row is None) else self._r() + other._r()
-            return ToeplitzOperator(self.column + other.column, row)
-        return None
+@trace.register(ToeplitzOperator)
+def _trace_toeplitz(A):
+    # tr T = n c_0
+    return A.shape[-1] * A.column[..., 0]
+
+
+@scale.register(ToeplitzOperator)
+def _scale_toeplitz(A, c):
+    # c T is Toeplitz
+    row = None if A.row is None else A.row * c
+    return ToeplitzOperator(A.column * c, row, **_scaled_props(A, c))
+
+
+@add.register(ToeplitzOperator)
+def _add_toeplitz(A, B):
+    # sums of Toeplitz matrices are Toeplitz
+    if isinstance(B, ToeplitzOperator):
+        row = None if (A.row is None and B.row is None) else A._r() + B._r()
+        return ToeplitzOperator(A.column + B.column, row)
+    return None
 
 
 class RootOperator(LinearOperator):
@@ -144,29 +157,43 @@ class RootOperator(LinearOperator):
     def _adjoint(self):
         return self
 
-    def _diagonal(self):
-        R = self.root._to_dense()
-        return (R * R.conj()).real.sum(-1).to(self.dtype)
 
-    def _trace(self):
-        return self.root._frobenius_sq().to(self.dtype)
+@diagonal.register(RootOperator)
+def _diagonal_root(A):
+    # diag(R R^H)_i = |row i of R|^2
+    R = A.root._to_dense()
+    return (R * R.conj()).real.sum(-1).to(A.dtype)
 
-    def _solve(self, B):
-        if not self.root.is_square:
-            return super()._solve(B)
-        # (R R^H)^{-1} B = R^{-H} R^{-1} B
-        return self.root._adjoint()._solve(self.root._solve(B))
 
-    def _slogdet(self):
-        if not self.root.is_square:
-            return super()._slogdet()
-        _, logabs = self.root._slogdet()
-        return torch.ones_like(logabs), 2 * logabs
+@trace.register(RootOperator)
+def _trace_root(A):
+    # tr(R R^H) = ||R||_F^2
+    return A.root._frobenius_sq().to(A.dtype)
 
-    def _inverse(self):
-        if not self.root.is_square:
-            return super()._inverse()
-        return RootOperator(self.root._inverse()._adjoint(), **self._props())
+
+@solve.register(RootOperator)
+def _solve_root(A, B):
+    if not A.root.is_square:
+        return dense_solve(A, B)
+    # (R R^H)^{-1} B = R^{-H} R^{-1} B
+    return solve(A.root._adjoint(), solve(A.root, B))
+
+
+@slogdet.register(RootOperator)
+def _slogdet_root(A):
+    # det(R R^H) = |det R|^2 (square R)
+    if not A.root.is_square:
+        return dense_slogdet(A)
+    _, logabs = slogdet(A.root)
+    return torch.ones_like(logabs), 2 * logabs
+
+
+@inv.register(RootOperator)
+def _inv_root(A):
+    # (R R^H)^{-1} = R^{-H} R^{-1} (square R)
+    if not A.root.is_square:
+        return dense_inv(A)
+    return RootOperator(inv(A.root)._adjoint(), **A._props())
 
 
 class CholeskyOperator(RootOperator):
@@ -195,9 +222,14 @@ class CholeskyOperator(RootOperator):
         props["positive_definite"] = True
         super().__init__(L, **props)
 
-    def _cholesky(self):
-        return self.root
 
-    def _inverse(self):
-        # (L L^H)^{-1} = L^{-H} L^{-1} = R R^H with R = L^{-H} (upper triangular)
-        return RootOperator(self.root._inverse()._adjoint(), **self._props())
+@cholesky.register(CholeskyOperator)
+def _cholesky_cholesky(A):
+    # chol(L L^H) = L
+    return A.root
+
+
+@inv.register(CholeskyOperator)
+def _inv_cholesky(A):
+    # (L L^H)^{-1} = L^{-H} L^{-1} = R R^H with R = L^{-H} (upper triangular)
+    return RootOperator(inv(A.root)._adjoint(), **A._props())
