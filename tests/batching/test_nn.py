@@ -120,19 +120,19 @@ def test_cross_entropy_label_smoothing():
 BACKWARD_CASES = {
     "upsample_bilinear_aa_bwd": (
         lambda g: aten._upsample_bilinear2d_aa_backward(g, [3, 3], [2, 1, 10, 12], False),
-        [F(2, 1, 3, 3)],
+        [floats(2, 1, 3, 3)],
     ),
     "upsample_bicubic_aa_bwd": (
         lambda g: aten._upsample_bicubic2d_aa_backward(g, [4, 3], [1, 2, 9, 7], True),
-        [F(1, 2, 4, 3)],
+        [floats(1, 2, 4, 3)],
     ),
     "grid_sampler_3d_bwd": (
         lambda g, x, grid: aten.grid_sampler_3d_backward(g, x, grid, 0, 0, False, [True, True]),
-        [F(2, 2, 2, 2, 2), F(2, 2, 3, 3, 3), F(2, 2, 2, 2, 3)],
+        [floats(2, 2, 2, 2, 2), floats(2, 2, 3, 3, 3), floats(2, 2, 2, 2, 3)],
     ),
     "grid_sampler_3d_bwd_grid_only": (
         lambda g, x, grid: aten.grid_sampler_3d_backward(g, x, grid, 1, 1, True, [False, True])[1],
-        [F(1, 2, 2, 2, 2), F(1, 2, 3, 3, 3), F(1, 2, 2, 2, 3)],
+        [floats(1, 2, 2, 2, 2), floats(1, 2, 3, 3, 3), floats(1, 2, 2, 2, 3)],
     ),
 }
 
@@ -163,6 +163,6 @@ def test_linear_cross_entropy_chunked_batches(reduction, with_bias):
             options=options,
         )
 
-    specs = [F(4, 3), F(5, 3), I(5, 4), F(5)]
+    specs = [floats(4, 3), floats(5, 3), ints(5, 4), floats(5)]
     for in_dims in mixes(specs):
         check(f, in_dims, *build(specs, in_dims))
