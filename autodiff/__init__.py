@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registration)
     elementwise,
     indexing,
     linalg,
+    linalg_qr,
     nn,
     nn_more,
     normalization,

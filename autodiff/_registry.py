@@ -18,7 +18,8 @@ from __future__ import annotations
 JVP_RULES: dict = {}
 VJP_RULES: dict = {}
 # Ops whose value under grad is computed by another function than the op itself: the lazy
-# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]).
+# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]), and kernels
+# that build lazy conj views internally (linalg_pinv, autodiff/linalg_qr.py).
 VJP_FORWARD: dict = {}
 
 

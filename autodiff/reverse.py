@@ -142,10 +142,8 @@ class GradInterpreter(InplaceMixin, Interpreter):
         primals, inputs = unwrap_level(self, args, _entry_of)
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
-                out = (VJP_FORWARD[func] if f.view and func in VJP_FORWARD else func)(
-                    *primals, **kwargs
-                )
-        elif f.view and func in VJP_FORWARD:
+                out = (VJP_FORWARD[func] if func in VJP_FORWARD else func)(*primals, **kwargs)
+        elif func in VJP_FORWARD:
             out = VJP_FORWARD[func](*primals, **kwargs)
         else:
             out = func(*primals, **kwargs)
