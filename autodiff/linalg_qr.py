@@ -19,7 +19,6 @@ from .linalg import (
     _as_matrix,
     _as_vector,
     _conj,
-    _diag_embed,
     _is_vector,
     _mask,
     _pad_columns,
@@ -29,6 +28,57 @@ from .linalg import (
 )
 
 aten = torch.ops.aten
+
+
+# Note [Batch-polymorphic linalg rules]
+#     The rules below use only ops that broadcast over leading batch dims (matmul, triangular
+#     solves, masks, slices of the last dims). Under vmap, running them op by op costs one trip
+#     through the vmap interpreter per op, which for QR's backward is more than the arithmetic.
+#     So when every wrapper among a rule's arguments is a BatchedTensor of one live vmap level,
+#     the rule runs once on the physical values, batch dim in front (an unbatched argument is
+#     expanded, so every result carries the batch dim), and its results are wrapped once: the
+#     pointwise fast path's idea (Note [Pointwise fast path]) for whole rules. Any other mix
+#     (a jvp or grad wrapper among the arguments) takes the ordinary path, op by op.
+def _on_physical(rule):
+    def physical_rule(*args):
+        from functransforms.batching._tensor import BatchedTensor, wrap_batched
+
+        from functransforms._core import TransformTensor, below_torch_autograd
+
+        interp = None
+        for a in args:
+            for t in a if type(a) is tuple or type(a) is list else (a,):
+                if isinstance(t, TransformTensor):
+                    if type(t) is not BatchedTensor or (
+                        interp is not None and t._interp is not interp
+                    ):
+                        return rule(*args)
+                    interp = t._interp
+                    v = t._value
+                    if type(v) is not BatchedTensor and v.requires_grad and below_torch_autograd():
+                        return rule(*args)  # Note [Fast path below torch's autograd]
+        if interp is None or not interp.alive:
+            return rule(*args)
+        size = interp.batch_size
+
+        def phys(t):
+            if type(t) is BatchedTensor:
+                v, b = t._value, t._bdim
+                return v if b == 0 else v.movedim(b, 0)
+            if isinstance(t, torch.Tensor):
+                return t.unsqueeze(0).expand((size,) + tuple(t.shape))
+            return t
+
+        def each(a):
+            if type(a) is tuple or type(a) is list:
+                return type(a)(phys(t) for t in a)
+            return phys(a)
+
+        out = rule(*(each(a) for a in args))
+        wrap = lambda t: None if t is None else wrap_batched(t, 0, interp)  # noqa: E731
+        return type(out)(wrap(t) for t in out) if type(out) is tuple else wrap(out)
+
+    return physical_rule
 
 
 # -- QR ----------------------------------------------------------------------------------------
@@ -45,18 +95,6 @@ def _qr_check(A, mode):
         raise RuntimeError(
             "The QR decomposition is not differentiable when mode='complete' and nrows > ncols."
         )
-
-
-def _diag_part(X, real=False):
-    d = X.diagonal(0, -2, -1)
-    return d.real if real and d.is_complex() else d
-
-
-def _im_diag(X):
-    """i Im diag(X) as a diagonal matrix (zero for real X: None)."""
-    if not X.is_complex():
-        return None
-    return _diag_embed(1j * X.diagonal(0, -2, -1).imag, X)
 
 
 # m >= n: with X = Q^H dA R^-1, dR R^-1 = triu(X + X^H) with a halved diagonal (the upper
@@ -76,8 +114,9 @@ def _qr_jvp(out, dots, A, mode):
         return dARinv - Q @ dRRinv, dRRinv @ R
     QHdA = Q.mH @ dA
     X = _solve_tri(R[..., :m], QHdA[..., :m], upper=True, left=False)
-    L = X * _mask(X, "tril-1")
-    QHdQ = _plus(L - _H(L), _im_diag(X))
+    # tril(X, -1) - tril(X, -1)^H + i Im diag(X), in two ops: S - S^H with S = X * phi
+    S = X * _mask(X, "phi")
+    QHdQ = S - _H(S)
     return Q @ QHdQ, QHdA - QHdQ @ R
 
 
@@ -86,19 +125,19 @@ def _qr_vjp(bars, out, needs, A, mode):
     Q, R = out
     gQ, gR = bars
     m, n = A.shape[-2], A.shape[-1]
-    G = None if gR is None else gR @ R.mH
-    if gQ is not None:
-        G = _plus(G, -(Q.mH @ gQ))
+    if gQ is None:
+        G = gR @ R.mH
+    else:
+        G = -(Q.mH @ gQ) if gR is None else gR @ R.mH - Q.mH @ gQ
     if m >= n:
-        # the adjoint of triu-with-halved-diagonal o sym: U + U^H + Re diag, U = triu(G, 1)
-        U = G * _mask(G, "triu+1")
-        gA = Q @ (U + _H(U) + _diag_embed(_diag_part(G, real=True), G))
+        # the adjoint of triu-with-halved-diagonal o sym, triu(G, 1) + triu(G, 1)^H + Re diag G,
+        # in two ops: S + S^H with S = G * triu-with-halved-diagonal
+        S = G * _mask(G, "phi").mT
+        gA = Q @ (S + _H(S))
         gA = _plus(gA, gQ)
         return (_solve_tri(_H(R), gA, upper=False, left=False),)
-    # the adjoint of the m < n map: tril(Y - Y^H, -1) + i Im diag(Y), Y = -G
-    Y = -G
-    T = Y - _H(Y)
-    T = _plus(T * _mask(T, "tril-1"), _im_diag(Y))
+    # the adjoint of the m < n map, tril(Y - Y^H, -1) + i Im diag(Y) with Y = -G: (Y - Y^H) * phi
+    T = (_H(G) - G) * _mask(G, "phi")
     gA = _solve_tri(_H(R[..., :m]), Q @ T, upper=False, left=False)
     gA = _pad_columns(gA, n)
     if gR is not None:
@@ -106,7 +145,7 @@ def _qr_vjp(bars, out, needs, A, mode):
     return (gA,)
 
 
-def_linalg(aten.linalg_qr.default, _qr_jvp, _qr_vjp)
+def_linalg(aten.linalg_qr.default, _on_physical(_qr_jvp), _on_physical(_qr_vjp))
 
 
 # -- Householder products ----------------------------------------------------------------------
@@ -359,4 +398,4 @@ def _lstsq_vjp(bars, out, needs, A, B, rcond, driver):
     return gA, gB
 
 
-def_linalg(aten.linalg_lstsq.default, _lstsq_jvp, _lstsq_vjp)
+def_linalg(aten.linalg_lstsq.default, _on_physical(_lstsq_jvp), _on_physical(_lstsq_vjp))

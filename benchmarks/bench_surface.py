@@ -6,7 +6,8 @@
 batch 64 of 1x28x28), with the peak memory of one call; (b) reverse mode (grad w.r.t. the
 parameters and the input) of a ResNet basic block (conv-bn-relu-conv-bn + skip, batch 16 of
 16x32x32, batch norm in training mode); (c) forward mode (jvp) of the same block; (d) a
-Hessian-vector product (jvp of grad) through a small conv net.
+Hessian-vector product (jvp of grad) through a small conv net; (e) per-problem gradients
+(vmap of grad) through QR and through linalg.lstsq, 32 problems of 64x32.
 
 Single thread (torch.set_num_threads(1)), float32. Timings are interleaved (ours, torch.func,
 ours, ...: load changes on a shared machine hit both alike) and reported as medians. Peak
@@ -138,11 +139,45 @@ def hvp_case():
     )
 
 
+def _qr_lstsq_data():
+    torch.manual_seed(0)
+    return torch.randn(32, 64, 32), torch.randn(32, 64, 2)  # torch.func fails on vector b
+
+
+def qr_grad_case():
+    """(e) per-problem gradient through QR: vmap(grad(f)) over 32 problems, A 64x32."""
+    A, b = _qr_lstsq_data()
+
+    def loss(A, b):
+        Q, R = torch.linalg.qr(A)
+        return (Q.mT @ b).square().sum() + R.diagonal().abs().log().sum()
+
+    return (
+        lambda: ft.vmap(ft.grad(loss))(A, b),
+        lambda: tf.vmap(tf.grad(loss))(A, b),
+    )
+
+
+def lstsq_grad_case():
+    """(e) per-problem gradient through least squares: vmap(grad(f)), A 64x32, B 64x2."""
+    A, b = _qr_lstsq_data()
+
+    def loss(A, b):
+        return torch.linalg.lstsq(A, b).solution.square().sum()
+
+    return (
+        lambda: ft.vmap(ft.grad(loss))(A, b),
+        lambda: tf.vmap(tf.grad(loss))(A, b),
+    )
+
+
 CASES = {
     "(a) per-sample grads, tutorial CNN, B=64, 1x28x28": per_sample_case,
     "(b) grad of a ResNet basic block, B=16, 16x32x32": block_grad_case,
     "(c) jvp of a ResNet basic block, B=16, 16x32x32": block_jvp_case,
     "(d) hvp jvp(grad(f)), small conv net, B=8, 3x16x16": hvp_case,
+    "(e) vmap(grad) through QR, 32 problems, 64x32": qr_grad_case,
+    "(e) vmap(grad) through linalg.lstsq, 32 problems, 64x32": lstsq_grad_case,
 }
 
 
@@ -200,17 +235,20 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="3 repeats, no memory measurement")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    ap.add_argument("--only", default="", help="run the rows whose name starts with this")
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     repeats = 3 if ns.quick else ns.repeats
     rows = []
     for name, case in CASES.items():
+        if not name.startswith(ns.only):
+            continue
         ours, theirs = case()
         err = max_abs_err(ours(), theirs())
         to, tt = interleaved(ours, theirs, repeats)
         rows.append((name, to * 1e3, tt * 1e3, to / tt, err))
     mem = None
-    if not ns.quick:  # 3 fresh processes each, interleaved: the allocator's noise is ~1 MB
+    if not ns.quick and "(a)".startswith(ns.only):  # 3 fresh processes each, interleaved: the allocator's noise is ~1 MB
         runs = {"ours": [], "torch.func": []}
         for _ in range(3):
             for which in runs:
