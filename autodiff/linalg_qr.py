@@ -259,7 +259,9 @@ def _householder_product_vjp(bars, out, needs, A, tau):
 
 
 def_linalg(
-    aten.linalg_householder_product.default, _householder_product_jvp, _householder_product_vjp
+    aten.linalg_householder_product.default,
+    _on_physical(_householder_product_jvp),
+    _on_physical(_householder_product_vjp),
 )
 
 
@@ -288,7 +290,7 @@ def _ormqr_vjp(bars, out, needs, A, tau, C, left, transpose):
     return gA, gtau, ((gC if left else _H(gC)) if needs[2] else None)
 
 
-def_linalg(aten.ormqr.default, _ormqr_jvp, _ormqr_vjp)
+def_linalg(aten.ormqr.default, _on_physical(_ormqr_jvp), _on_physical(_ormqr_vjp))
 
 
 # -- pseudo-inverse ----------------------------------------------------------------------------
@@ -320,30 +322,40 @@ def _pinv_vjp_core(A, P, G):
     return -_H(K @ P) + (Gh - A @ K) @ (P @ Ph) + PhK - (PhK @ P) @ A
 
 
-# Note [pinv inside rules]
-#     torch's pinv kernel builds lazy conj views (A.mH) internally; inside __torch_dispatch__ the
-#     Conjugate key is excluded, so for complex A it would compute with the raw values and return
-#     a wrong matrix (Note [Conjugate views], batching/_tensor.py). Every place that runs the
-#     kernel on plain values from inside a transform (the op's value under jvp and grad, the
-#     batching rule, the lstsq rules) goes through `pinv`, which turns the keys back on for
+# Note [Kernels with internal conj views]
+#     torch's pinv and lstsq kernels build lazy conj views (A.mH, r.conj()) internally; inside
+#     __torch_dispatch__ the Conjugate key is excluded, so for complex inputs they would compute
+#     with the raw values and return wrong numbers (Note [Conjugate views], batching/_tensor.py).
+#     Every place that runs these kernels on plain values from inside a transform (the op's
+#     value under jvp and grad, the lstsq rules, the batching rules) turns the keys back on for
 #     complex inputs (a few microseconds, so real inputs skip it).
-def pinv(A, atol=None, rtol=None, hermitian=False):
-    """torch.linalg.pinv(A, atol=, rtol=, hermitian=), correct inside transforms' rules."""
-    op = aten.linalg_pinv.atol_rtol_tensor
-    if not A.is_complex():
-        return op(A, atol=atol, rtol=rtol, hermitian=hermitian)
-    from functransforms.batching._tensor import _lazy_conj_enabled
+def _with_conj_keys(op):
+    def run(A, *args, **kwargs):
+        if not A.is_complex():
+            return op(A, *args, **kwargs)
+        from functransforms.batching._tensor import _lazy_conj_enabled
 
-    with _lazy_conj_enabled():
-        return op(A, atol=atol, rtol=rtol, hermitian=hermitian)
+        with _lazy_conj_enabled():
+            return op(A, *args, **kwargs)
+
+    VJP_FORWARD[op] = run
+    return run
 
 
-VJP_FORWARD[aten.linalg_pinv.atol_rtol_tensor] = pinv
+_pinv_kernel = _with_conj_keys(aten.linalg_pinv.atol_rtol_tensor)
+_lstsq_kernel = _with_conj_keys(aten.linalg_lstsq.default)
+
+
+def pinv(A):
+    """torch.linalg.pinv(A) with torch's default tolerances, correct inside rules."""
+    return _pinv_kernel(A)
+
+
 def_linalg(
     aten.linalg_pinv.atol_rtol_tensor,
-    lambda P, dots, A, atol, rtol, hermitian: _pinv_jvp_core(A, P, dots[0]),
-    lambda bars, P, needs, A, atol, rtol, hermitian: (_pinv_vjp_core(A, P, bars[0]),),
-    forward=pinv,
+    _on_physical(lambda P, dots, A, atol, rtol, hermitian: _pinv_jvp_core(A, P, dots[0])),
+    _on_physical(lambda bars, P, needs, A, atol, rtol, hermitian: (_pinv_vjp_core(A, P, bars[0]),)),
+    forward=_pinv_kernel,
 )
 
 
@@ -398,4 +410,9 @@ def _lstsq_vjp(bars, out, needs, A, B, rcond, driver):
     return gA, gB
 
 
-def_linalg(aten.linalg_lstsq.default, _on_physical(_lstsq_jvp), _on_physical(_lstsq_vjp))
+def_linalg(
+    aten.linalg_lstsq.default,
+    _on_physical(_lstsq_jvp),
+    _on_physical(_lstsq_vjp),
+    forward=_lstsq_kernel,
+)
