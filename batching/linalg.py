@@ -299,3 +299,12 @@ def linalg_lstsq_vmap_rule(interp, args, bdims, kwargs):
     B = expand_front(args[1], bdims[1], size)
     out = _run_conj_safe(aten.linalg_lstsq.default, A, B, *args[2:], **kwargs)
     return out, tuple(0 if o.dim() > 0 and o.numel() > 0 else None for o in out)
+
+
+@register_vmap_rule(aten.ormqr.default)
+def ormqr_vmap_rule(interp, args, bdims, kwargs):
+    """ormqr(A, tau, C, left, transpose): equal batch shapes (no broadcasting), so every
+    operand gets the vmap dim in front, an unbatched one expanded."""
+    size = interp.batch_size
+    A, tau, C = (expand_front(args[i], bdims[i], size) for i in range(3))
+    return aten.ormqr.default(A, tau, C, *args[3:], **kwargs), 0

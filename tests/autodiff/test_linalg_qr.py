@@ -302,3 +302,17 @@ def test_lowrank_under_grad_vjp_vmap(loss):
         ours = ft.vmap(ft.grad(loss), randomness=randomness)(A)
         torch.manual_seed(0)
         _close(ours, tf.vmap(tf.grad(loss), randomness=randomness)(A))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_dims", [(0, 0, 0), (None, None, 0), (0, 0, None)])
+@pytest.mark.parametrize("left,transpose", [(True, False), (False, True)])
+def test_ormqr_vmap_without_fallback(in_dims, left, transpose, dtype):
+    A, tau = _geqrf((3, 5, 3), dtype)
+    C = _randn(3, 5, 2, dtype=dtype, seed=3) if left else _randn(3, 2, 5, dtype=dtype, seed=3)
+    args = tuple(x if d is not None else x[0] for x, d in zip((A, tau, C), in_dims))
+    f = lambda a, t, c: torch.ormqr(a, t, c, left=left, transpose=transpose)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        ours = ft.vmap(f, in_dims=in_dims)(*args)
+    _close(ours, tf.vmap(f, in_dims=in_dims)(*args))
