@@ -158,6 +158,21 @@ def qr_grad_case():
     )
 
 
+def qr_baseline_case():
+    """(e) the QR row's loss with the decomposition replaced by views (Q, R = A, A[:32]): the
+    cost of the loss's own ops, to read the QR row against."""
+    A, b = _qr_lstsq_data()
+
+    def loss(A, b):
+        Q, R = A, A[..., :32, :]
+        return (Q.mT @ b).square().sum() + R.diagonal().abs().log().sum()
+
+    return (
+        lambda: ft.vmap(ft.grad(loss))(A, b),
+        lambda: tf.vmap(tf.grad(loss))(A, b),
+    )
+
+
 def lstsq_grad_case():
     """(e) per-problem gradient through least squares: vmap(grad(f)), A 64x32, B 64x2."""
     A, b = _qr_lstsq_data()
@@ -177,6 +192,7 @@ CASES = {
     "(c) jvp of a ResNet basic block, B=16, 16x32x32": block_jvp_case,
     "(d) hvp jvp(grad(f)), small conv net, B=8, 3x16x16": hvp_case,
     "(e) vmap(grad) through QR, 32 problems, 64x32": qr_grad_case,
+    "(e) baseline: the QR row's loss without the QR": qr_baseline_case,
     "(e) vmap(grad) through linalg.lstsq, 32 problems, 64x32": lstsq_grad_case,
 }
 
