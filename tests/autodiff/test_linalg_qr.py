@@ -316,3 +316,40 @@ def test_ormqr_vmap_without_fallback(in_dims, left, transpose, dtype):
         warnings.simplefilter("error", FallbackWarning)
         ours = ft.vmap(f, in_dims=in_dims)(*args)
     _close(ours, tf.vmap(f, in_dims=in_dims)(*args))
+
+
+def _all_ops_loss(a):
+    Q, R = torch.linalg.qr(a)
+    w = torch.arange(3.0, dtype=F64)
+    return (
+        (Q.abs() ** 2 * w).sum()
+        + R.diagonal(0, -2, -1).abs().log().sum()
+        + torch.linalg.pinv(a).abs().sum()
+        + torch.linalg.lstsq(a, a[..., :2]).solution.abs().sum()
+    )
+
+
+COMPOSITIONS = {
+    "vmap(vmap(grad))": lambda L, A, T: L.vmap(L.vmap(L.grad(_all_ops_loss)))(A),
+    "vmap(jvp)": lambda L, A, T: L.vmap(lambda a, t: L.jvp(_all_ops_loss, (a,), (t,))[1])(
+        A[0], T[0]
+    ),
+    "jvp(vmap)": lambda L, A, T: L.jvp(L.vmap(_all_ops_loss), (A[0],), (T[0],))[1],
+    "vmap(jvp(grad))": lambda L, A, T: L.vmap(
+        lambda a, t: L.jvp(L.grad(_all_ops_loss), (a,), (t,))[1]
+    )(A[0], T[0]),
+    "grad(vmap)": lambda L, A, T: L.grad(lambda a: L.vmap(_all_ops_loss)(a).sum())(A[0]),
+    "vmap(grad), in_dims=1": lambda L, A, T: L.vmap(L.grad(_all_ops_loss), in_dims=1)(
+        A[0].movedim(0, 1)
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
+def test_compositions_match_torch(name, dtype):
+    """QR, pinv and lstsq together under nested transforms (the rules' physical-value path
+    under vmap, op by op otherwise)."""
+    A, T = _randn(3, 4, 5, 3, dtype=dtype, seed=8), _randn(3, 4, 5, 3, dtype=dtype, seed=9)
+    f = COMPOSITIONS[name]
+    _close(f(ft, A, T), f(tf, A, T), atol=1e-7)
