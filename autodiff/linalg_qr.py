@@ -218,8 +218,9 @@ def _chain_vjp(V, tau, Ys, gY, adjoint, needs_v, needs_tau):
         if needs_v:
             gv[j] = -(_conj(t) * gY) @ w2.mH - (t * Y_old) @ w1.mH
         gY = gY - (_conj(t) * v) @ w1
-    gV = torch.cat(gv, -1) if needs_v else None
-    gtau = torch.cat(gt, -1) if needs_tau else None
+    # no reflectors (k = 0): empty cotangents, sliced from the inputs (cat of nothing fails)
+    gV = (torch.cat(gv, -1) if k else V[..., :0]) if needs_v else None
+    gtau = (torch.cat(gt, -1) if k else tau) if needs_tau else None
     return gV, gtau, gY
 
 
