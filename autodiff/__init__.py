@@ -21,6 +21,7 @@ from . import (  # noqa: F401  (registration)
     linalg,
     linalg_eig,
     linalg_lu,
+    linalg_qr,
     nn,
     normalization,
     pooling,

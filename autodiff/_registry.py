@@ -22,7 +22,8 @@ from functransforms.errors import MissingRuleError, missing_rule
 JVP_RULES = make_registry("jvp")
 VJP_RULES = make_registry("vjp")
 # Ops whose value under grad is computed by another function than the op itself: the lazy
-# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]).
+# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]), and kernels
+# that build lazy conj views internally (linalg_pinv, autodiff/linalg_qr.py).
 VJP_FORWARD = make_registry("vjp_forward", slot="vjp_forward")
 
 

@@ -139,8 +139,9 @@ def_add_product(
 #     both follow torch. Formulas: Giles 2008, "Collected matrix derivative results for forward
 #     and reverse mode AD"; the Cholesky, eigh and SVD ones in the projected form of
 #     torch's FunctionsManual.
-def def_linalg(op, jvp, vjp):
-    """Register ``jvp`` / ``vjp`` for ``op`` (Note [Linalg derivative rules])."""
+def def_linalg(op, jvp, vjp, forward=None):
+    """Register ``jvp`` / ``vjp`` for ``op`` (Note [Linalg derivative rules]). ``forward``
+    computes the op's value in the jvp rule when calling ``op`` itself there would be wrong."""
     schema = op._schema.arguments
     names = [a.name for a in schema]
     defaults = [a.default_value if a.has_default_value() else None for a in schema]
@@ -152,8 +153,10 @@ def def_linalg(op, jvp, vjp):
             args[names.index(k)] = v
         return args
 
+    run = op if forward is None else forward
+
     def linalg_jvp_rule(primals, tangents, kwargs):
-        out = op(*primals, **kwargs)
+        out = run(*primals, **kwargs)
         if all(t is None for t in tangents):
             return out, None
         dots = list(tangents) + [None] * (len(names) - len(tangents))

@@ -151,7 +151,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
         primals, inputs = unwrap_level(self, args, _entry_of)
-        forward = (f.view and f.vjp_forward) or func  # Note [No lazy conjugate inside wrappers]
+        forward = f.vjp_forward or func  # Note [No lazy conjugate inside wrappers]
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
                 out = forward(*primals, **kwargs)

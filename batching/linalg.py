@@ -278,3 +278,52 @@ def lu_unpack_vmap_rule(interp, args, bdims, kwargs):
     piv = expand_front(args[1], bdims[1], B)
     out = aten.lu_unpack.default(LU, piv, *args[2:], **kwargs)
     return out, tuple(0 if o.dim() > 0 and o.shape[0] == B else None for o in out)
+
+
+# -- least squares and the pseudo-inverse (issue 8, qr helper) ---------------------------------
+def _run_conj_safe(op, *args, **kwargs):
+    """Run ``op`` with the Conjugate/Negative keys on for complex inputs: pinv and lstsq build
+    lazy conj views inside their kernels (Note [Conjugate views], batching/_tensor.py)."""
+    if not args[0].is_complex():
+        return op(*args, **kwargs)
+    from ._tensor import _lazy_conj_enabled
+
+    with _lazy_conj_enabled():
+        return op(*args, **kwargs)
+
+
+@register_vmap_rule(aten.linalg_pinv.atol_rtol_tensor)
+def linalg_pinv_vmap_rule(interp, args, bdims, kwargs):
+    """pinv(A, *, atol, rtol, hermitian): the vmap dim goes in front of A. torch broadcasts the
+    tolerance tensors' shapes into A's batch shape, so A gets size-1 dims after the vmap dim
+    until its logical batch rank is the tolerances' (Note [Batching broadcasting linalg ops]).
+    Tolerances batched at this level arrive here never: the interpreter loops over examples
+    for batched keyword tensors (Note [vmap fallback])."""
+    A = to_front(args[0], bdims[0])
+    tols = [t for t in (kwargs.get("atol"), kwargs.get("rtol")) if isinstance(t, torch.Tensor)]
+    nd = max([A.dim() - 3] + [t.dim() for t in tols])
+    A = pad_to(A, nd + 2)
+    return _run_conj_safe(aten.linalg_pinv.atol_rtol_tensor, A, *args[1:], **kwargs), 0
+
+
+@register_vmap_rule(aten.linalg_lstsq.default)
+def linalg_lstsq_vmap_rule(interp, args, bdims, kwargs):
+    """lstsq(A, B, rcond, *, driver) -> (X, residuals, rank, singular_values). B is a (batch
+    of) vector(s) when its logical rank is A's minus one (torch's rule for lstsq), so logical
+    batch ranks are equal: both operands get the vmap dim in front (an unbatched one expanded,
+    as torch.func does, so that rank and singular values are per example). Outputs a driver
+    does not compute are empty and carry no vmap dim."""
+    size = interp.batch_size
+    A = expand_front(args[0], bdims[0], size)
+    B = expand_front(args[1], bdims[1], size)
+    out = _run_conj_safe(aten.linalg_lstsq.default, A, B, *args[2:], **kwargs)
+    return out, tuple(0 if o.dim() > 0 and o.numel() > 0 else None for o in out)
+
+
+@register_vmap_rule(aten.ormqr.default)
+def ormqr_vmap_rule(interp, args, bdims, kwargs):
+    """ormqr(A, tau, C, left, transpose): equal batch shapes (no broadcasting), so every
+    operand gets the vmap dim in front, an unbatched one expanded."""
+    size = interp.batch_size
+    A, tau, C = (expand_front(args[i], bdims[i], size) for i in range(3))
+    return aten.ormqr.default(A, tau, C, *args[3:], **kwargs), 0

@@ -197,14 +197,11 @@ _PRIORITY = [
 LOOP = "loop where torch.func batches"
 _LINALG = "linalgrules helper in progress"
 ALLOWED_LOOPS: dict[str, str] = {
-    "aten.linalg_lstsq.default": _LINALG,
-    "aten.linalg_pinv.atol_rtol_tensor": _LINALG,
     "aten.cholesky.default": _LINALG,
     "aten.cholesky_inverse.default": _LINALG,
     "aten.linalg_solve.default": _LINALG,
     "aten._linalg_solve_ex.default": _LINALG,
     "aten.geqrf.default": _LINALG,
-    "aten.ormqr.default": _LINALG,
     "aten.lu_unpack.default": _LINALG,
     "aten.linalg_ldl_factor_ex.default": _LINALG,
     "aten.linalg_ldl_solve.default": _LINALG,
