@@ -7,8 +7,6 @@ to-do list, with details, is docs/conformance.md.
 """
 
 EXPECTED: dict[tuple[str, str], str] = {
-    ("as_strided_scatter", "vjp"): "wrong value",
-    ("as_strided_scatter", "vjp[complex]"): "wrong value",
     ("cholesky", "vjp"): "no vjp rule",
     ("cholesky", "vjp[complex]"): "no vjp rule",
     ("frexp", "vmap"): "crash: TypeError",
@@ -103,10 +101,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     # compositions: Note [Conformance compositions] (conformance_compositions.py)
     ("_native_batch_norm_legit", "vmap(vjp)"): "crash: InplaceError",
     ("_upsample_bilinear2d_aa", "vmap(vjp)"): "loop where torch.func batches",
-    ("as_strided_scatter", "jvp(vjp)"): "wrong value",
-    ("as_strided_scatter", "jvp(vjp)[complex]"): "wrong value",
-    ("as_strided_scatter", "vmap(vjp)"): "wrong value",
-    ("as_strided_scatter", "vmap(vjp)[complex]"): "wrong value",
     ("cholesky", "vmap(vjp)"): "no vjp rule",
     ("cholesky", "vmap(vjp)[complex]"): "no vjp rule",
     ("frexp", "vmap(vjp)"): "crash: TypeError",
@@ -163,7 +157,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("linalg.qr", "jvp(vjp)[complex]"): "no jvp rule",
     ("linalg.qr", "vmap(vjp)"): "no vjp rule",
     ("linalg.qr", "vmap(vjp)[complex]"): "no vjp rule",
-    ("logcumsumexp", "jvp(vjp)"): "wrong value",
     ("lu", "jvp(vjp)"): "no jvp rule",
     ("lu", "jvp(vjp)[complex]"): "no jvp rule",
     ("lu", "vmap(vjp)"): "no vjp rule",
@@ -191,7 +184,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("qr", "jvp(vjp)[complex]"): "no jvp rule",
     ("qr", "vmap(vjp)"): "no vjp rule",
     ("qr", "vmap(vjp)[complex]"): "no vjp rule",
-    ("scatter_reduce.prod", "jvp(vjp)"): "wrong value",
     ("stft", "jvp(vjp)"): "no vjp rule",
     ("stft", "jvp(vjp)[complex]"): "no vjp rule",
     ("stft", "vmap(vjp)"): "no vjp rule",
