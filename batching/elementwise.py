@@ -20,6 +20,11 @@ aten = torch.ops.aten
 
 
 def make_pointwise_rule(func):
+    n_out = len(func._schema.returns)  # frexp returns (mantissa, exponent): one bdim each
+
+    def out_bdims(b):
+        return b if n_out == 1 else (b,) * n_out
+
     def pointwise_vmap_rule(interp, args, bdims, kwargs):
         n_tensors = 0
         nd = 0
@@ -30,12 +35,12 @@ def make_pointwise_rule(func):
                 if d > nd:
                     nd = d
         if n_tensors == 1:  # fast path: the batch dim stays where it is
-            return func(*args, **kwargs), next(b for b in bdims if b is not None)
+            return func(*args, **kwargs), out_bdims(next(b for b in bdims if b is not None))
         new = promote_like_logical(args, bdims)
         for i, b in enumerate(bdims):
             if b is not None:
                 new[i] = pad_to(to_front(new[i], b), nd)
-        return func(*new, **kwargs), 0
+        return func(*new, **kwargs), out_bdims(0)
 
     return pointwise_vmap_rule
 

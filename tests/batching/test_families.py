@@ -26,6 +26,7 @@ ELEMENTWISE = {
     "int_ops": (lambda i, j: (i * j + 1) // 2, [I(5, 3), I(5, 3)]),
     "mask_logic": (lambda m, n: m ^ n | ~m, [M(4), M(4)]),
     "to_dtype": (lambda x: x.float().double() + x.to(torch.int64), [F(3)]),
+    "frexp_two_outputs": (torch.frexp, [F(3, 4)]),  # a pointwise op with two outputs
 }
 
 REDUCTIONS = {

@@ -1,9 +1,14 @@
 """nn rules (losses, layer norm, convolution, pooling, softmax backward) against torch.vmap."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as Fn
 from _vmap_helpers import F, I, build, check, mixes
+
+import functransforms as ft
+from functransforms.errors import FallbackWarning
 
 aten = torch.ops.aten
 
@@ -99,3 +104,40 @@ def test_cross_entropy_label_smoothing():
     specs = [F(4, 5), I(5, 4)]
     for in_dims in [(0, 0), (0, None), (-1, 0), (1, -1)]:
         check(f, in_dims, *build(specs, in_dims))
+
+
+def _ctc_inputs(B=3, T=12, N=4, C=6, S=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(B, T, N, C, generator=g, dtype=torch.float64).log_softmax(-1)
+    tg = torch.randint(1, C, (B, N, S), generator=g)
+    il = torch.randint(T - 3, T + 1, (B, N), generator=g)
+    tl = torch.randint(1, S + 1, (B, N), generator=g)
+    tl[0, 0], tl[1] = S, 2  # the longest target differs per example (log_alpha's width)
+    return lp, tg, il, tl
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("layout", ["padded", "concatenated", "unbatched"])
+def test_ctc_loss_folds_into_its_batch(reduction, layout):
+    """Note [Batching ctc_loss]: examples whose longest targets differ (a per-example loop
+    could not stack log_alpha), in each target layout, against a loop; then vmap of the vjp."""
+    from functransforms.testing import check_vmap
+
+    lp, tg, il, tl = _ctc_inputs()
+    if layout == "concatenated":  # each example's N targets back to back (torch: sum(tl) long)
+        tl = torch.tensor([[7, 5, 6, 3], [2, 7, 7, 5], [4, 4, 6, 7]])
+        tg = tg.flatten(1)[:, :21]
+    if layout == "unbatched":  # one sequence per example (torch: targets exactly tl long)
+        lp, tg, il, tl = lp[:, :, 0], tg[:, 0], il[:, 0], torch.full((3,), 7)
+
+    def f(lp, tg, il, tl):
+        return Fn.ctc_loss(lp, tg, il, tl, reduction=reduction, zero_infinity=True)
+
+    def grads(lp, tg, il, tl):
+        return ft.grad(lambda lp: f(lp, tg, il, tl).sum())(lp)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # a rule, not the per-example loop
+        check_vmap(f, (lp, tg, il, tl))
+        check_vmap(f, (lp, tg[0], il[0], tl[0]), in_dims=(0, None, None, None))
+        check_vmap(grads, (lp, tg, il, tl))

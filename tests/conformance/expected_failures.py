@@ -9,7 +9,6 @@ to-do list, with details, is docs/conformance.md.
 EXPECTED: dict[tuple[str, str], str] = {
     ("cholesky", "vjp"): "no vjp rule",
     ("cholesky", "vjp[complex]"): "no vjp rule",
-    ("frexp", "vmap"): "crash: TypeError",
     ("linalg.eig", "jvp"): "no jvp rule",
     ("linalg.eig", "jvp[complex]"): "no jvp rule",
     ("linalg.eig", "vjp"): "no vjp rule",
@@ -76,7 +75,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("matrix_exp", "jvp[complex]"): "no jvp rule",
     ("matrix_exp", "vjp"): "no vjp rule",
     ("matrix_exp", "vjp[complex]"): "no vjp rule",
-    ("nn.functional.ctc_loss", "vmap"): "crash: RuntimeError",
     ("nn.functional.linear_cross_entropy.chunked", "vmap"): "loop where torch.func batches",
     ("nn.functional.linear_cross_entropy.chunked_none", "vmap"): "loop where torch.func batches",
     ("ormqr", "vjp"): "no vjp rule",
@@ -103,7 +101,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("_upsample_bilinear2d_aa", "vmap(vjp)"): "loop where torch.func batches",
     ("cholesky", "vmap(vjp)"): "no vjp rule",
     ("cholesky", "vmap(vjp)[complex]"): "no vjp rule",
-    ("frexp", "vmap(vjp)"): "crash: TypeError",
     ("grid_sampler_3d", "vmap(vjp)"): "loop where torch.func batches",
     ("linalg.eig", "jvp(vjp)"): "no jvp rule",
     ("linalg.eig", "jvp(vjp)[complex]"): "no jvp rule",
