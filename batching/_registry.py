@@ -14,6 +14,10 @@ is a tensor or a tuple of tensors, ``out_bdims`` the matching int/None (tuple fo
 from __future__ import annotations
 
 VMAP_RULES: dict = {}
+# ops whose schema marks an argument written although they write it only in some modes (batch
+# norm writes its running statistics in training mode only): their rules check the targets
+# themselves, instead of vmap refusing every unbatched target up front
+WRITES_CHECKED_BY_RULE: set = set()
 
 
 def register_vmap_rule(*ops):

@@ -12,7 +12,7 @@ from functransforms._ops import facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
 
 from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
-from ._registry import VMAP_RULES
+from ._registry import VMAP_RULES, WRITES_CHECKED_BY_RULE
 
 _no_torch_function = torch._C._disabled_torch_function_impl
 _DATA_GET = torch.Tensor.data.__get__
@@ -168,7 +168,7 @@ class VmapInterpreter(Interpreter):
                     return self._fallback(func, args, kwargs)
         rule = VMAP_RULES.get(func) or _derived_rule(func)
         written = f.written  # self for add_, the target of prims.copy_to, ...
-        for i in written:
+        for i in written if func not in WRITES_CHECKED_BY_RULE else ():
             if bdims[i] is None and any(b is not None for b in bdims):
                 raise InplaceError(
                     f"{self.call}: {op_name(func)} writes a batched value in place into a tensor "

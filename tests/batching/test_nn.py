@@ -8,7 +8,7 @@ import torch.nn.functional as Fn
 from _vmap_helpers import F, I, build, check, mixes
 
 import functransforms as ft
-from functransforms.errors import FallbackWarning
+from functransforms.errors import FallbackWarning, InplaceError
 
 aten = torch.ops.aten
 
@@ -141,3 +141,35 @@ def test_ctc_loss_folds_into_its_batch(reduction, layout):
         check_vmap(f, (lp, tg, il, tl))
         check_vmap(f, (lp, tg[0], il[0], tl[0]), in_dims=(0, None, None, None))
         check_vmap(grads, (lp, tg, il, tl))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [aten._native_batch_norm_legit.default, aten.native_batch_norm.default],
+    ids=["legit", "native"],
+)
+def test_batch_norm_eval_with_unbatched_running_stats(op):
+    """The schema marks the running statistics written, but eval mode only reads them: vmap
+    (and vmap of the vjp, where they are constants) must not refuse them as unbatched targets.
+    Training mode still raises (each example would write its own statistics)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 2, 4, generator=g, dtype=torch.float64)
+    w, b = torch.randn(2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    rm, rv = torch.randn(2, dtype=torch.float64), torch.rand(2, dtype=torch.float64) + 0.5
+    ct = torch.randn(3, 2, 2, 4, generator=g, dtype=torch.float64)
+
+    def f(x, w, b, training=False):
+        return op(x, w, b, rm, rv, training, 0.1, 1e-5)[0]
+
+    torch.testing.assert_close(ft.vmap(f)(x, w.expand(3, 2), b.expand(3, 2)),
+                               torch.func.vmap(f)(x, w.expand(3, 2), b.expand(3, 2)))  # fmt: skip
+
+    def per_sample(lib):
+        return lib.vmap(lambda x, c: lib.vjp(lambda x, w: f(x, w, b), x, w)[1](c))
+
+    for a, r in zip(per_sample(ft)(x, ct), per_sample(torch.func)(x, ct)):
+        torch.testing.assert_close(a, r)
+    before = rm.clone()
+    with pytest.raises(InplaceError, match="training mode updates running_mean"):
+        ft.vmap(lambda x: f(x, w, b, training=True))(x)
+    assert torch.equal(rm, before)

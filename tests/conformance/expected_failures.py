@@ -97,7 +97,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("triangular_solve", "vjp"): "no vjp rule",
     ("triangular_solve", "vjp[complex]"): "no vjp rule",
     # compositions: Note [Conformance compositions] (conformance_compositions.py)
-    ("_native_batch_norm_legit", "vmap(vjp)"): "crash: InplaceError",
     ("_upsample_bilinear2d_aa", "vmap(vjp)"): "loop where torch.func batches",
     ("cholesky", "vmap(vjp)"): "no vjp rule",
     ("cholesky", "vmap(vjp)[complex]"): "no vjp rule",
