@@ -91,7 +91,6 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("stft", "jvp[complex]"): "no jvp rule",
     ("stft", "vjp"): "no vjp rule",
     ("stft", "vjp[complex]"): "no vjp rule",
-    ("to_sparse", "vjp"): "no vjp rule",
     ("triangular_solve", "jvp"): "no jvp rule",
     ("triangular_solve", "jvp[complex]"): "no jvp rule",
     ("triangular_solve", "vjp"): "no vjp rule",
