@@ -5,6 +5,8 @@ Every error test runs the same call through torch.func in the same test, so a ch
 torch.func's behaviour shows up here.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -198,6 +200,42 @@ def test_tolist_of_a_batched_value_is_data_dependent():
         ft.vmap(lambda a: torch.tensor(a.tolist()))(xb)
     with pytest.raises(RuntimeError):
         ft.vmap(lambda a: a.sum().item())(xb)
+
+
+@pytest.mark.parametrize("transform", ["vjp", "grad", "jvp", "grad(grad)"])
+def test_torch_tensor_of_a_wrapper_is_a_constant_as_in_torch_func(transform):
+    """torch.tensor([a]) builds its data with the Python dispatch key excluded: it read the
+    wrapper's (absent) data ("data is not allocated yet"). torch.func: a constant (no
+    derivative), with the value of a; int(a) / complex(a) the same."""
+    a = x[0].clone()
+
+    def f(a):
+        return torch.tensor([a, 2 * a]) * a + torch.tensor([int(a * 10)]) + torch.tensor([a]).sum()
+
+    def run(lib):
+        if transform == "vjp":
+            out, fn = lib.vjp(f, a)
+            return out, fn(torch.ones(2, dtype=a.dtype))
+        if transform == "grad":
+            return lib.grad(lambda a: f(a).sum())(a)
+        if transform == "jvp":
+            return lib.jvp(f, (a,), (torch.ones_like(a),))
+        return lib.grad(lib.grad(lambda a: (f(a) * a).sum()))(a)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of a requires-grad tensor made a number
+        torch.testing.assert_close(run(ft), run(tf))
+    z = torch.tensor(1.0 + 2.0j, dtype=torch.complex128)
+    torch.testing.assert_close(
+        ft.jvp(lambda z: torch.tensor([complex(z)]) * z, (z,), (z,)),
+        tf.jvp(lambda z: torch.tensor([complex(z)]) * z, (z,), (z,)),
+    )
+
+
+def test_torch_tensor_of_a_batched_value_is_data_dependent():
+    both_raise(RuntimeError, lambda lib: lib.vmap(lambda a: torch.tensor([a]))(x))
+    with pytest.raises(DataDependentError, match="batched tensor as Python data"):
+        ft.vmap(lambda a: torch.tensor([a]))(x)
 
 
 # -- accepted where torch.func accepts -------------------------------------------------------------
