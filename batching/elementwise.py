@@ -56,7 +56,6 @@ def _same_bdim_rule(func):
 
 for _op in (
     aten.alias.default,
-    aten.detach.default,
     aten._to_copy.default,
     aten.lift_fresh.default,
     aten.empty_like.default,
@@ -70,6 +69,16 @@ for _op in (
     aten.view_as_complex.default,
 ):
     register_vmap_rule(_op)(_same_bdim_rule(_op))
+
+
+@register_vmap_rule(aten.detach.default)
+def detach_vmap_rule(interp, args, bdims, kwargs):
+    """detach shares memory but is not a view in torch (``x.detach()._base is None``): marked,
+    so that vmap's output is not rebuilt as a view of the input (Note [Views of vmap's
+    inputs], functransforms/_vmap.py)."""
+    out = aten.detach.default(args[0])
+    out._ft_detached = True
+    return out, bdims[0]
 
 
 @register_vmap_rule(aten.copy.default)
