@@ -329,6 +329,7 @@ def _process_grad(cf, interp, args):
         inputs,
         [i is not None for i in inputs],
     )
+    node.name = getattr(cf.fn, "__name__", "CustomFunction")  # autograd.Function: the class name
     wrapped = [
         wrap_grad(o, node, i, interp) if is_floating(o) else o for i, o in enumerate(flat_out)
     ]
