@@ -13,6 +13,7 @@ from functransforms.deterministic import _ops as _det
 
 from ._registry import register_jvp_rule, register_vjp_rule
 from ._util import conj_if_complex, unbroadcast, zeros_shaped
+from .elementwise import _conj_scalar
 from .views import def_linear
 
 aten = torch.ops.aten
@@ -96,6 +97,39 @@ def put_vjp_rule(ct, primals, kwargs, out, needs):
     if needs[2]:
         gs = ct.take(index).reshape(source.shape)
     return (gx, None, gs) + (None,) * (len(primals) - 3)
+
+
+# -- index_add ----------------------------------------------------------------------------------
+# A rule of its own rather than torch's decomposition: the decomposition (an index_put) breaks
+# on a 0-d index, which index_select's transpose passes (index_select treats it as 1-d: the
+# second derivative of embedding with one index).
+def _index_add_args(primals, kwargs):
+    x, dim, index, source = primals[:4]
+    alpha = primals[4] if len(primals) > 4 else kwargs.get("alpha", 1)
+    return x, dim, index, source, alpha
+
+
+@register_jvp_rule(aten.index_add.default)
+def index_add_jvp_rule(primals, tangents, kwargs):
+    """index_add(x, dim, index, source, alpha) is linear in (x, source) jointly."""
+    x, dim, index, source, alpha = _index_add_args(primals, kwargs)
+    out = aten.index_add.default(*primals, **kwargs)
+    tx, ts = tangents[0], tangents[3]
+    if tx is None and ts is None:
+        return out, None
+    tx = _or_zeros(tx, x, out.dtype)
+    ts = _or_zeros(ts, source, out.dtype)
+    return out, aten.index_add.default(tx, dim, index, ts, alpha=alpha)
+
+
+@register_vjp_rule(aten.index_add.default)
+def index_add_vjp_rule(ct, primals, kwargs, out, needs):
+    x, dim, index, source, alpha = _index_add_args(primals, kwargs)
+    gs = None
+    if needs[3]:
+        gs = ct.index_select(dim, index.reshape(-1)).reshape(source.shape)
+        gs = gs * _conj_scalar(alpha) if alpha != 1 else gs
+    return (ct if needs[0] else None, None, None, gs) + (None,) * (len(primals) - 4)
 
 
 # -- scatter_reduce / index_reduce ----------------------------------------------------------------

@@ -57,7 +57,7 @@ _grad_enabled = torch.is_grad_enabled
 
 
 class Node:
-    __slots__ = ("id", "rule", "primals", "kwargs", "out", "inputs", "needs", "__weakref__")
+    __slots__ = ("id", "rule", "primals", "kwargs", "out", "inputs", "needs", "name", "__weakref__")
 
     def __init__(self, rule, primals, kwargs, out, inputs, needs):
         self.id = next(_ids)
@@ -94,10 +94,56 @@ class GradTensor(TransformTensor):
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         p = self._primal
-        return not isinstance(p, TransformTensor) and p.requires_grad
+        return not isinstance(p, TransformTensor) and _torch_requires_grad(p)
 
     def _describe(self):
         return f"GradTensor(lvl={self._interp.level}, primal={self._primal!r})"
+
+    # Note [requires_grad and grad_fn inside grad]
+    #     As torch.func's wrappers do, a value a grad level tracks reads as requiring grad, and
+    #     one computed from the inputs (an op's or an autograd.Function's output) has a grad_fn
+    #     (our tape node, named after the op); the inputs themselves are leaves. User code
+    #     branches on these (``if out.requires_grad: ctx.save...``, ``assert y.grad_fn``).
+    #     Python-level reads only: torch's C++ autograd still sees the wrapper's own flag, so it
+    #     does not record on wrappers (Note [Torch autograd through our transforms]); library
+    #     code that means torch's flag reads it with ``_torch_requires_grad``.
+    @property
+    def requires_grad(self):
+        return True
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        self.requires_grad_(value)  # raises, as in torch.func
+
+    @property
+    def grad_fn(self):
+        node = self._node
+        return None if isinstance(node, Leaf) else GradFn(node)
+
+    @property
+    def is_leaf(self):
+        return isinstance(self._node, Leaf)
+
+
+class GradFn:
+    """``x.grad_fn`` of a value a grad level computed (Note [requires_grad and grad_fn inside
+    grad]): the tape node, named as torch names its nodes (``MulBackward``)."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node):
+        self._node = node
+
+    def name(self):
+        what = getattr(self._node, "name", None)  # an OpOverload, or a custom function's name
+        base = what._schema.name.split("::")[-1] if hasattr(what, "_schema") else str(what)
+        return "".join(w[:1].upper() + w[1:] for w in base.split("_")) + "Backward"
+
+    def __repr__(self):
+        return f"<{self.name()} (functransforms tape node {self._node.id})>"
+
+
+_torch_requires_grad = _compat.tensor_requires_grad
 
 
 def wrap_grad(primal, node, idx, interp):
@@ -176,10 +222,12 @@ class GradInterpreter(InplaceMixin, Interpreter):
             if keeps is not None:  # Note [What a vjp rule keeps]
                 primals, saved = _prune(primals, out, keeps)
             node = Node(rule, primals, kwargs, saved, inputs, [i is not None for i in inputs])
+            node.name = func  # for grad_fn (Note [requires_grad and grad_fn inside grad])
             w = wrap_grad(out, node, 0, self)
         else:
             out = type(out)(resolve_lazy(o) for o in out)
             node = Node(rule, primals, kwargs, out, inputs, [i is not None for i in inputs])
+            node.name = func
             w = type(out)(
                 wrap_grad(o, node, i, self) if isinstance(o, torch.Tensor) and is_floating(o) else o
                 for i, o in enumerate(out)
@@ -214,6 +262,9 @@ class GradInterpreter(InplaceMixin, Interpreter):
         saved = flat_out[0] if single else tuple(flat_out)
         needs = [i is not None for i in inputs]
         node = Node(custom_vjp_rule, primals, {}, saved, inputs, needs)
+        # autograd.Function: its class name, for grad_fn (Note [requires_grad and grad_fn
+        # inside grad])
+        node.name = getattr(custom_fn.fn, "__name__", "CustomFunction")
         wrapped = [
             wrap_grad(o, node, i, self) if is_floating(o) else o for i, o in enumerate(flat_out)
         ]

@@ -85,39 +85,71 @@ def cumprod_vjp_rule(ct, primals, kwargs, out, needs):
     return (g.to(primals[0].dtype),) + rest
 
 
-def _logcumsumexp_weights(x, dim):
-    """e = exp(x - max), S = cumsum(e): d out_j = sum_{k <= j} e_k t_k / S_j (torch's jvp; as
-    torch, complex inputs are not shifted: max is not defined for them, and shifting by the
-    largest real part underflows where torch's unshifted sum does not)."""
-    e = x.exp() if x.is_complex() else (x - x.amax(dim, keepdim=True)).exp()
-    return e, e.cumsum(dim)
+# Note [logcumsumexp derivatives]
+#     d out_j = sum_{k <= j} exp(x_k - out_j) t_k. Weights from one global shift,
+#     exp(x - max) / cumsum(exp(x - max)), underflow to 0 / 0 once x spans more than ~709
+#     (float64; ~88 in float32: a -100 mask is enough), and torch's log-space formula is not
+#     linear in t (its derivative in the cotangent is lost where the cotangent is 0). Instead
+#     the tangent is the linear recurrence D_j = a_j D_{j-1} + exp(x_j - out_j) t_j with
+#     a_j = exp(out_{j-1} - out_j) in [0, 1] (out never decreases), solved by a parallel prefix
+#     scan: every factor is at most 1, so nothing overflows, and the result is exactly linear in
+#     t. The vjp is its transpose, the same scan run backwards. log2(n) rounds of elementwise
+#     ops, no branch on the data (batches under vmap, differentiates again).
+def _exp_diff(u, v):
+    """exp(u - v), 0 where v = -inf (a prefix of -inf: no derivative flows, and no NaN from
+    -inf - -inf in this rule or in its own derivatives)."""
+    dead = torch.isneginf(v.real if v.is_complex() else v)
+    return torch.where(dead, 0, torch.where(dead, 0, u - v).exp())
+
+
+def _shift(v, n, dim, fill):
+    """v moved n places forward along dim, the first n entries filled with ``fill``."""
+    pad = torch.full_like(v.narrow(dim, 0, n), fill)
+    return torch.cat([pad, v.narrow(dim, 0, v.shape[dim] - n)], dim)
+
+
+def _linear_scan(a, b, dim):
+    """y_j = a_j y_{j-1} + b_j (y_{-1} = 0) along dim, by Hillis-Steele doubling."""
+    n, step = b.shape[dim], 1
+    while step < n:
+        b = b + a * _shift(b, step, dim, 0)
+        a = a * _shift(a, step, dim, 1)
+        step *= 2
+    return b
+
+
+def _logcumsumexp_coefficients(x, out, dim):
+    """(a, w): a_j = exp(out_{j-1} - out_j) (a_0 = 0) and w_j = exp(x_j - out_j)."""
+    prev = _shift(out, 1, dim, float("-inf"))
+    return _exp_diff(prev, out), _exp_diff(x, out)
 
 
 @register_jvp_rule(aten.logcumsumexp.default)
 def logcumsumexp_jvp_rule(primals, tangents, kwargs):
+    """Note [logcumsumexp derivatives]"""
     x, dim = primals
     out = aten.logcumsumexp.default(x, dim)
     t = tangents[0]
     if t is None:
         return out, None
-    if x.dim() == 0:
+    if x.dim() == 0 or x.shape[dim] == 0:
         return out, t
-    e, S = _logcumsumexp_weights(x, dim)
-    return out, (e * t).cumsum(dim) / S
+    a, w = _logcumsumexp_coefficients(x, out, dim)
+    return out, _linear_scan(a, w * t, dim)
 
 
 @register_vjp_rule(aten.logcumsumexp.default)
 def logcumsumexp_vjp_rule(ct, primals, kwargs, out, needs):
+    """The transpose of the jvp's scan: g_k = conj(w_k) E_k, E_k = ct_k + conj(a_{k+1}) E_{k+1}."""
     x, dim = primals
-    if x.dim() == 0:
+    if x.dim() == 0 or x.shape[dim] == 0:
         return ct, None
-    if x.is_complex():
-        # in log space, as torch: sum_{j >= k} conj(ct_j) exp(x_k - out_j) without overflow
-        log_ct = torch.log(conj_if_complex(ct))
-        rev = aten.logcumsumexp.default((log_ct - out).flip(dim), dim).flip(dim)
-        return conj_if_complex((rev + x).exp()), None
-    e, S = _logcumsumexp_weights(x, dim)
-    return e * _rev_cumsum(ct / S, dim), None
+    a, w = _logcumsumexp_coefficients(x, out, dim)
+    a_next = torch.cat(
+        [a.narrow(dim, 1, a.shape[dim] - 1), torch.zeros_like(a.narrow(dim, 0, 1))], dim
+    )
+    E = _linear_scan(conj_if_complex(a_next).flip(dim), ct.flip(dim), dim).flip(dim)
+    return conj_if_complex(w) * E, None
 
 
 def def_cumext(op):

@@ -98,6 +98,14 @@ for _op, _tr in (
     def_linear(_op, _tr)
 
 
+@register_vjp_rule(aten._to_sparse.default, aten._to_sparse.sparse_dim)
+def to_sparse_vjp_rule(ct, primals, kwargs, out, needs):
+    """to_sparse changes the layout, not the values: the cotangent goes back as a dense tensor
+    (torch's to_dense of a sparse cotangent). No jvp: torch has none (sparse tangents)."""
+    g = ct.to_dense() if ct.layout != torch.strided else ct
+    return (g,) + (None,) * (len(primals) - 1)
+
+
 # Note [No lazy conjugate inside wrappers]
 #     Inside __torch_dispatch__ the dispatcher excludes every key above Python, Conjugate and
 #     Negative included, so a kernel called from a rule ignores a tensor's lazy conj/neg bit

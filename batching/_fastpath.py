@@ -37,6 +37,7 @@ from functransforms import _compat
 from functransforms._core import TransformTensor, below_torch_autograd
 
 _aten = torch.ops.aten
+_torch_requires_grad = torch._C.TensorBase.requires_grad.__get__  # not a wrapper's property
 
 
 def _is_pointwise_packet(name):
@@ -141,7 +142,11 @@ def pointwise_fast(func, inplace_at, args, kwargs, batched_cls, wrap):
             a = args[0]
             if type(a) is batched_cls and a._interp.alive:
                 v = a._value
-                if type(v) is not batched_cls and v.requires_grad and below_torch_autograd():
+                if (
+                    type(v) is not batched_cls
+                    and _torch_requires_grad(v)
+                    and below_torch_autograd()
+                ):
                     return None  # Note [Fast path below torch's autograd]
                 return wrap(func(v, *args[1:]), a._bdim, a._interp)
             return None
@@ -149,7 +154,11 @@ def pointwise_fast(func, inplace_at, args, kwargs, batched_cls, wrap):
             b = args[1]
             if type(b) is batched_cls and b._interp.alive:
                 v = b._value
-                if type(v) is not batched_cls and v.requires_grad and below_torch_autograd():
+                if (
+                    type(v) is not batched_cls
+                    and _torch_requires_grad(v)
+                    and below_torch_autograd()
+                ):
                     return None
                 return wrap(func(args[0], v), b._bdim, b._interp)
             return None
@@ -180,7 +189,7 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
                 return None
             v = a._value
             if not requires_grad and type(v) is not batched_cls:
-                requires_grad = v.requires_grad
+                requires_grad = _torch_requires_grad(v)
             d = v.dim() - 1
             if nd == -1:
                 nd = d
@@ -191,7 +200,7 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
             n_tensors += 1
         elif isinstance(a, torch.Tensor):
             n_tensors += 1
-            requires_grad = requires_grad or a.requires_grad
+            requires_grad = requires_grad or _torch_requires_grad(a)
             d = a.dim()
             if d > plain_nd:
                 plain_nd = d

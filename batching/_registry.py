@@ -20,6 +20,10 @@ from __future__ import annotations
 from functransforms._ops import make_registry
 
 VMAP_RULES = make_registry("vmap", what="a batching rule")
+# ops whose schema marks an argument written although they write it only in some modes (batch
+# norm writes its running statistics in training mode only): their rules check the targets
+# themselves, instead of vmap refusing every unbatched target up front
+WRITES_CHECKED_BY_RULE: set = set()
 
 
 def register_vmap_rule(*ops):

@@ -24,6 +24,7 @@ from functransforms.errors import (  # raise_*: re-exported for rule modules
 )
 
 from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
+from ._registry import WRITES_CHECKED_BY_RULE
 
 _no_torch_function = _compat.disabled_torch_function_impl
 _DATA_GET = torch.Tensor.data.__get__
@@ -168,7 +169,8 @@ class VmapInterpreter(Interpreter):
         if kwargs and self._batched_kwargs(func, f, kwargs):
             return self._fallback(func, args, kwargs)
         vals, bdims = self._unwrap(args)
-        for i in f.written:  # self for add_, the target of prims.copy_to, ...
+        # self for add_, the target of prims.copy_to, ... (batch norm checks its own)
+        for i in f.written if func not in WRITES_CHECKED_BY_RULE else ():
             if bdims[i] is None and any(b is not None for b in bdims):
                 raise_inplace_unbatched(self, func)
         rule = f.vmap_rule

@@ -25,6 +25,10 @@ def make_pointwise_rule(func):
     """The rule of Note [Batching pointwise ops] for ``func``, returned unregistered: the
     interpreter builds it on first use for every op tagged ``torch.Tag.pointwise``
     (``_derived_rule`` in _tensor.py), which spares cold start a scan of all ops."""
+    n_out = len(func._schema.returns)  # frexp returns (mantissa, exponent): one bdim each
+
+    def out_bdims(b):
+        return b if n_out == 1 else (b,) * n_out
 
     def pointwise_vmap_rule(interp, args, bdims, kwargs):
         n_tensors = 0
@@ -36,12 +40,12 @@ def make_pointwise_rule(func):
                 if d > nd:
                     nd = d
         if n_tensors == 1:  # fast path: the batch dim stays where it is
-            return func(*args, **kwargs), next(b for b in bdims if b is not None)
+            return func(*args, **kwargs), out_bdims(next(b for b in bdims if b is not None))
         new = promote_like_logical(args, bdims)
         for i, b in enumerate(bdims):
             if b is not None:
                 new[i] = pad_to(to_front(new[i], b), nd)
-        return func(*new, **kwargs), 0
+        return func(*new, **kwargs), out_bdims(0)
 
     return pointwise_vmap_rule
 
@@ -73,13 +77,22 @@ def def_pointwise(op):
 
 
 for _op in (
-    aten.detach.default,
     aten.empty_like.default,
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.full_like.default,
 ):
     def_same_bdim(_op)
+
+
+@register_vmap_rule(aten.detach.default)
+def detach_vmap_rule(interp, args, bdims, kwargs):
+    """detach shares memory but is not a view in torch (``x.detach()._base is None``): marked,
+    so that vmap's output is not rebuilt as a view of the input (Note [Views of vmap's
+    inputs], functransforms/_vmap.py)."""
+    out = aten.detach.default(args[0])
+    out._ft_detached = True
+    return out, bdims[0]
 
 
 def def_data_dependent(func):

@@ -270,3 +270,80 @@ _LCE = _lce_ops()
 if _LCE is not None:
     register_vmap_rule(_LCE[0])(_lce_vmap_rule)
     register_vmap_rule(_LCE[1])(_lce_no_reduction_vmap_rule)
+
+
+# Note [Batching ctc_loss]
+#     torch's ctc kernels are batched over N already: the vmap batch folds into N, and the
+#     problem of B examples of N sequences is one problem of B * N sequences (an unbatched
+#     example, log_probs (T, C), is one sequence). Targets become the padded 2-d layout (B * N,
+#     S): concatenated 1-d targets are gathered at their offsets (padded to S, the length of
+#     the whole row, with no data-dependent shape). log_alpha, the forward's workspace, is padded
+#     to the longest target of all B * N sequences, as torch pads it within one batch; the
+#     backward reads only each sequence's own part. (A per-example loop cannot stack it: its
+#     width follows each example's longest target.)
+def _ctc_fold(B, args, bdims):
+    """(log_probs, targets, input_lengths, target_lengths, n): folded, n = N per example (None
+    for unbatched examples)."""
+    lp = expand_front(args[0], bdims[0], B)  # (B, T, N, C) or (B, T, C)
+    n = lp.shape[2] if lp.dim() == 4 else None
+    lp = lp.movedim(0, 1)
+    lp = lp.flatten(1, 2) if n is not None else lp  # (T, B * N, C)
+
+    def lengths(v, b):
+        if isinstance(v, torch.Tensor):
+            return expand_front(v, b, B).reshape(-1)
+        return list(v) * B
+
+    il, tl = lengths(args[2], bdims[2]), lengths(args[3], bdims[3])
+    tg = expand_front(args[1], bdims[1], B)
+    if n is not None and tg.dim() == 2:  # concatenated targets of N sequences per example
+        tl_t = torch.as_tensor(tl, device=tg.device).reshape(B, n)
+        starts = tl_t.cumsum(1) - tl_t
+        S = tg.shape[1]
+        pos = (starts.unsqueeze(-1) + torch.arange(S, device=tg.device)).clamp(max=max(S - 1, 0))
+        tg = tg.gather(1, pos.reshape(B, -1)).reshape(B, n, S)
+    tg = tg.flatten(0, 1) if n is not None else tg  # (B * N, S)
+    return lp, tg, il, tl, n
+
+
+def _ctc_unfold(x, B, n):
+    """A result over the B * N folded sequences, back to examples."""
+    return x.unflatten(0, (B, n)) if n is not None else x
+
+
+def def_ctc_loss(op):
+    def ctc_loss_vmap_rule(interp, args, bdims, kwargs):
+        """Note [Batching ctc_loss]"""
+        B = interp.batch_size
+        lp, tg, il, tl, n = _ctc_fold(B, args, bdims)
+        nll, log_alpha = op(lp, tg, il, tl, *args[4:], **kwargs)
+        return (_ctc_unfold(nll, B, n), _ctc_unfold(log_alpha, B, n)), (0, 0)
+
+    register_vmap_rule(op)(ctc_loss_vmap_rule)
+
+
+def def_ctc_loss_backward(op):
+    def ctc_loss_backward_vmap_rule(interp, args, bdims, kwargs):
+        """Note [Batching ctc_loss]: grad, nll and log_alpha fold like the sequences."""
+        B = interp.batch_size
+        grad, (nll, log_alpha) = args[0], args[5:7]
+        lp, tg, il, tl, n = _ctc_fold(B, args[1:5], bdims[1:5])
+
+        def fold(v, b):
+            v = expand_front(v, b, B)
+            return v.flatten(0, 1) if n is not None else v
+
+        g = op(
+            fold(grad, bdims[0]), lp, tg, il, tl, fold(nll, bdims[5]),
+            fold(log_alpha, bdims[6]), *args[7:], **kwargs,
+        )  # fmt: skip
+        g = g.unflatten(1, (B, n)) if n is not None else g  # (T, B, N, C) or (T, B, C)
+        return g.movedim(1, 0), 0
+
+    register_vmap_rule(op)(ctc_loss_backward_vmap_rule)
+
+
+def_ctc_loss(aten._ctc_loss.Tensor)
+def_ctc_loss(aten._ctc_loss.default)
+def_ctc_loss_backward(aten._ctc_loss_backward.Tensor)
+def_ctc_loss_backward(aten._ctc_loss_backward.default)

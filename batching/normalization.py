@@ -16,7 +16,7 @@ import torch
 
 from functransforms.errors import raise_batch_norm_stats_unbatched
 
-from ._registry import register_vmap_rule
+from ._registry import WRITES_CHECKED_BY_RULE, register_vmap_rule
 from ._util import expand_front, pad_to, to_front
 
 aten = torch.ops.aten
@@ -117,6 +117,7 @@ def def_batch_norm(op, stats_pos, training_pos):
         return (out, mean.reshape(B, C), rstd.reshape(B, C)), (1, 0, 0)
 
     register_vmap_rule(op)(batch_norm_vmap_rule)
+    WRITES_CHECKED_BY_RULE.add(op)  # running stats: written in training mode only (above)
 
 
 def_batch_norm(aten.native_batch_norm.default, (3, 4), 5)

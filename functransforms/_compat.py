@@ -64,6 +64,7 @@ __all__ = [
     "set_grad_enabled",
     "storage_use_count",
     "swap_tensor_impl",
+    "tensor_requires_grad",
     "torch_pytree",
     "tracing_context",
 ]
@@ -91,6 +92,8 @@ DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
 # a transformed function writes into: Note [Writing into plain tensors]).
 swap_tensor_impl = _C._swap_tensor_impl
+# the C-level flag, below any Python property a subclass defines (GradTensor.requires_grad)
+tensor_requires_grad = _C.TensorBase.requires_grad.__get__
 # How many TensorImpls share a storage (a buffer aliased elsewhere is not promoted).
 storage_use_count = _C._storage_Use_Count
 # Nonzero when a tensor's memory overlaps itself (expanded views cannot be promoted).

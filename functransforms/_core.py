@@ -126,6 +126,22 @@ class TransformTensor(torch.Tensor):
     def tolist(self):
         return self._python_value("tolist").tolist()
 
+    # float(x), int(x), complex(x), operator.index(x): torch's C versions dispatch ``.item()``,
+    # which reaches us, except inside ``torch.tensor([x])``: torch builds the new tensor's data
+    # with the Python dispatch key excluded, so the item would run the CPU kernel on a wrapper,
+    # which has no data ("data is not allocated yet").
+    def __float__(self):
+        return float(self._python_value("__float__"))
+
+    def __int__(self):
+        return int(self._python_value("__int__"))
+
+    def __complex__(self):
+        return complex(self._python_value("__complex__"))
+
+    def __index__(self):
+        return self._python_value("__index__").__index__()
+
     def numpy(self, *, force=False):
         return self._python_value("numpy").numpy(force=force)
 

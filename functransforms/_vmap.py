@@ -318,6 +318,8 @@ def _as_views_of_inputs(out, flat_args):
     def view_of_input(o):
         if type(o) is not torch.Tensor or o._base is not None or o.requires_grad:
             return o
+        if getattr(o, "_ft_detached", False):  # an alias, not a view, as torch's detach
+            return o
         x = storages.get(o.untyped_storage().data_ptr()) if o.device.type != "meta" else None
         if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg():
             return o

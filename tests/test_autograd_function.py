@@ -223,3 +223,47 @@ def test_plain_autograd_outside_transforms_is_unchanged():
     ScaledExp.apply(a, 2.0).sum().backward()
     torch.testing.assert_close(a.grad, 2.0 * x.exp())
     assert torch.autograd.Function.apply.__func__.__module__ == "functransforms._autograd_function"
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)"])
+def test_outputs_have_requires_grad_and_grad_fn_inside_grad(transform):
+    """Note [requires_grad and grad_fn inside grad]: as torch.func's, a Function's output inside
+    grad requires grad and has a grad_fn (named after the Function), the input is a leaf that
+    requires grad, and user code that branches on them takes the same branch."""
+    seen = {}
+
+    def f(lib):
+        def g(a):
+            y = NumpySin.apply(a)
+            z = a * 2
+            seen[lib] = (
+                y.requires_grad, y.grad_fn is not None, y.is_leaf, a.requires_grad,
+                a.grad_fn is None, a.is_leaf, z.requires_grad, z.grad_fn is not None,
+            )  # fmt: skip
+            scale = 2.0 if y.requires_grad and y.grad_fn is not None else 100.0
+            return (y * scale).sum()
+
+        return g
+
+    def run(lib):
+        if transform == "grad":
+            return lib.grad(f(lib))(x)
+        if transform == "vjp":
+            out, fn = lib.vjp(f(lib), x)
+            return out, fn(torch.ones_like(out))
+        return lib.vmap(lib.grad(f(lib)))(xb)
+
+    torch.testing.assert_close(run(ft), run(tf))
+    assert seen[ft] == seen[tf] == (True, True, False, True, True, True, True, True)
+
+
+def test_grad_fn_is_named_after_the_function_and_the_op():
+    def g(a):
+        names.append((NumpySin.apply(a).grad_fn.name(), a.sin().grad_fn.name()))
+        return a.sum()
+
+    names = []
+    ft.grad(g)(x)
+    assert names == [("NumpySinBackward", "SinBackward")]
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        ft.grad(lambda a: setattr(a, "requires_grad", False) or a.sum())(x)

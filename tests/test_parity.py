@@ -5,6 +5,8 @@ Every error test runs the same call through torch.func in the same test, so a ch
 torch.func's behaviour shows up here.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -200,6 +202,42 @@ def test_tolist_of_a_batched_value_is_data_dependent():
         ft.vmap(lambda a: a.sum().item())(xb)
 
 
+@pytest.mark.parametrize("transform", ["vjp", "grad", "jvp", "grad(grad)"])
+def test_torch_tensor_of_a_wrapper_is_a_constant_as_in_torch_func(transform):
+    """torch.tensor([a]) builds its data with the Python dispatch key excluded: it read the
+    wrapper's (absent) data ("data is not allocated yet"). torch.func: a constant (no
+    derivative), with the value of a; int(a) / complex(a) the same."""
+    a = x[0].clone()
+
+    def f(a):
+        return torch.tensor([a, 2 * a]) * a + torch.tensor([int(a * 10)]) + torch.tensor([a]).sum()
+
+    def run(lib):
+        if transform == "vjp":
+            out, fn = lib.vjp(f, a)
+            return out, fn(torch.ones(2, dtype=a.dtype))
+        if transform == "grad":
+            return lib.grad(lambda a: f(a).sum())(a)
+        if transform == "jvp":
+            return lib.jvp(f, (a,), (torch.ones_like(a),))
+        return lib.grad(lib.grad(lambda a: (f(a) * a).sum()))(a)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of a requires-grad tensor made a number
+        torch.testing.assert_close(run(ft), run(tf))
+    z = torch.tensor(1.0 + 2.0j, dtype=torch.complex128)
+    torch.testing.assert_close(
+        ft.jvp(lambda z: torch.tensor([complex(z)]) * z, (z,), (z,)),
+        tf.jvp(lambda z: torch.tensor([complex(z)]) * z, (z,), (z,)),
+    )
+
+
+def test_torch_tensor_of_a_batched_value_is_data_dependent():
+    both_raise(RuntimeError, lambda lib: lib.vmap(lambda a: torch.tensor([a]))(x))
+    with pytest.raises(DataDependentError, match="batched tensor as Python data"):
+        ft.vmap(lambda a: torch.tensor([a]))(x)
+
+
 # -- accepted where torch.func accepts -------------------------------------------------------------
 def test_jvp_strict():
     torch.testing.assert_close(
@@ -358,6 +396,7 @@ VIEW_FNS = {
     "as_strided": lambda t: t.as_strided((2,), (2,)),
     "expand": lambda t: t.expand(2, 5),
     "movedim": lambda t: t.unsqueeze(0).movedim(0, 1),
+    "detach": lambda t: t.detach(),  # shares memory, but not a view (_base None) in both
     "flatten_copy": lambda t: t.unsqueeze(0).mT.flatten(),  # a copy in both
     "sin": torch.sin,  # not a view in both
 }
@@ -373,6 +412,11 @@ def test_vmap_returns_views_where_torch_func_does(name, in_dim):
     torch.testing.assert_close(ours, ref)
     assert (ours._base is x) == (ref._base is x)
     assert ours.stride() == ref.stride()
+
+    def shares_memory(t):  # a copy would fail this where torch.func returns a view or alias
+        return t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+    assert shares_memory(ours) == shares_memory(ref)
 
 
 def test_writes_through_a_returned_view_reach_the_input():

@@ -235,3 +235,20 @@ def test_scatter_reduce_prod_second_order(include_self):
     hi, lo = pull(tf)(x + eps * tx, src + eps * ts), pull(tf)(x - eps * tx, src - eps * ts)
     for a, h, l in zip(ours, hi, lo):
         torch.testing.assert_close(a, (h - l) / (2 * eps), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [F64, C128])
+def test_index_add_and_embedding_with_a_0d_index(dtype):
+    """index_select treats a 0-d index as 1-d, so its transpose, index_add, gets a 0-d index
+    with a source of shape (1, ...): torch's decomposition of index_add (an index_put) broke
+    on it, which failed the second derivative of embedding with one index."""
+    w, src = _x(10, 5, dtype=dtype), _x(1, 5, dtype=dtype, seed=1)
+    one = torch.tensor(3)
+    if dtype == F64:  # torch differentiates no complex embedding
+        compare_with_torch_func(lambda w: torch.nn.functional.embedding(one, w), (w,), order=2)
+    compare_with_torch_func(lambda w, s: w.index_add(0, one, s, alpha=2), (w, src), order=2)
+    idx = torch.tensor([1, 4, 1])
+    s3 = _x(3, 5, dtype=dtype, seed=2)
+    compare_with_torch_func(lambda w, s: w.index_add(0, idx, s, alpha=0.5), (w, s3), order=2)
+    s2 = _x(10, 2, dtype=dtype, seed=3)
+    check_grads(lambda w, s: w.index_add(1, torch.tensor([0, 4]), s), (w, s2), order=2)

@@ -130,3 +130,18 @@ def test_scaled_dot_product_attention_forward_mode(causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     _ours_only(f, (q, k, v), order=2)
+
+
+@pytest.mark.parametrize("sparse_ct", [True, False])
+def test_to_sparse_vjp_is_to_dense(sparse_ct):
+    """to_sparse changes the layout only: the cotangent comes back dense, as torch does."""
+    x = _x(4, 5)
+    ct = _x(4, 5, seed=1)
+    ct = ct.to_sparse() if sparse_ct else ct
+    for f in (lambda x: x.to_sparse(), lambda x: x.to_sparse(1)):
+        (g,) = ft.vjp(f, x)[1](ct)
+        assert g.layout == torch.strided
+        torch.testing.assert_close(g, tf.vjp(f, x)[1](ct)[0])
+    # through sparse arithmetic and back to dense
+    f = lambda x: (x.to_sparse() * 3).to_dense().sum()  # noqa: E731
+    torch.testing.assert_close(ft.grad(f)(x), tf.grad(f)(x))

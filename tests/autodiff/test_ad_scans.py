@@ -62,6 +62,49 @@ def test_logcumsumexp(dtype):
     compare_with_torch_func(lambda x: torch.logcumsumexp(x, 0), (_x((), dtype),))
 
 
+@pytest.mark.parametrize("dtype", [F64, C128])
+def test_logcumsumexp_with_a_wide_spread(dtype):
+    """Values 1e4 apart (Note [logcumsumexp derivatives]): a shift by the max underflowed to
+    0 / 0 (NaN) before the 1e4; torch.func returns 0 there (and inf for complex). Ours agree
+    with finite differences to second order, in x and in the cotangent (zeros included: the
+    rule is linear in it)."""
+    x = _x((3, 6), dtype) * 3
+    x[1, 2] = 1e4
+    ct, t, tc = _x((3, 6), dtype, seed=1), _x((3, 6), dtype, seed=2), _x((3, 6), dtype, seed=3)
+    ct[0, :3] = 0
+
+    def pullback(x, c):
+        return ft.vjp(lambda x: torch.logcumsumexp(x, 1), x)[1](c)[0]
+
+    eps = 1e-6
+    fd = (pullback(x + eps * t, ct + eps * tc) - pullback(x - eps * t, ct - eps * tc)) / (2 * eps)
+    torch.testing.assert_close(ft.jvp(pullback, (x, ct), (t, tc))[1], fd, atol=1e-8, rtol=1e-7)
+    fx = (torch.logcumsumexp(x + eps * t, 1) - torch.logcumsumexp(x - eps * t, 1)) / (2 * eps)
+    out, jt = ft.jvp(lambda x: torch.logcumsumexp(x, 1), (x,), (t,))
+    assert torch.isfinite(jt).all()
+    torch.testing.assert_close(jt, fx, atol=1e-5, rtol=1e-5)  # fx rounds at 1e4 * 1e-16 / eps
+    check_grads(lambda x: torch.logcumsumexp(x, 1), (x,), order=2)
+
+
+def test_logcumsumexp_masked_float32():
+    """A -inf mask and a -100 fill in float32 (exp(-100) underflows): finite derivatives,
+    torch.func's elsewhere. At the -inf entry the derivative is 0 (-inf + eps t is -inf: the
+    output does not move; torch's jvp says 0 too, its vjp NaN)."""
+    x = _x((2, 5)).float()
+    x[0, 0] = float("-inf")
+    x[1, :2] = -100.0
+    f = lambda x: torch.logcumsumexp(x, 1)  # noqa: E731
+    ct, t = _x((2, 5), seed=1).float(), _x((2, 5), seed=2).float()
+    g = ft.vjp(f, x)[1](ct)[0]
+    jt = ft.jvp(f, (x,), (t,))[1]
+    assert torch.isfinite(g).all() and torch.isfinite(jt).all()
+    assert g[0, 0] == 0 and jt[0, 0] == 0
+    ref_g = tf.vjp(f, x)[1](ct)[0]
+    torch.testing.assert_close(g.flatten()[1:], ref_g.flatten()[1:])
+    ref = f(x.double() + 1e-6 * t.double()) - f(x.double() - 1e-6 * t.double())
+    torch.testing.assert_close(jt[1], (ref[1] / 2e-6).float(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("op", [torch.cummax, torch.cummin])
 def test_cummax_cummin(op):
     x = _x((4, 5))

@@ -32,6 +32,7 @@ ELEMENTWISE = {
     "int_ops": (lambda i, j: (i * j + 1) // 2, [ints(5, 3), ints(5, 3)]),
     "mask_logic": (lambda m, n: m ^ n | ~m, [masks(4), masks(4)]),
     "to_dtype": (lambda x: x.float().double() + x.to(torch.int64), [floats(3)]),
+    "frexp_two_outputs": (torch.frexp, [floats(3, 4)]),  # a pointwise op with two outputs
 }
 
 REDUCTIONS = {

@@ -1,9 +1,14 @@
 """nn rules (losses, layer norm, convolution, pooling, softmax backward) against torch.vmap."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as Fn
 from _vmap_helpers import build, check, floats, ints, mixes
+
+import functransforms as ft
+from functransforms.errors import FallbackWarning, InplaceError
 
 aten = torch.ops.aten
 
@@ -166,3 +171,72 @@ def test_linear_cross_entropy_chunked_batches(reduction, with_bias):
     specs = [floats(4, 3), floats(5, 3), ints(5, 4), floats(5)]
     for in_dims in mixes(specs):
         check(f, in_dims, *build(specs, in_dims))
+
+
+def _ctc_inputs(B=3, T=12, N=4, C=6, S=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(B, T, N, C, generator=g, dtype=torch.float64).log_softmax(-1)
+    tg = torch.randint(1, C, (B, N, S), generator=g)
+    il = torch.randint(T - 3, T + 1, (B, N), generator=g)
+    tl = torch.randint(1, S + 1, (B, N), generator=g)
+    tl[0, 0], tl[1] = S, 2  # the longest target differs per example (log_alpha's width)
+    return lp, tg, il, tl
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("layout", ["padded", "concatenated", "unbatched"])
+def test_ctc_loss_folds_into_its_batch(reduction, layout):
+    """Note [Batching ctc_loss]: examples whose longest targets differ (a per-example loop
+    could not stack log_alpha), in each target layout, against a loop; then vmap of the vjp."""
+    from functransforms.testing import check_vmap
+
+    lp, tg, il, tl = _ctc_inputs()
+    if layout == "concatenated":  # each example's N targets back to back (torch: sum(tl) long)
+        tl = torch.tensor([[7, 5, 6, 3], [2, 7, 7, 5], [4, 4, 6, 7]])
+        tg = tg.flatten(1)[:, :21]
+    if layout == "unbatched":  # one sequence per example (torch: targets exactly tl long)
+        lp, tg, il, tl = lp[:, :, 0], tg[:, 0], il[:, 0], torch.full((3,), 7)
+
+    def f(lp, tg, il, tl):
+        return Fn.ctc_loss(lp, tg, il, tl, reduction=reduction, zero_infinity=True)
+
+    def grads(lp, tg, il, tl):
+        return ft.grad(lambda lp: f(lp, tg, il, tl).sum())(lp)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # a rule, not the per-example loop
+        check_vmap(f, (lp, tg, il, tl))
+        check_vmap(f, (lp, tg[0], il[0], tl[0]), in_dims=(0, None, None, None))
+        check_vmap(grads, (lp, tg, il, tl))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [aten._native_batch_norm_legit.default, aten.native_batch_norm.default],
+    ids=["legit", "native"],
+)
+def test_batch_norm_eval_with_unbatched_running_stats(op):
+    """The schema marks the running statistics written, but eval mode only reads them: vmap
+    (and vmap of the vjp, where they are constants) must not refuse them as unbatched targets.
+    Training mode still raises (each example would write its own statistics)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 2, 4, generator=g, dtype=torch.float64)
+    w, b = torch.randn(2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    rm, rv = torch.randn(2, dtype=torch.float64), torch.rand(2, dtype=torch.float64) + 0.5
+    ct = torch.randn(3, 2, 2, 4, generator=g, dtype=torch.float64)
+
+    def f(x, w, b, training=False):
+        return op(x, w, b, rm, rv, training, 0.1, 1e-5)[0]
+
+    torch.testing.assert_close(ft.vmap(f)(x, w.expand(3, 2), b.expand(3, 2)),
+                               torch.func.vmap(f)(x, w.expand(3, 2), b.expand(3, 2)))  # fmt: skip
+
+    def per_sample(lib):
+        return lib.vmap(lambda x, c: lib.vjp(lambda x, w: f(x, w, b), x, w)[1](c))
+
+    for a, r in zip(per_sample(ft)(x, ct), per_sample(torch.func)(x, ct)):
+        torch.testing.assert_close(a, r)
+    before = rm.clone()
+    with pytest.raises(InplaceError, match="training mode updates running_mean"):
+        ft.vmap(lambda x: f(x, w, b, training=True))(x)
+    assert torch.equal(rm, before)

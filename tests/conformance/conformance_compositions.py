@@ -24,6 +24,7 @@ Note [Conformance compositions]
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -52,17 +53,19 @@ from conformance_harness import (
     take_samples,
     transform_key,
 )
+from conformance_references import oracle_op
 
 
 def _function(op, spec, leaves, sample):
     """(f, diff): the op as a function of its differentiable inputs (positions ``diff``) that
-    returns the floating outputs torch differentiates (as run_ad in conformance_harness)."""
+    returns the floating outputs torch differentiates (as run_ad in conformance_harness).
+    ``f(*primals, op=...)`` calls another op instead (Note [Conformance references])."""
     diff = [k for k, x in enumerate(leaves) if _is_diff(x) and x.requires_grad]
     consts = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
     process = sample.output_process_fn_grad
     keep = _differentiable_outputs(op, spec, leaves, process)
 
-    def f(*primals):
+    def f(*primals, op=op):
         ls = _clone(consts)
         for k, p in zip(diff, primals):
             ls[k] = p
@@ -107,6 +110,7 @@ def run_composition(op, transform, kind) -> Result:
                 result.skip_sample("sparse input")
                 continue
             f, diff = _function(op, spec, leaves, sample)
+            ref_f = functools.partial(f, op=oracle_op(op, name, kind))
             if not diff:
                 result.skip_sample("no differentiable input")
                 continue
@@ -115,7 +119,7 @@ def run_composition(op, transform, kind) -> Result:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
-                    out0 = torch.func.vjp(f, *[p.clone() for p in primals])[0]
+                    out0 = torch.func.vjp(ref_f, *[p.clone() for p in primals])[0]
                 except Exception:
                     result.skip_sample("torch.func.vjp raises")
                     continue
@@ -124,9 +128,20 @@ def run_composition(op, transform, kind) -> Result:
                     continue
                 if transform == "vmap(vjp)":
                     others = [gens[g][j] if j < len(gens[g]) else None for g in range(1, draws)]
-                    _vmap_vjp(f, primals, out0, diff, (leaves, spec), others, gen, j, result, what)
+                    _vmap_vjp(
+                        (f, ref_f),
+                        primals,
+                        out0,
+                        diff,
+                        (leaves, spec),
+                        others,
+                        gen,
+                        j,
+                        result,
+                        what,
+                    )
                 else:
-                    _jvp_vjp(f, primals, out0, gen, result, what)
+                    _jvp_vjp((f, ref_f), primals, out0, gen, result, what)
     return result
 
 
@@ -148,9 +163,10 @@ def _examples(primals, diff, layout, others, gen):
     return examples
 
 
-def _vmap_vjp(f, primals, out0, diff, layout, others, gen, j, result, what):
+def _vmap_vjp(fs, primals, out0, diff, layout, others, gen, j, result, what):
     import functransforms as ft
 
+    f, ref_f = fs  # ours differentiate f, the oracle ref_f (Note [Conformance references])
     n = len(primals)
     examples = _examples(primals, diff, layout, others, gen)
     batched_p = [torch.stack([ex[i] for ex in examples]) for i in range(n)]
@@ -171,7 +187,7 @@ def _vmap_vjp(f, primals, out0, diff, layout, others, gen, j, result, what):
         try:
             with warnings.catch_warnings(record=True) as tf_warned:
                 warnings.simplefilter("always")
-                ref = torch.func.vmap(_composed(torch.func.vjp, f, n), in_dims=in_dims)(*args())
+                ref = torch.func.vmap(_composed(torch.func.vjp, ref_f, n), in_dims=in_dims)(*args())
         except Exception:
             result.skip_sample("torch.func.vmap(vjp) raises")
             continue
@@ -198,9 +214,10 @@ def _vmap_vjp(f, primals, out0, diff, layout, others, gen, j, result, what):
         result.compared += 1
 
 
-def _jvp_vjp(f, primals, out0, gen, result, what):
+def _jvp_vjp(fs, primals, out0, gen, result, what):
     import functransforms as ft
 
+    f, ref_f = fs  # ours differentiate f, the oracle ref_f (Note [Conformance references])
     n = len(primals)
     cts = [_randn_like(o, gen) for o in out0]
     tangents = [_randn_like(x, gen) for x in (*primals, *cts)]
@@ -209,7 +226,7 @@ def _jvp_vjp(f, primals, out0, gen, result, what):
         return tuple(x.clone() for x in (*primals, *cts))
 
     try:
-        ref = torch.func.jvp(_pullback_only(torch.func.vjp, f, n), args(), tuple(tangents))
+        ref = torch.func.jvp(_pullback_only(torch.func.vjp, ref_f, n), args(), tuple(tangents))
     except Exception:
         result.skip_sample("torch.func.jvp(vjp) raises")
         return

@@ -7,21 +7,5 @@ to-do list, with details, is docs/conformance.md.
 """
 
 EXPECTED: dict[tuple[str, str], str] = {
-    ("as_strided_scatter", "vjp"): "wrong value",
-    ("as_strided_scatter", "vjp[complex]"): "wrong value",
-    ("frexp", "vmap"): "crash: TypeError",
-    ("nn.functional.ctc_loss", "vmap"): "crash: RuntimeError",
-    ("to_sparse", "vjp"): "no vjp rule",
-    ("triangular_solve", "jvp"): "wrong value",
-    ("triangular_solve", "jvp[complex]"): "wrong value",
     # compositions: Note [Conformance compositions] (conformance_compositions.py)
-    ("_native_batch_norm_legit", "vmap(vjp)"): "crash: InplaceError",
-    ("as_strided_scatter", "jvp(vjp)"): "wrong value",
-    ("as_strided_scatter", "jvp(vjp)[complex]"): "wrong value",
-    ("as_strided_scatter", "vmap(vjp)"): "wrong value",
-    ("as_strided_scatter", "vmap(vjp)[complex]"): "wrong value",
-    ("frexp", "vmap(vjp)"): "crash: TypeError",
-    ("logcumsumexp", "jvp(vjp)"): "wrong value",
-    ("nn.functional.embedding", "jvp(vjp)"): "crash: RuntimeError",
-    ("scatter_reduce.prod", "jvp(vjp)"): "wrong value",
 }
