@@ -8,7 +8,7 @@ import torch
 
 from functransforms._core import Interpreter, TransformTensor, is_floating
 from functransforms._decomp import decomposition
-from functransforms._ops import facts, op_name
+from functransforms._ops import draws_random, facts, op_name
 from functransforms.errors import FallbackWarning, InplaceError, RandomnessError
 
 from ._fastpath import POINTWISE_FUNCS, ensure_table, pointwise_fast
@@ -163,10 +163,11 @@ class VmapInterpreter(Interpreter):
                         f"tensor that is batched too, or none. Do: drop `{k}=` and use the return "
                         "value."
                     )
+        rule = VMAP_RULES.get(func) or _derived_rule(func)
+        if kwargs and not getattr(rule, "unwraps_kwargs", False):
             for v in kwargs.values():
                 if isinstance(v, BatchedTensor) and v._interp is self:
                     return self._fallback(func, args, kwargs)
-        rule = VMAP_RULES.get(func) or _derived_rule(func)
         written = f.written  # self for add_, the target of prims.copy_to, ...
         for i in written:
             if bdims[i] is None and any(b is not None for b in bdims):
@@ -198,9 +199,10 @@ class VmapInterpreter(Interpreter):
     def _fallback(self, func, args, kwargs):
         """Note [vmap fallback]: run the op once per example and stack the results."""
         f = facts(func)
-        if f.random and self.randomness == "error":
+        random = draws_random(func, args, kwargs)
+        if random and self.randomness == "error":
             raise_random(self, func)
-        same_draw = f.random and self.randomness == "same"
+        same_draw = random and self.randomness == "same"
         if same_draw and any(
             _is_batched_at(a, self) for i, a in enumerate(args) if i not in f.written
         ):
