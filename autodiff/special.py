@@ -61,7 +61,49 @@ def _copysign_pullback(g, x, o, *scalar):
     return g * ratio.masked_fill(x == 0, 0)
 
 
+def _j1_pullback(g, x, o):
+    """d/dx J1(x) = J0(x) - J1(x) / x (1/2 at 0)"""
+    safe, tiny = _safe_bessel_x(x)
+    d = torch.special.bessel_j0(safe) - o * safe.reciprocal()
+    return g * torch.where(tiny, torch.full_like(x, 0.5), d)
+
+
+def _y1_pullback(g, x, o):
+    """d/dx Y1(x) = Y0(x) - Y1(x) / x"""
+    return g * (torch.special.bessel_y0(x) - o * x.reciprocal())
+
+
+def _modified_i1_pullback(g, x, o):
+    """d/dx I1(x) = I0(x) - I1(x) / x (1/2 at 0)"""
+    safe, tiny = _safe_bessel_x(x)
+    d = torch.special.modified_bessel_i0(safe) - o * safe.reciprocal()
+    return g * torch.where(tiny, torch.full_like(x, 0.5), d)
+
+
+# torch 2.15 differentiates the Bessel functions of torch.special (2.13: non-differentiable);
+# the derivatives hold for every version, so the rules are registered on all of them
+_BESSEL = (
+    (aten.special_bessel_j0.default, lambda g, x, o: g * -torch.special.bessel_j1(x)),
+    (aten.special_bessel_j1.default, _j1_pullback),
+    (aten.special_bessel_y0.default, lambda g, x, o: g * -torch.special.bessel_y1(x)),
+    (aten.special_bessel_y1.default, _y1_pullback),
+    (
+        aten.special_modified_bessel_i0.default,
+        lambda g, x, o: g * torch.special.modified_bessel_i1(x),
+    ),
+    (aten.special_modified_bessel_i1.default, _modified_i1_pullback),
+    (
+        aten.special_modified_bessel_k0.default,
+        lambda g, x, o: g * -torch.special.modified_bessel_k1(x),
+    ),
+    (
+        aten.special_modified_bessel_k1.default,
+        lambda g, x, o: g * -(torch.special.modified_bessel_k0(x) + o * x.reciprocal()),
+    ),
+)
+
 for _op, _pb in (
+    *_BESSEL,
     (aten.i0.default, lambda g, x, o: g * torch.special.i1(x)),
     (aten.special_i0e.default, lambda g, x, o: g * (torch.special.i1e(x) - x.sgn() * o)),
     (aten.special_i1.default, _i1_pullback),
