@@ -28,6 +28,11 @@ TORCH_VERSION = _minor(torch.__version__)
 TORCH_MINOR = f"{TORCH_VERSION[0]}.{TORCH_VERSION[1]}"
 """``"2.15"``: the key of per-version tables (conformance expected failures, coverage)."""
 
+DOCS_TORCH = "2.13"
+"""The torch the generated docs (docs/coverage.md, docs/conformance.md) and the base table of
+conformance expected failures are made with (the oldest supported); other versions get
+overlays and pages of their own (docs/coverage-torch2.15.md)."""
+
 # torch 2.15 derivatives.yaml: fmax/fmin, clamp_min/clamp_max/clamp with Tensor bounds split the
 # derivative evenly at ties (as maximum/minimum always did); in 2.13 it goes to `self` (2.14 is
 # not installed here: it is taken to be 2.13's).

@@ -26,6 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's functransforms
+from functransforms._compat import DOCS_TORCH  # noqa: E402
+
 TABLE = HERE / "expected_failures.py"
 DOC = ROOT / "docs" / "conformance.md"
 TABLE_HEADER = '''"""Expected failures of the conformance suite: (op, transform) -> reason.
@@ -49,7 +52,7 @@ run under that torch. At import, EXPECTED becomes the table of the installed tor
 #     another torch rewrites only that torch's overlay: each (op, transform) whose result
 #     differs from the base, with its failure category, or None where the base's expected
 #     failure passes there. --merge edits the base table only.
-BASE_TORCH = "2.13"
+BASE_TORCH = DOCS_TORCH
 FOOTER = """
 
 def _for_installed_torch(base, overlays):
