@@ -208,7 +208,32 @@ EXPECTED: dict[tuple[str, str], str] = {
 }
 
 BASE_TORCH = "2.13"
-OVERLAYS: dict[str, dict[tuple[str, str], str | None]] = {}
+# fmt: off
+OVERLAYS: dict[str, dict[tuple[str, str], str | None]] = {
+    "2.15": {
+        ("linalg.matrix_sqrth", "jvp"): "no jvp rule",
+        ("linalg.matrix_sqrth", "jvp(vjp)"): "no jvp rule",
+        ("linalg.matrix_sqrth", "jvp(vjp)[complex]"): "no jvp rule",
+        ("linalg.matrix_sqrth", "jvp[complex]"): "no jvp rule",
+        ("linalg.matrix_sqrth", "vjp"): "no vjp rule",
+        ("linalg.matrix_sqrth", "vjp[complex]"): "no vjp rule",
+        ("linalg.matrix_sqrth", "vmap"): "loop where torch.func batches",
+        ("linalg.matrix_sqrth", "vmap(vjp)"): "no vjp rule",
+        ("linalg.matrix_sqrth", "vmap(vjp)[complex]"): "no vjp rule",
+        ("linalg.matrix_sqrth", "vmap[complex]"): "loop where torch.func batches",
+        ("linalg.polar", "jvp"): "no jvp rule",
+        ("linalg.polar", "jvp(vjp)"): "no jvp rule",
+        ("linalg.polar", "jvp(vjp)[complex]"): "no jvp rule",
+        ("linalg.polar", "jvp[complex]"): "no jvp rule",
+        ("linalg.polar", "vjp"): "no vjp rule",
+        ("linalg.polar", "vjp[complex]"): "no vjp rule",
+        ("linalg.polar", "vmap"): "loop where torch.func batches",
+        ("linalg.polar", "vmap(vjp)"): "no vjp rule",
+        ("linalg.polar", "vmap(vjp)[complex]"): "no vjp rule",
+        ("linalg.polar", "vmap[complex]"): "loop where torch.func batches",
+    },
+}
+# fmt: on
 
 
 def _for_installed_torch(base, overlays):
