@@ -112,9 +112,11 @@ def _partial(d):
     return (lambda ct, x, y, o: ct * _conj(d(x, y, o))), (lambda t, x, y, o: t * d(x, y, o))
 
 
-def def_binary(op, dx, dy):
+def def_binary(op, dx, dy, jvp=None):
     """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)`` (or
-    ``pullback``s ``(ct, x, y, out) -> ct * conj(partial)``, Note [Rounding as torch])."""
+    ``pullback``s ``(ct, x, y, out) -> ct * conj(partial)``, Note [Rounding as torch]).
+    ``jvp(x, y, out, tx, ty)``: torch's forward formula where it is not the sum of the two
+    pushforwards (selections: maximum, fmax; a missing tangent is passed as zeros)."""
     (pbx, pushx), (pby, pushy) = _partial(dx), _partial(dy)
 
     def binary_jvp_rule(primals, tangents, kwargs):
@@ -122,11 +124,16 @@ def def_binary(op, dx, dy):
         out = op(*primals, **kwargs)
         tx, ty = tangents[0], tangents[1]
         t = None
-        if tx is not None:
-            t = pushx(tx, x, y, out)
-        if ty is not None:
-            t2 = pushy(ty, x, y, out)
-            t = t2 if t is None else t + t2
+        if jvp is not None:
+            if tx is not None or ty is not None:
+                zero = torch.zeros_like(out)
+                t = jvp(x, y, out, zero if tx is None else tx, zero if ty is None else ty)
+        else:
+            if tx is not None:
+                t = pushx(tx, x, y, out)
+            if ty is not None:
+                t2 = pushy(ty, x, y, out)
+                t = t2 if t is None else t + t2
         if t is not None and t.shape != out.shape:
             t = t.expand(out.shape)
         return out, t
@@ -467,16 +474,6 @@ for _op, _dx, _dy in (
     ),
     (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
     (
-        aten.maximum.default,
-        lambda x, y, o: _tie(x > y, x == y, o),
-        lambda x, y, o: _tie(y > x, x == y, o),
-    ),
-    (
-        aten.minimum.default,
-        lambda x, y, o: _tie(x < y, x == y, o),
-        lambda x, y, o: _tie(y < x, x == y, o),
-    ),
-    (
         aten.atan2.default,
         pullback(lambda g, x, y, o: g * y * (x * x + y * y).reciprocal()),
         pullback(lambda g, x, y, o: g * -x * (x * x + y * y).reciprocal()),
@@ -500,11 +497,6 @@ for _op, _dx, _dy in (
     ),
 ):
     def_binary(_op, _dx, _dy)
-
-
-def _tie(win, tie, o):
-    # ties split the derivative evenly, as torch does
-    return win.to(o.dtype) + 0.5 * tie.to(o.dtype)
 
 
 def _sgn_tangent(x, s, t):

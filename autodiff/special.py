@@ -10,13 +10,27 @@ import math
 
 import torch
 
+from functransforms import _compat
+
 from ._registry import register_jvp_rule, register_vjp_rule
+from ._util import unbroadcast
 from .elementwise import def_binary, def_unary, pullback
 
 aten = torch.ops.aten
 
 _SQRT_2PI = math.sqrt(2 * math.pi)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+# torch 2.15 writes 1/sqrt(2 pi) as M_2_SQRTPI * M_SQRT2 * 0.25 (the same double)
+_INV_SQRT_2PI = _TWO_OVER_SQRT_PI * math.sqrt(2.0) * 0.25
+
+
+def _log_ndtr_pullback(g, x, o):
+    """d/dx log ndtr(x) = exp(-(log ndtr(x) + x^2 / 2)) / sqrt(2 pi), in the installed torch's
+    order of operations (Note [Supported torch versions], functransforms/_compat.py)."""
+    e = (o + x.pow(2) / 2).neg().exp()
+    if _compat.LOG_NDTR_MULTIPLIES:
+        return g * _INV_SQRT_2PI * e
+    return g / _SQRT_2PI * e
 
 
 def _safe_bessel_x(x):
@@ -47,28 +61,59 @@ def _copysign_pullback(g, x, o, *scalar):
     return g * ratio.masked_fill(x == 0, 0)
 
 
+def _j1_pullback(g, x, o):
+    """d/dx J1(x) = J0(x) - J1(x) / x (1/2 at 0)"""
+    safe, tiny = _safe_bessel_x(x)
+    d = torch.special.bessel_j0(safe) - o * safe.reciprocal()
+    return g * torch.where(tiny, torch.full_like(x, 0.5), d)
+
+
+def _y1_pullback(g, x, o):
+    """d/dx Y1(x) = Y0(x) - Y1(x) / x"""
+    return g * (torch.special.bessel_y0(x) - o * x.reciprocal())
+
+
+def _modified_i1_pullback(g, x, o):
+    """d/dx I1(x) = I0(x) - I1(x) / x (1/2 at 0)"""
+    safe, tiny = _safe_bessel_x(x)
+    d = torch.special.modified_bessel_i0(safe) - o * safe.reciprocal()
+    return g * torch.where(tiny, torch.full_like(x, 0.5), d)
+
+
+# torch 2.15 differentiates the Bessel functions of torch.special (2.13: non-differentiable);
+# the derivatives hold for every version, so the rules are registered on all of them
+_BESSEL = (
+    (aten.special_bessel_j0.default, lambda g, x, o: g * -torch.special.bessel_j1(x)),
+    (aten.special_bessel_j1.default, _j1_pullback),
+    (aten.special_bessel_y0.default, lambda g, x, o: g * -torch.special.bessel_y1(x)),
+    (aten.special_bessel_y1.default, _y1_pullback),
+    (
+        aten.special_modified_bessel_i0.default,
+        lambda g, x, o: g * torch.special.modified_bessel_i1(x),
+    ),
+    (aten.special_modified_bessel_i1.default, _modified_i1_pullback),
+    (
+        aten.special_modified_bessel_k0.default,
+        lambda g, x, o: g * -torch.special.modified_bessel_k1(x),
+    ),
+    (
+        aten.special_modified_bessel_k1.default,
+        lambda g, x, o: g * -(torch.special.modified_bessel_k0(x) + o * x.reciprocal()),
+    ),
+)
+
 for _op, _pb in (
+    *_BESSEL,
     (aten.i0.default, lambda g, x, o: g * torch.special.i1(x)),
     (aten.special_i0e.default, lambda g, x, o: g * (torch.special.i1e(x) - x.sgn() * o)),
     (aten.special_i1.default, _i1_pullback),
     (aten.special_i1e.default, _i1e_pullback),
     (aten.special_erfcx.default, lambda g, x, o: (2.0 * x * o - _TWO_OVER_SQRT_PI) * g),
-    (
-        aten.special_log_ndtr.default,
-        lambda g, x, o: g / _SQRT_2PI * (o + x.pow(2) / 2).neg().exp(),
-    ),
+    (aten.special_log_ndtr.default, _log_ndtr_pullback),
     (aten.special_ndtri.default, lambda g, x, o: g * _SQRT_2PI * (o.square() / 2).exp()),
     (aten.copysign.Scalar, _copysign_pullback),
 ):
     def_unary(_op, pullback(_pb))
-
-
-def _fmax_mask(x, y):
-    return (x >= y).logical_or_(y.isnan())
-
-
-def _fmin_mask(x, y):
-    return (x <= y).logical_or_(y.isnan())
 
 
 def _zero_partial(g, x, y, o):
@@ -77,17 +122,6 @@ def _zero_partial(g, x, y, o):
 
 for _op, _px, _py in (
     (aten.copysign.Tensor, lambda g, x, y, o: _copysign_pullback(g, x, o), _zero_partial),
-    # fmax/fmin ignore a NaN operand: the derivative goes to the other one; ties go to x
-    (
-        aten.fmax.default,
-        lambda g, x, y, o: g.masked_fill(_fmax_mask(x, y).logical_not_(), 0),
-        lambda g, x, y, o: g.masked_fill(_fmax_mask(x, y), 0),
-    ),
-    (
-        aten.fmin.default,
-        lambda g, x, y, o: g.masked_fill(_fmin_mask(x, y).logical_not_(), 0),
-        lambda g, x, y, o: g.masked_fill(_fmin_mask(x, y), 0),
-    ),
     (
         aten.nextafter.default,
         lambda g, x, y, o: torch.where(x != y, g, torch.zeros_like(g)),
@@ -95,6 +129,189 @@ for _op, _px, _py in (
     ),
 ):
     def_binary(_op, pullback(_px), pullback(_py))
+
+
+# Note [Selections as the installed torch]
+#     maximum/minimum, fmax/fmin and clamp with Tensor bounds select one argument per element;
+#     at ties, at inverted bounds and at NaNs torch's formulas decide where the derivative goes,
+#     and torch 2.15 changed them (_compat.SPLIT_TIES_FMAX_CLAMP_TENSOR): fmax/fmin and the
+#     Tensor-bound clamps split ties evenly (as maximum/minimum always did), the forward
+#     formulas became `where` selections instead of `other_t + mask * (self_t - other_t)`, and
+#     clamp's NaN routing changed. A different routing is a silently different derivative, so
+#     each version gets its own torch's formulas, in torch's order (derivatives.yaml; for
+#     clamp.Tensor, whose backward is C++, the formula fitted to and checked against torch on
+#     every (x, min, max) in {0, 1, 2, inf, nan}^3: tests/autodiff/test_ad_rules.py,
+#     test_ties_and_nans_route_like_the_installed_torch). NaN compares false throughout.
+_SPLIT = _compat.SPLIT_TIES_FMAX_CLAMP_TENSOR
+
+
+def _halve_ties(g, x, y):
+    """torch's ``at::where(self == other, grad / 2, grad)``."""
+    return torch.where(x == y, g / 2, g)
+
+
+def _select_jvp(x_wins):
+    """The forward formula of a selection whose ``x_wins(x, y)`` mask says where x is taken."""
+    if _SPLIT:
+        return lambda x, y, o, tx, ty: torch.where(
+            x == y, (tx + ty) / 2, torch.where(x_wins(x, y), tx, ty)
+        )
+    return lambda x, y, o, tx, ty: ty + x_wins(x, y) * (tx - ty)
+
+
+def _tie_weight_jvp(x_wins):
+    """maximum/minimum up to torch 2.13: ``other_t + where(ties, 0.5, x wins) * (self_t -
+    other_t)``; from 2.15 as the other selections."""
+    if _SPLIT:
+        return _select_jvp(x_wins)
+    return lambda x, y, o, tx, ty: (
+        ty + torch.where(x == y, 0.5, x_wins(x, y).to(o.dtype)) * (tx - ty)
+    )
+
+
+def _fmax_keeps_x(x, y):
+    return (x >= y).logical_or_(y.isnan())
+
+
+def _fmin_keeps_x(x, y):
+    return (x <= y).logical_or_(y.isnan())
+
+
+_h = _halve_ties if _SPLIT else (lambda g, x, y: g)
+for _op, _px, _py, _jvp in (
+    (
+        aten.maximum.default,
+        lambda g, x, y, o: _halve_ties(g, x, y).masked_fill(x < y, 0),
+        lambda g, x, y, o: _halve_ties(g, x, y).masked_fill(x > y, 0),
+        _tie_weight_jvp(lambda x, y: x > y),
+    ),
+    (
+        aten.minimum.default,
+        lambda g, x, y, o: _halve_ties(g, x, y).masked_fill(x > y, 0),
+        lambda g, x, y, o: _halve_ties(g, x, y).masked_fill(x < y, 0),
+        _tie_weight_jvp(lambda x, y: x < y),
+    ),
+    # fmax/fmin ignore a NaN operand: the derivative goes to the other one
+    (
+        aten.fmax.default,
+        lambda g, x, y, o: _h(g, x, y).masked_fill(_fmax_keeps_x(x, y).logical_not_(), 0),
+        lambda g, x, y, o: _h(g, x, y).masked_fill(
+            (x > y if _SPLIT else x >= y).logical_or_(y.isnan()), 0
+        ),
+        _select_jvp(lambda x, y: (x > y).logical_or_(y.isnan())),
+    ),
+    (
+        aten.fmin.default,
+        lambda g, x, y, o: _h(g, x, y).masked_fill(_fmin_keeps_x(x, y).logical_not_(), 0),
+        lambda g, x, y, o: _h(g, x, y).masked_fill(
+            (x < y if _SPLIT else x <= y).logical_or_(y.isnan()), 0
+        ),
+        # torch 2.13's fmin jvp takes x at ties (`<=`), its fmax jvp takes y (`>`)
+        _select_jvp(lambda x, y: (x < y if _SPLIT else x <= y).logical_or_(y.isnan())),
+    ),
+):
+    def_binary(_op, pullback(_px), pullback(_py), jvp=_jvp)
+
+
+# clamp with Tensor bounds (Note [Selections as the installed torch]). With one bound, torch
+# uses clamp_min's / clamp_max's formulas.
+def _clamp_min_vjp(g, x, lo):
+    if _SPLIT:
+        h = _halve_ties(g, x, lo)
+        return h.masked_fill(x < lo, 0), h.masked_fill(x > lo, 0)
+    return torch.where(x >= lo, g, 0.0), torch.where(x < lo, g, 0.0)
+
+
+def _clamp_max_vjp(g, x, hi):
+    if _SPLIT:
+        h = _halve_ties(g, x, hi)
+        return h.masked_fill(x > hi, 0), h.masked_fill(x < hi, 0)
+    return torch.where(x <= hi, g, 0.0), torch.where(x > hi, g, 0.0)
+
+
+def _clamp_vjp(g, x, lo, hi):
+    """(d self, d min, d max) of clamp(x, min, max) for the cotangent g; None for no bound."""
+    if hi is None:
+        return (*_clamp_min_vjp(g, x, lo), None)
+    if lo is None:
+        gx, ghi = _clamp_max_vjp(g, x, hi)
+        return gx, None, ghi
+    below, above, inverted = x < lo, x > hi, lo > hi  # inverted bounds: the output is max
+    if not _SPLIT:
+        return (
+            torch.where((x >= lo) & (x <= hi), g, 0.0),
+            torch.where(below & (lo < hi), g, 0.0),
+            torch.where(above | inverted, g, 0.0),
+        )
+    tie_lo, tie_hi = (x == lo) & (x < hi), (x == hi) & (x > lo)
+    half, zero, ordered = g / 2, torch.zeros_like(g), lo <= hi
+    return (
+        torch.where(below | above, zero, torch.where(tie_lo | tie_hi, half, g)),
+        torch.where(tie_lo, half, torch.where(below & ordered, g, zero)),
+        torch.where(tie_hi, half, torch.where((above & ordered) | inverted, g, zero)),
+    )
+
+
+def _clamp_jvp(x, lo, hi, tx, tlo, thi, one_bound_op=True):
+    if hi is None or lo is None:
+        bound, t_bound = (lo, tlo) if hi is None else (hi, thi)
+        x_wins = (lambda x, y: x > y) if hi is None else (lambda x, y: x < y)
+        if _SPLIT:
+            return _select_jvp(x_wins)(x, bound, None, tx, t_bound)
+        # torch 2.13 takes x at ties in clamp_min/clamp_max.Tensor's formula (`where(self_p >=
+        # min_p, ...)`) but the bound in clamp.Tensor's when only one bound is given
+        wins = x_wins(x, bound) | (x == bound) if one_bound_op else x_wins(x, bound)
+        return torch.where(wins, tx, t_bound)
+    t = tx
+    if _SPLIT:
+        t = torch.where((x == hi) & (x > lo), (tx + thi) / 2, t)
+        t = torch.where((x == lo) & (x < hi), (tx + tlo) / 2, t)
+    t = torch.where(x > hi, thi, t)
+    t = torch.where(x < lo, tlo, t)
+    return torch.where(lo > hi, thi, t)
+
+
+_CLAMP_BOUNDS = {  # op -> positions of (min, max) among its arguments
+    aten.clamp.Tensor: (1, 2),
+    aten.clamp_min.Tensor: (1, None),
+    aten.clamp_max.Tensor: (None, 1),
+}
+
+
+def _bounds(op, args):
+    return tuple(args[i] if i is not None and i < len(args) else None for i in _CLAMP_BOUNDS[op])
+
+
+def _def_clamp_tensor(op):
+    def clamp_tensor_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        if all(t is None for t in tangents):
+            return out, None
+        zero = torch.zeros_like(out)
+        fill = lambda t: zero if t is None else t  # noqa: E731
+        t = _clamp_jvp(
+            primals[0],
+            *_bounds(op, primals),
+            fill(tangents[0]),
+            *map(fill, _bounds(op, tangents)),
+            one_bound_op=op is not aten.clamp.Tensor,
+        )
+        return out, t.expand(out.shape) if t.shape != out.shape else t
+
+    def clamp_tensor_vjp_rule(ct, primals, kwargs, out, needs):
+        cts = [None] * len(primals)
+        parts = _clamp_vjp(ct, primals[0], *_bounds(op, primals))
+        for i, g in zip((0, *_CLAMP_BOUNDS[op]), parts):
+            if i is not None and i < len(primals) and needs[i] and primals[i] is not None:
+                cts[i] = unbroadcast(g, primals[i].shape)
+        return tuple(cts)
+
+    register_jvp_rule(op)(clamp_tensor_jvp_rule)
+    register_vjp_rule(op)(clamp_tensor_vjp_rule)
+
+
+for _op in _CLAMP_BOUNDS:
+    _def_clamp_tensor(_op)
 
 
 # polygamma(n, x): the tensor is the second argument

@@ -9,7 +9,9 @@ A batching rule has the frozen signature::
 physical values (lists stay lists); ``bdims`` is parallel to ``args``: the batch dim of each
 physical tensor, ``None`` for an unbatched value, a list of those for a list argument. ``out``
 is a tensor or a tuple of tensors, ``out_bdims`` the matching int/None (tuple for tuples).
-``interp.batch_size`` is the size of the mapped axis.
+``interp.batch_size`` is the size of the mapped axis. ``kwargs`` are passed as given; an op
+called with a batched tensor keyword runs as the per-example loop unless its rule sets
+``rule.unwraps_kwargs = True`` (it then unwraps them with ``interp._unwrap``).
 
 Ops without a registered rule may still have one derived from their tags
 (``VMAP_RULES.derive_with``: every pointwise op shares one rule, batching/elementwise.py).

@@ -11,7 +11,7 @@ from functransforms import _pytree as pt
 from functransforms._core import SLOW_METADATA, Interpreter, TransformTensor, is_floating, metadata
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
-from functransforms._ops import facts, op_name
+from functransforms._ops import draws_random, facts, op_name
 from functransforms._vmap import vmap
 from functransforms.errors import (  # raise_*: re-exported for rule modules
     FallbackWarning,
@@ -166,7 +166,11 @@ class VmapInterpreter(Interpreter):
     def process(self, func, args, kwargs):
         """Autodidax's ``process_primitive``: unwrap this level, apply the op's rule, wrap."""
         f = facts(func)  # Note [One record per op]
-        if kwargs and self._batched_kwargs(func, f, kwargs):
+        if (
+            kwargs
+            and self._batched_kwargs(func, f, kwargs)
+            and not getattr(f.vmap_rule, "unwraps_kwargs", False)
+        ):
             return self._fallback(func, args, kwargs)
         vals, bdims = self._unwrap(args)
         # self for add_, the target of prims.copy_to, ... (batch norm checks its own)
@@ -207,9 +211,10 @@ class VmapInterpreter(Interpreter):
     def _fallback(self, func, args, kwargs):
         """Note [vmap fallback]: run the op once per example and stack the results."""
         f = facts(func)
-        if f.random and self.randomness == "error":
+        random = draws_random(func, args, kwargs)
+        if random and self.randomness == "error":
             raise_random(self, func)
-        same_draw = f.random and self.randomness == "same"
+        same_draw = random and self.randomness == "same"
         if same_draw and any(
             _is_batched_at(a, self) for i, a in enumerate(args) if i not in f.written
         ):

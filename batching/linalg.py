@@ -159,6 +159,38 @@ for _op in (
 def_matrix_op(aten.linalg_matrix_exp.default, contiguous=True)
 
 
+# Note [matrix_sqrth and polar inside __torch_dispatch__]
+#     torch 2.15's linalg.matrix_sqrth and linalg.polar (new in 2.15) return wrong values for
+#     complex inputs when called from inside any __torch_dispatch__ (checked with a bare
+#     wrapper subclass: X @ X differs from A by ~2.6), which is where batching rules run; real
+#     inputs are right. For complex inputs the rules compute the same functions from eigh / svd:
+#     sqrth(A) = V diag(sqrt(l)) V^H for A = V diag(l) V^H, and polar(A) = (W V^H, V S V^H) for
+#     A = W S V^H. torch.func batches these ops in C++ (no Python dispatch) and is right.
+def _sqrth(a):
+    evals, evecs = torch.linalg.eigh(a)
+    return (evecs * evals.sqrt().unsqueeze(-2).to(evecs.dtype)) @ evecs.mH
+
+
+def _polar(a):
+    w, s, vh = torch.linalg.svd(a, full_matrices=False)
+    return w @ vh, vh.mH @ (s.unsqueeze(-1).to(vh.dtype) * vh)
+
+
+def _def_complex_by_formula(op, formula):
+    def by_formula_vmap_rule(interp, args, bdims, kwargs):
+        x = to_front(args[0], bdims[0])
+        out = formula(x) if x.is_complex() else op(x.contiguous(), *args[1:], **kwargs)
+        return out, 0 if isinstance(out, torch.Tensor) else (0,) * len(out)
+
+    register_vmap_rule(op)(by_formula_vmap_rule)
+
+
+for _name, _formula in (("linalg_matrix_sqrth", _sqrth), ("linalg_polar", _polar)):
+    _packet = getattr(aten, _name, None)  # new in torch 2.15
+    if _packet is not None:
+        _def_complex_by_formula(_packet.default, _formula)
+
+
 def def_broadcasting_solve(op, n_out=1):
     """``op(X, Y, ...)`` of two (batches of) matrices whose batch dims broadcast
     (Note [Batching broadcasting linalg ops]); all ``n_out`` outputs have the broadcast shape."""

@@ -347,3 +347,29 @@ def_ctc_loss(aten._ctc_loss.Tensor)
 def_ctc_loss(aten._ctc_loss.default)
 def_ctc_loss_backward(aten._ctc_loss_backward.Tensor)
 def_ctc_loss_backward(aten._ctc_loss_backward.default)
+
+
+@register_vmap_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def flash_attention_for_cpu_vmap_rule(interp, args, bdims, kwargs):
+    """The kernel's rows (batch N, heads H) are independent: vmap's dim folds into N
+    (``[B, N, H, L, E] -> [B*N, H, L, E]``, the mask expanded to ``[B*N, H, L, S]``) and the
+    outputs (``[N, H, L, E]``, logsumexp ``[N, H, L]``) unfold. torch 2.15's
+    ``scaled_dot_product_attention`` reaches vmap as this op; torch's decomposition of it
+    returns the attention weights where logsumexp belongs. Unwraps its own ``attn_mask=``
+    (``unwraps_kwargs``). The CPU kernel has no dropout (it raises for ``dropout_p > 0``), so
+    nothing is drawn."""
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    B = interp.batch_size
+    q, k, v = (expand_front(a, b, B) for a, b in zip(args[:3], bdims[:3]))
+    N, H, L = q.shape[1:4]
+    fold = lambda t: t.reshape((B * t.shape[1],) + tuple(t.shape[2:]))  # noqa: E731
+    mask = kwargs.get("attn_mask")
+    if mask is not None:
+        (m,), (mb,) = interp._unwrap([mask])
+        m = pad_to(expand_front(m, mb, B), 4)
+        kwargs = {**kwargs, "attn_mask": fold(m.expand(B, N, H, L, k.shape[3]))}
+    out, lse = op(fold(q), fold(k), fold(v), *args[3:], **kwargs)
+    return (out.reshape((B, N) + tuple(out.shape[1:])), lse.reshape(B, N, H, L)), (0, 0)
+
+
+flash_attention_for_cpu_vmap_rule.unwraps_kwargs = True

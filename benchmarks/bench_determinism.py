@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/bench_determinism.py [--quick]
 
 Single-threaded CPU (torch.set_num_threads(1)); medians over repeats; ratios within one run.
-(a) audit and check_deterministic on the per-sample-gradient workload of bench_core (a);
+(a) audit and check_deterministic on the per-sample-gradient workload of bench_core (a), B=64;
 (b) the deterministic mode's accumulation vs the accumulate kernel, index_put(accumulate=True)
     with 1M values into 64k slots; (c) an embedding-backward-heavy workload under grad, default
     vs deterministic mode (both levels); (d) level="threads" on a 10M float32 sum.
@@ -56,7 +56,9 @@ def _in_mode(fn, **kw):
 
 
 def per_sample(reps):
-    _, ours, *_ = case_per_sample(reps)
+    c = case_per_sample(64)  # B=64, the batch this benchmark was written with
+    fn, args = c["ours_fn"], c["args"]
+    ours = lambda: fn(*args)  # noqa: E731
     runs = 3
     p1, a = paired(ours, lambda: ft.deterministic.audit(ours), reps)
     p2, c = paired(ours, lambda: ft.deterministic.check_deterministic(ours, runs=runs), reps)

@@ -36,6 +36,7 @@ class OpFacts:
         "jvp_rule",
         "vjp_rule",
         "vjp_forward",
+        "dropout_p_at",
     )
 
     def __init__(self, func):
@@ -52,6 +53,10 @@ class OpFacts:
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
         )
         self.random = torch.Tag.nondeterministic_seeded in tags
+        # attention kernels carry the random tag but draw only when dropout_p > 0
+        self.dropout_p_at = next(
+            (i for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), None
+        )
         self.functional = _functional_variant(func) if (self.inplace or self.inplace_view) else None
         # every argument the schema marks written (`Tensor(a!)`): not only add_'s self but the
         # target of prims.copy_to, which has no trailing underscore, and out= keywords
@@ -134,6 +139,18 @@ def facts(func) -> OpFacts:
     if f is None:
         f = _FACTS[func] = OpFacts(func)
     return f
+
+
+def draws_random(func, args, kwargs) -> bool:
+    """Whether this call of ``func`` draws random numbers: its tag, except for attention
+    kernels called with ``dropout_p == 0`` (torch 2.15's ``scaled_dot_product_attention`` reaches
+    transforms as ``_scaled_dot_product_flash_attention_for_cpu``, tagged random)."""
+    f = facts(func)
+    if not f.random or f.dropout_p_at is None:
+        return f.random
+    at = f.dropout_p_at
+    p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+    return p > 0
 
 
 def op_name(func) -> str:

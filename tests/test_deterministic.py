@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import functransforms as ft
+from functransforms._compat import TORCH_VERSION
 from functransforms.deterministic import _table
 from functransforms.testing import assert_deterministic
 
@@ -197,7 +198,9 @@ def test_table_conditions():
     x, i, v = torch.zeros(4), torch.tensor([0, 0]), torch.ones(2)
     (put_acc,) = [e for e in _table.entries_for(aten.put_.default) if e.device == "cpu"]
     assert put_acc.condition((x, i, v, True), {}) and not put_acc.condition((x, i, v), {})
-    (sr_sum, sr_prod) = _table.entries_for(aten.scatter_reduce.two)
+    (sr_sum, sr_prod) = [
+        e for e in _table.entries_for(aten.scatter_reduce.two) if e.device == "cuda"
+    ]
     assert sr_sum.condition((x, 0, i, v, "sum"), {}) and not sr_sum.condition(
         (x, 0, i, v, "amax"), {}
     )
@@ -210,6 +213,12 @@ def test_table_conditions():
     assert bad.condition((x, [i], v), {}) and not bad.condition((x, [torch.tensor([0, 1])], v), {})
     (cum,) = _table.entries_for(aten.cumsum.default)
     assert cum.condition((x, 0), {}) and not cum.condition((i, 0), {})
+    # torch 2.15 gave CUDA cumsum a deterministic kernel and documents raising MPS kernels
+    assert cum.raises == (TORCH_VERSION < (2, 15))
+    mps = [e for e in _table.entries_for(aten.index_put.default) if e.device == "mps"]
+    assert len(mps) == (TORCH_VERSION >= (2, 15))
+    if mps:
+        assert mps[0].condition((x, [i], v, True), {}) and not mps[0].condition((x, [i], v), {})
 
 
 # -- check_deterministic --------------------------------------------------------------------------

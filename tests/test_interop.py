@@ -20,12 +20,12 @@ def _close(a, b, **kw):
     torch.testing.assert_close(a, b, **kw)
 
 
-def _outer_grads(build, *shapes, seed=0):
+def _outer_grads(build, *shapes, seed=0, device="cpu"):
     """``torch.autograd.grad`` of ``build(lib, *leaves)`` by every leaf, for ours and torch.func.
 
     Returns ``{lib_name: (value, grads)}``."""
     g = torch.Generator().manual_seed(seed)
-    base = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+    base = [torch.randn(*s, generator=g, dtype=torch.float64).to(device) for s in shapes]
     out = {}
     for name, lib in LIBS.items():
         leaves = [b.clone().requires_grad_() for b in base]
@@ -34,8 +34,8 @@ def _outer_grads(build, *shapes, seed=0):
     return out
 
 
-def _assert_same_outer_grads(build, *shapes):
-    res = _outer_grads(build, *shapes)
+def _assert_same_outer_grads(build, *shapes, device="cpu"):
+    res = _outer_grads(build, *shapes, device=device)
     (v_ours, g_ours), (v_ref, g_ref) = res["ft"], res["torch.func"]
     _close(v_ours, v_ref)
     for a, b in zip(g_ours, g_ref):
@@ -45,11 +45,12 @@ def _assert_same_outer_grads(build, *shapes):
 
 
 # -- 1. torch's autograd sees through our transforms ---------------------------------------------
-def test_backward_through_vmap_with_captured_weight():
+# Tests taking the `device` fixture (tests/conftest.py) run on CUDA too where it exists.
+def test_backward_through_vmap_with_captured_weight(device):
     """The issue's first example: W.grad gets the vmapped term, not only the decay term."""
     torch.manual_seed(0)
-    W0 = torch.randn(3, 3, dtype=torch.float64)
-    xs = torch.randn(5, 3, dtype=torch.float64)
+    W0 = torch.randn(3, 3, dtype=torch.float64, device=device)
+    xs = torch.randn(5, 3, dtype=torch.float64, device=device)
     grads = {}
     for name, lib in LIBS.items():
         W = W0.clone().requires_grad_()
@@ -63,18 +64,18 @@ def test_backward_through_vmap_with_captured_weight():
     _close(grads["torch.func"], W.grad)
 
 
-def test_backward_through_vmap_alone():
+def test_backward_through_vmap_alone(device):
     """Without another path to W, backward used to raise ("does not require grad")."""
-    W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
-    xs = torch.randn(5, 3, dtype=torch.float64)
+    W = torch.randn(3, 3, dtype=torch.float64, device=device, requires_grad=True)
+    xs = torch.randn(5, 3, dtype=torch.float64, device=device)
     ft.vmap(lambda x: torch.tanh(W @ x).sum())(xs).sum().backward()
     ref = torch.autograd.grad(torch.tanh(xs @ W.T).sum(), W)[0]
     _close(W.grad, ref)
 
 
-def test_autograd_grad_of_ft_grad():
+def test_autograd_grad_of_ft_grad(device):
     """d/dx of grad((sin x)^2) = 2 cos 2x."""
-    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
     g = ft.grad(lambda x: (x.sin() ** 2).sum())(x)
     assert g.requires_grad
     _close(torch.autograd.grad(g.sum(), x)[0], 2 * torch.cos(2 * x.detach()))
@@ -83,7 +84,7 @@ def test_autograd_grad_of_ft_grad():
 _OUTER = {
     "grad": (lambda lib, x: lib.grad(lambda x: (x.sin() ** 2).sum())(x).sum(), (4,)),
     "vjp_fn": (
-        lambda lib, x: lib.vjp(lambda x: x.sin() ** 2, x)[1](torch.ones(4, dtype=x.dtype))[0].sum(),
+        lambda lib, x: lib.vjp(lambda x: x.sin() ** 2, x)[1](torch.ones_like(x))[0].sum(),
         (4,),
     ),
     "vjp_out": (lambda lib, x: lib.vjp(lambda x: x.sin() ** 2, x)[0].sum(), (4,)),
@@ -136,7 +137,7 @@ _OUTER = {
     ),
     "vmap_of_vjp_fn": (
         lambda lib, x: (
-            lib.vmap(lib.vjp(lambda x: x.sin() * x.sum(), x)[1])(torch.eye(3))[0].pow(2).sum()
+            lib.vmap(lib.vjp(lambda x: x.sin() * x.sum(), x)[1])(torch.eye(3).to(x))[0].pow(2).sum()
         ),
         (3,),
     ),
@@ -144,16 +145,19 @@ _OUTER = {
 
 
 @pytest.mark.parametrize("case", sorted(_OUTER))
-def test_torch_autograd_over_our_outputs(case):
+def test_torch_autograd_over_our_outputs(case, device):
     build, *shapes = _OUTER[case]
-    _assert_same_outer_grads(build, *shapes)
+    _assert_same_outer_grads(build, *shapes, device=device)
 
 
 def _double_backward(op):
     return lambda lib, x: lib.grad(lambda a: op(a).sum())(x).pow(2).sum()
 
 
-_EYE3 = torch.eye(3, dtype=torch.float64)
+def _eye3(a):
+    return torch.eye(3, dtype=a.dtype, device=a.device)
+
+
 # the issue's list: wrong (or no) dependence on the primal in torch.autograd over ft.grad
 _DOUBLE = {
     "addcmul": (lambda a: torch.addcmul(a, a, a, value=0.5), (4,)),
@@ -166,16 +170,16 @@ _DOUBLE = {
     "true_divide": (lambda a: torch.true_divide(a.exp(), a.cos() + 2), (4,)),
     "triplet_margin_loss": (lambda a: F.triplet_margin_loss(a, a.sin(), a.cos()), (3, 4)),
     "sqrt": (lambda a: a.exp().sqrt(), (4,)),
-    "linalg.inv": (lambda a: torch.linalg.inv(a + 4 * _EYE3), (3, 3)),
-    "linalg.solve_ex": (lambda a: torch.linalg.solve_ex(a + 4 * _EYE3, a[:, 0])[0], (3, 3)),
+    "linalg.inv": (lambda a: torch.linalg.inv(a + 4 * _eye3(a)), (3, 3)),
+    "linalg.solve_ex": (lambda a: torch.linalg.solve_ex(a + 4 * _eye3(a), a[:, 0])[0], (3, 3)),
     "linalg.eigvalsh": (lambda a: torch.linalg.eigvalsh(a + a.mT) ** 2, (3, 3)),
 }
 
 
 @pytest.mark.parametrize("op", sorted(_DOUBLE))
-def test_double_backward_through_ft_grad(op):
+def test_double_backward_through_ft_grad(op, device):
     fn, shape = _DOUBLE[op]
-    _assert_same_outer_grads(_double_backward(fn), shape)
+    _assert_same_outer_grads(_double_backward(fn), shape, device=device)
 
 
 def test_addcmul_double_backward_value():
@@ -820,6 +824,48 @@ def test_every_transform_on_meta(case):
     out = _meta_cases()[case]()
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     assert leaves and all(t.device.type == "meta" for t in leaves)
+
+
+def _meta_mlp_cases(lib):
+    """grad / vjp / jvp / vmap / jacrev of a small MLP whose parameters and inputs live on
+    `meta`, through functional_call (the model a user moves to meta to check shapes)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).to(
+        "meta"
+    )
+    params = dict(model.named_parameters())
+    xs = torch.empty(4, 3, device="meta")
+
+    def loss(p, x):
+        return lib.functional_call(model, p, (x,)).pow(2).sum()
+
+    def out(p, x):
+        return lib.functional_call(model, p, (x,))
+
+    return {
+        "grad": lambda: lib.grad(loss)(params, xs[0]),
+        "vjp": lambda: lib.vjp(lambda x: out(params, x), xs)[1](torch.empty(4, 2, device="meta")),
+        "jvp": lambda: lib.jvp(lambda x: out(params, x), (xs,), (xs,)),
+        "vmap": lambda: lib.vmap(out, in_dims=(None, 0))(params, xs),
+        "vmap_grad": lambda: lib.vmap(lib.grad(loss), in_dims=(None, 0))(params, xs),
+        "jacrev": lambda: lib.jacrev(out, argnums=1)(params, xs[0]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_meta_mlp_cases(ft)))
+def test_mlp_transforms_on_meta_give_meta_results_of_torch_funcs_shapes(case):
+    try:
+        ref = _meta_mlp_cases(tf)[case]()
+    except Exception as e:  # torch.func refuses meta here: ours must raise too, not guess
+        with pytest.raises(Exception) as ours_error:
+            _meta_mlp_cases(ft)[case]()
+        assert str(ours_error.value), f"torch.func raised {e!r}; ours raised without a message"
+        return
+    ours = _meta_mlp_cases(ft)[case]()
+    a, spec_a = torch.utils._pytree.tree_flatten(ours)
+    b, spec_b = torch.utils._pytree.tree_flatten(ref)
+    assert spec_a == spec_b and len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.device.type == "meta" and (x.shape, x.dtype) == (y.shape, y.dtype)
 
 
 def test_permutation_operator_norm_on_operator_device():

@@ -1,8 +1,9 @@
 """The table of nondeterministic ops: every op torch documents as nondeterministic or as raising
-under ``torch.use_deterministic_algorithms(True)`` (checked against torch 2.13: the docstring of
-``torch.use_deterministic_algorithms`` and the alert names of torch's test suite), plus the
-CPU cases measured here. tests/test_deterministic.py compares it with the installed torch's
-own list and fails when torch has an entry we lack.
+under ``torch.use_deterministic_algorithms(True)`` (checked against torch 2.13 and 2.15: the
+docstring of ``torch.use_deterministic_algorithms`` and the alert names of torch's test suite),
+plus the CPU cases measured here. Entries torch documents from some version on carry that
+version (``since``); ``ENTRIES`` holds those of the installed torch. tests/test_deterministic.py
+compares it with the installed torch's own list and fails when torch has an entry we lack.
 
 Each entry names the ATen overloads it applies to (the ops a mode sees: backward kernels for
 "when attempting to differentiate"), the device it is nondeterministic on, the argument
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from functransforms._compat import TORCH_VERSION
 
 aten = torch.ops.aten
 
@@ -33,6 +36,8 @@ class Entry:
     raises: bool = False  # True: torch has no deterministic kernel
     ours: str = ""  # what ft.deterministic.enabled() does about it
     extra: dict = field(default_factory=dict)
+    since: tuple = (2, 13)  # the first torch (major, minor) that documents it
+    until: tuple = (99, 0)  # the first torch that documents it otherwise (cumsum: 2.15)
 
 
 def _arg(args, kwargs, i, name, default=None):
@@ -69,7 +74,7 @@ _conv = (
     "aten::cudnn_convolution_transpose.default",
 )
 
-ENTRIES = (
+_ALL = (
     Entry(
         _conv,
         "cuda",
@@ -380,6 +385,108 @@ ENTRIES = (
         alerts=("cumsum_cuda_kernel",),
         condition=lambda a, k: _is_float(a[0]),
         raises=True,
+        until=(2, 15),
+    ),
+    Entry(  # torch 2.15 moved cumsum to the ops with a deterministic kernel
+        ("aten::cumsum.default", "aten::cumsum_.default"),
+        "cuda",
+        "floating cumsum on CUDA (parallel scan) is nondeterministic",
+        _DET,
+        documented=("torch.cumsum",),
+        alerts=("cumsum_cuda_kernel",),
+        condition=lambda a, k: _is_float(a[0]),
+        since=(2, 15),
+    ),
+    Entry(
+        ("aten::embedding_dense_backward.default",),
+        "cuda",
+        "embedding backward on CUDA accumulates rows of repeated indices in parallel",
+        _DET,
+        documented=("torch.nn.Embedding",),
+        since=(2, 15),
+    ),
+    # torch 2.15 documents MPS kernels that raise under use_deterministic_algorithms(True)
+    *(
+        Entry(
+            ops,
+            "mps",
+            f"{why} on MPS",
+            _NONE,
+            documented=doc,
+            condition=cond,
+            raises=True,
+            since=(2, 15),
+        )
+        for ops, why, doc, cond in (
+            (
+                (
+                    "aten::index_put.default",
+                    "aten::index_put_.default",
+                    "aten::_index_put_impl_.default",
+                ),
+                "index_put with accumulate=True (floating or complex)",
+                ("torch.Tensor.index_put",),
+                lambda a, k: bool(_arg(a, k, 3, "accumulate", False)) and _is_float(a[0]),
+            ),
+            (
+                ("aten::index_reduce.default", "aten::index_reduce_.default"),
+                "index_reduce with reduce='prod' or 'mean' (floating or complex)",
+                ("torch.Tensor.index_reduce",),
+                lambda a, k: _arg(a, k, 4, "reduce") in ("prod", "mean") and _is_float(a[0]),
+            ),
+            (
+                ("aten::scatter_reduce.two", "aten::scatter_reduce_.two"),
+                "scatter_reduce",
+                ("torch.Tensor.scatter_reduce",),
+                None,
+            ),
+            (("aten::kthvalue.default",), "kthvalue", ("torch.kthvalue",), None),
+            (
+                ("aten::embedding_dense_backward.default",),
+                "embedding backward",
+                ("torch.nn.Embedding",),
+                None,
+            ),
+            (
+                (
+                    "aten::_embedding_bag_backward.default",
+                    "aten::_embedding_bag_dense_backward.default",
+                ),
+                "embedding_bag backward",
+                ("torch.nn.EmbeddingBag",),
+                None,
+            ),
+            (
+                (
+                    "aten::grid_sampler_2d_backward.default",
+                    "aten::grid_sampler_3d_backward.default",
+                ),
+                "grid_sample backward",
+                ("torch.nn.functional.grid_sample",),
+                None,
+            ),
+            (
+                (
+                    "aten::max_pool2d_with_indices_backward.default",
+                    "aten::max_pool3d_with_indices_backward.default",
+                    "aten::avg_pool3d_backward.default",
+                ),
+                "max_pool2d/max_pool3d/avg_pool3d backward",
+                ("torch.nn.MaxPool2d", "torch.nn.MaxPool3d", "torch.nn.AvgPool3d"),
+                None,
+            ),
+            (
+                (
+                    "aten::upsample_linear1d_backward.default",
+                    "aten::upsample_bilinear2d_backward.default",
+                    "aten::upsample_bicubic2d_backward.default",
+                    "aten::upsample_trilinear3d_backward.default",
+                ),
+                "interpolate backward (torch: 'in some cases'; the interpolating modes listed)",
+                ("torch.nn.functional.interpolate",),
+                None,
+            ),
+        )
     ),
     Entry(
         ("aten::resize_.default",),
@@ -392,6 +499,8 @@ ENTRIES = (
         raises=True,
     ),
 )
+
+ENTRIES = tuple(e for e in _ALL if e.since <= TORCH_VERSION < e.until)
 
 
 def _resolve(name):

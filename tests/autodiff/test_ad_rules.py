@@ -392,6 +392,48 @@ def test_ties_split_like_torch():
     compare_with_torch_func(lambda a: a.round().amax(1) + torch.max(a.round()), (x,), check=False)
 
 
+_TIE_GRID_OPS = {
+    "clamp": lambda a, lo, hi: torch.clamp(a, lo, hi),
+    "clamp_min_kw": lambda a, lo, hi: torch.clamp(a, min=lo),
+    "clamp_max_kw": lambda a, lo, hi: torch.clamp(a, max=hi),
+    "clamp_min": lambda a, lo, hi: torch.clamp_min(a, lo),
+    "clamp_max": lambda a, lo, hi: torch.clamp_max(a, hi),
+    "clamp_broadcast": lambda a, lo, hi: torch.clamp(a.reshape(25, 5), lo[:5], hi[:5]),
+    "fmax": lambda a, lo, hi: torch.fmax(a, lo),
+    "fmin": lambda a, lo, hi: torch.fmin(a, lo),
+    "maximum": lambda a, lo, hi: torch.maximum(a, lo),
+    "minimum": lambda a, lo, hi: torch.minimum(a, lo),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TIE_GRID_OPS))
+def test_ties_and_nans_route_like_the_installed_torch(name):
+    """Every (x, min, max) in {0, 1, 2, inf, nan}^3: the derivative at ties, at inverted bounds
+    and at NaNs goes where the installed torch sends it, bit for bit (torch 2.15 changed these
+    for fmax/fmin and Tensor-bound clamp: Note [Clamp with Tensor bounds], autodiff/special.py).
+    """
+    import itertools
+
+    vals = (0.0, 1.0, 2.0, float("inf"), float("nan"))
+    grid = torch.tensor(list(itertools.product(vals, repeat=3)), dtype=torch.float64).T
+    x, lo, hi = (c.contiguous() for c in grid)
+    f = _TIE_GRID_OPS[name]
+    gen = torch.Generator().manual_seed(3)
+    ct = torch.rand(f(x, lo, hi).shape, generator=gen, dtype=torch.float64) + 0.5
+    tangents = tuple(torch.rand(125, generator=gen, dtype=torch.float64) + 0.5 for _ in range(3))
+    ours = ft.vjp(f, x, lo, hi)[1](ct)
+    theirs = torch.func.vjp(f, x, lo, hi)[1](ct)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        ft.jvp(f, (x, lo, hi), tangents)[1],
+        torch.func.jvp(f, (x, lo, hi), tangents)[1],
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )
+
+
 # -- in-place through views (Note [In-place ops and views under jvp and grad]) -------------------
 def _column_add(x, y):
     z = x.clone()

@@ -448,3 +448,19 @@ def test_fallback_pinv_complex():
 def test_lazy_conj_reductions(f):
     """Lazy conj views reaching reductions (they were silently unconjugated before bcb25d0)."""
     check(f, (rand((B, N, N), CDT, gen(11)),))
+
+
+@pytest.mark.parametrize("name", ["matrix_sqrth", "polar"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_matrix_sqrth_and_polar_batch_like_the_kernel(name, dtype):
+    """New in torch 2.15; complex inputs go through eigh / svd (Note [matrix_sqrth and polar
+    inside __torch_dispatch__], batching/linalg.py): vmap equals torch's batched call."""
+    fn = getattr(torch.linalg, name, None)
+    if fn is None:
+        pytest.skip(f"torch.linalg.{name} is new in torch 2.15")
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(3, 4, 4, dtype=dtype, generator=g)
+    A = X @ X.mH + torch.eye(4, dtype=dtype)  # Hermitian positive definite
+    ref = fn(A)
+    torch.testing.assert_close(ft.vmap(fn)(A), ref)
+    torch.testing.assert_close(ft.vmap(fn, in_dims=1)(A.movedim(0, 1)), ref)

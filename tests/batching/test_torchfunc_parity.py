@@ -114,6 +114,21 @@ def test_sdpa_dropout_zero_is_not_random():
     check(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), 0, q)
 
 
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0), (0, None), (None, 0), (1, 0)])
+def test_flash_attention_for_cpu_folds_the_batch_into_n(in_dims):
+    """The op torch 2.15's sdpa reaches vmap as: a rule (no loop) with a batched or shared
+    q and attn_mask, both outputs (logsumexp too) equal to the per-example loop."""
+    from _vmap_helpers import check_loop
+
+    q = randn(2, 4, 5, 8) if in_dims[0] is None else randn(3, 2, 4, 5, 8).movedim(0, in_dims[0])
+    # a mask has 2 or 4 dims per example
+    m = randn(2, 4, 5, 5, seed=1) if in_dims[1] is None else randn(3, 5, 5, seed=1)
+    check_loop(lambda q, m: _FLASH_CPU(q, q, q, attn_mask=m), in_dims, q, m)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("shape", [(5,), (4, 5)])
 def test_multilabel_margin_loss_terminator(reduction, shape):

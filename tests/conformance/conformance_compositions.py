@@ -163,6 +163,18 @@ def _examples(primals, diff, layout, others, gen):
     return examples
 
 
+def _oracle_disagrees_with_its_loop(f, n, in_dims, args, ours, ref):
+    """Whether torch.func.vmap(vjp) differs from stacking torch.func.vjp per example while ours
+    equals that loop."""
+    g = _composed(torch.func.vjp, f, n)
+    try:
+        rows = [g(*[x if d is None else x[b] for x, d in zip(args(), in_dims)]) for b in range(B)]
+    except Exception:
+        return False
+    loop = tpt.tree_map(lambda *xs: torch.stack(xs), *rows)
+    return compare(ours, loop, "loop") is None and compare(ref, loop, "loop") is not None
+
+
 def _vmap_vjp(fs, primals, out0, diff, layout, others, gen, j, result, what):
     import functransforms as ft
 
@@ -202,6 +214,11 @@ def _vmap_vjp(fs, primals, out0, diff, layout, others, gen, j, result, what):
             result.fail(classify_exception(ours), f"{what}, {label}: {_short(ours)}")
             continue
         bad = compare(ours, ref, f"{what}, {label}: vmap(vjp)")
+        if bad and _oracle_disagrees_with_its_loop(ref_f, n, in_dims, args, ours, ref):
+            # torch.func.vmap(vjp) of cdist with p=1 (torch 2.13 and 2.15) is not its own
+            # per-example loop; ours is: the oracle is wrong, nothing to compare
+            result.skip_sample("torch.func.vmap(vjp) differs from its own per-example loop")
+            continue
         if bad:
             result.fail(*bad)
             continue
