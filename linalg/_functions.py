@@ -365,10 +365,7 @@ def diagonal(A, offset: int = 0, dim1: int = -2, dim2: int = -1) -> torch.Tensor
         [1.0, 4.0]
     """
     A = _require_operator(A, "diagonal(A)")
-    nd = A.ndim
-    if offset == 0 and {dim1 % nd, dim2 % nd} == {nd - 2, nd - 1}:
-        return _rules.diagonal(A)
-    return torch.diagonal(A._to_dense(), offset=offset, dim1=dim1, dim2=dim2)
+    return A.diagonal(offset=offset, dim1=dim1, dim2=dim2)  # the rule for the main diagonal
 
 
 def frobenius_norm(A) -> torch.Tensor:
