@@ -37,7 +37,7 @@ from functransforms import _compat
 from functransforms._core import TransformTensor, below_torch_autograd
 
 _aten = torch.ops.aten
-_torch_requires_grad = torch._C.TensorBase.requires_grad.__get__  # not a wrapper's property
+_torch_requires_grad = _compat.tensor_requires_grad  # not a wrapper's property
 
 
 def _is_pointwise_packet(name):

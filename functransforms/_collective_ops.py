@@ -21,7 +21,17 @@ from __future__ import annotations
 
 import torch
 
-_LIB = torch.library.Library("functransforms", "DEF")  # noqa: TOR901 - a private op namespace
+# FRAGMENT, and each op defined only once: the doctest collector imports a second copy of this
+# module, whose definitions must find the first copy's ops
+_LIB = torch.library.Library("functransforms", "FRAGMENT")  # noqa: TOR901 - a private namespace
+
+
+def _define(name, schema, kernel):
+    if not hasattr(torch.ops.functransforms, name):
+        _LIB.define(f"{name}({schema}) -> Tensor")
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    return getattr(torch.ops.functransforms, name).default
+
 
 # Each op: its schema after the operand. ``axis`` is the binding vmap's level.
 _SCHEMAS = {
@@ -49,11 +59,9 @@ def _escaped(name):
     return kernel
 
 
-for _name, _params in _SCHEMAS.items():
-    _LIB.define(f"{_name}(Tensor x, {_params}) -> Tensor")
-    _LIB.impl(_name, _escaped(_name), "CompositeExplicitAutograd")
-
-OPS = {name: getattr(torch.ops.functransforms, name).default for name in _SCHEMAS}
+OPS = {
+    name: _define(name, f"Tensor x, {params}", _escaped(name)) for name, params in _SCHEMAS.items()
+}
 psum, pmean, pmax, pmin = OPS["psum"], OPS["pmean"], OPS["pmax"], OPS["pmin"]
 all_gather, psum_scatter = OPS["all_gather"], OPS["psum_scatter"]
 all_to_all, ppermute = OPS["all_to_all"], OPS["ppermute"]
@@ -180,9 +188,7 @@ _DIST_KERNELS = {
     "dist_replicate": lambda x, group: x.clone(),
 }
 for _name, _params in _DIST_SCHEMAS.items():
-    _LIB.define(f"{_name}(Tensor x, {_params}) -> Tensor")
-    _LIB.impl(_name, _DIST_KERNELS[_name], "CompositeExplicitAutograd")
-    OPS[_name] = getattr(torch.ops.functransforms, _name).default
+    OPS[_name] = _define(_name, f"Tensor x, {_params}", _DIST_KERNELS[_name])
 dist_psum, dist_pmax, dist_pmin = OPS["dist_psum"], OPS["dist_pmax"], OPS["dist_pmin"]
 dist_all_gather, dist_psum_scatter = OPS["dist_all_gather"], OPS["dist_psum_scatter"]
 dist_exchange, dist_ppermute = OPS["dist_exchange"], OPS["dist_ppermute"]

@@ -11,12 +11,18 @@ inverse permutation; ``pmax``/``pmin`` get the ordinary max/min derivative, ties
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from . import _collective_ops as ops
 from . import _pytree as pt
 from ._core import TransformTensor, interpreter_stack
+from ._typing import PyTree
 from .errors import UnboundAxisError
+
+# an axis name, or a tuple of them (combined as one axis, the first name major)
+AxisName = Hashable
 
 __all__ = [
     "all_gather",
@@ -119,7 +125,7 @@ def _map(call, fn, x):
 
 # -- the public collectives --------------------------------------------------------------------
 def _reduction(op, name):
-    def collective(x, axis_name):
+    def collective(x: PyTree, axis_name: AxisName) -> PyTree:
         call = f"{name}(x, axis_name={axis_name!r})"
         # innermost axis first: a pmap's collective then communicates the already-reduced value
         levels = sorted((binding(n, call).level for n in _names(axis_name)), reverse=True)
@@ -166,7 +172,7 @@ def _dim(d, ndim, call, what="axis"):
     return d % ndim
 
 
-def all_gather(x, axis_name, *, axis=0, tiled=False):
+def all_gather(x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> PyTree:
     """Every example's ``x``, stacked (or, ``tiled=True``, concatenated) along ``axis``.
 
     Example:
@@ -191,7 +197,9 @@ def all_gather(x, axis_name, *, axis=0, tiled=False):
     return _map(call, one, x)
 
 
-def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
+def psum_scatter(
+    x: PyTree, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False
+) -> PyTree:
     """``psum(x)`` split along ``scatter_dimension``: example ``i`` keeps the ``i``-th part (the
     transpose of ``all_gather``; untiled, the dim must have the axis size and is removed).
 
@@ -221,7 +229,9 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False):
     return _map(call, one, x)
 
 
-def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
+def all_to_all(
+    x: PyTree, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False
+) -> PyTree:
     """Example ``i`` receives the ``i``-th chunk (along ``split_axis``) of every example's ``x``,
     concatenated along ``concat_axis`` in example order (JAX's ``all_to_all``; untiled, the split
     dim must have the axis size: it is removed and a dim of that size is inserted at
@@ -275,7 +285,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=False):
     return _map(call, one, x)
 
 
-def ppermute(x, axis_name, perm):
+def ppermute(x: PyTree, axis_name: AxisName, perm: list[tuple[int, int]]) -> PyTree:
     """Example ``dst`` receives example ``src``'s ``x`` for each ``(src, dst)`` in ``perm``;
     examples that receive nothing get zeros (JAX's ``ppermute``).
 
@@ -310,7 +320,7 @@ def ppermute(x, axis_name, perm):
     return _map(call, lambda t: bind(ops.ppermute, t, interp.level, src), x)
 
 
-def axis_index(axis_name):
+def axis_index(axis_name: AxisName) -> torch.Tensor:
     """The index of the current example along the named axis (a 0-d int64 tensor; for a tuple of
     names, the row-major index over them).
 
@@ -331,7 +341,7 @@ def axis_index(axis_name):
     return index
 
 
-def axis_size(axis_name):
+def axis_size(axis_name: AxisName) -> int:
     """The size of the named axis (a Python int; for a tuple of names, their product).
 
     Example:

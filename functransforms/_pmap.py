@@ -23,15 +23,25 @@ Note [Replicated inputs of pmap]
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
 from . import _collective_ops as ops
 from . import _pytree as pt
 from ._core import TransformTensor
+from ._typing import Dims, Func
 
 
-def pmap(f, axis_name, in_dims=0, out_dims=0, *, group=None):
+def pmap(
+    f: Func,
+    axis_name: Hashable,
+    in_dims: Dims = 0,
+    out_dims: Dims = 0,
+    *,
+    group: Any = None,
+) -> Func:
     """Map ``f`` over the leading axis split across the processes of a process group.
 
     Args:
