@@ -140,13 +140,14 @@ class GradInterpreter(InplaceMixin, Interpreter):
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
         primals, inputs = unwrap_level(self, args, _entry_of)
+        # the value: the op itself, or what computes it in its place (VJP_FORWARD for views; a
+        # rule's `forward`, e.g. kernels that need the conj keys, autodiff/linalg_qr.py)
+        run = VJP_FORWARD.get(func, func) if f.view else getattr(rule, "forward", func)
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
-                out = (VJP_FORWARD[func] if func in VJP_FORWARD else func)(*primals, **kwargs)
-        elif func in VJP_FORWARD:
-            out = VJP_FORWARD[func](*primals, **kwargs)
+                out = run(*primals, **kwargs)
         else:
-            out = func(*primals, **kwargs)
+            out = run(*primals, **kwargs)
         if rule is None:
             if not any_floating(out):
                 return out
