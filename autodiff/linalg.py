@@ -141,7 +141,8 @@ def_add_product(
 #     torch's FunctionsManual.
 def def_linalg(op, jvp, vjp, forward=None):
     """Register ``jvp`` / ``vjp`` for ``op`` (Note [Linalg derivative rules]). ``forward``
-    computes the op's value in the jvp rule when calling ``op`` itself there would be wrong."""
+    computes the op's value under jvp and grad when calling ``op`` itself there would be
+    wrong."""
     schema = op._schema.arguments
     names = [a.name for a in schema]
     defaults = [a.default_value if a.has_default_value() else None for a in schema]
@@ -173,6 +174,8 @@ def def_linalg(op, jvp, vjp, forward=None):
         grads = vjp(bars, out, needs, *bind(primals, kwargs))
         return tuple(grads[: len(primals)]) + (None,) * (len(primals) - len(grads))
 
+    if forward is not None:
+        linalg_vjp_rule.forward = forward  # what grad runs for the value (autodiff/reverse.py)
     register_jvp_rule(op)(linalg_jvp_rule)
     register_vjp_rule(op)(linalg_vjp_rule)
 

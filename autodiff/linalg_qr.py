@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import VJP_FORWARD
 from ._util import unbroadcast
 from .linalg import (
     _H,
@@ -327,9 +326,9 @@ def _pinv_vjp_core(A, P, G):
 #     torch's pinv and lstsq kernels build lazy conj views (A.mH, r.conj()) internally; inside
 #     __torch_dispatch__ the Conjugate key is excluded, so for complex inputs they would compute
 #     with the raw values and return wrong numbers (Note [Conjugate views], batching/_tensor.py).
-#     Every place that runs these kernels on plain values from inside a transform (the op's
-#     value under jvp and grad, the lstsq rules, the batching rules) turns the keys back on for
-#     complex inputs (a few microseconds, so real inputs skip it).
+#     Every place that runs these kernels on plain values from inside a transform turns the
+#     keys back on for complex inputs (a few microseconds, so real inputs skip it): the op's
+#     value under jvp and grad (`forward=` of def_linalg), the lstsq rules, the batching rules.
 def _with_conj_keys(op):
     def run(A, *args, **kwargs):
         if not A.is_complex():
@@ -339,7 +338,6 @@ def _with_conj_keys(op):
         with _lazy_conj_enabled():
             return op(A, *args, **kwargs)
 
-    VJP_FORWARD[op] = run
     return run
 
 

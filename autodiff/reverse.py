@@ -197,12 +197,15 @@ class GradInterpreter(InplaceMixin, Interpreter):
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
         primals, inputs = unwrap_level(self, args, _entry_of)
-        forward = f.vjp_forward or func  # Note [No lazy conjugate inside wrappers]
+        # the value: the op itself, or what computes it in its place (vjp_forward for the lazy
+        # conj/neg views: Note [No lazy conjugate inside wrappers]; a rule's `forward`, e.g.
+        # kernels that need the conj keys, autodiff/linalg_qr.py)
+        run = (f.vjp_forward if f.view else getattr(rule, "forward", None)) or func
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
-                out = forward(*primals, **kwargs)
+                out = run(*primals, **kwargs)
         else:
-            out = forward(*primals, **kwargs)
+            out = run(*primals, **kwargs)
         if rule is None:
             if not any_floating(out):
                 return out
