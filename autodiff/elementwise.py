@@ -201,6 +201,14 @@ def _leaky_deriv(x, out, slope=0.01):
     return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, slope))
 
 
+def _rrelu_deriv(x, out, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    """rrelu_with_noise writes its draws into noise (1 where x > 0), which is then the slope, as
+    torch's backward reads it; in eval (or a degenerate range) the slope is (lower + upper) / 2."""
+    if training and upper - lower > 1e-6:
+        return noise.to(x.dtype)
+    return _leaky_deriv(x, out, (lower + upper) / 2)
+
+
 def _hardtanh_deriv(x, out, lo=-1.0, hi=1.0):
     return ((x > lo) & (x < hi)).to(x.dtype)
 
@@ -415,6 +423,7 @@ for _op, _d in (
     (aten.elu.default, pullback(_elu_pullback, _X_ONLY)),
     (aten.leaky_relu.default, _leaky_deriv),
     (aten.hardtanh.default, _hardtanh_deriv),
+    (aten.rrelu_with_noise.default, _rrelu_deriv),
     (aten.pow.Tensor_Scalar, _pow_scalar_deriv),
     (aten.clamp.default, _clamp_mask),
     (aten.clamp_min.default, lambda x, o, lo: _clamp_mask(x, o, lo, None)),

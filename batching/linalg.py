@@ -154,6 +154,8 @@ for _op in (
     aten._linalg_svd.default,
     aten.linalg_lu_factor_ex.default,
     aten.linalg_lu.default,
+    aten.geqrf.default,
+    aten.linalg_ldl_factor_ex.default,
 ):
     def_matrix_op(_op)
 def_matrix_op(aten.linalg_matrix_exp.default, contiguous=True)

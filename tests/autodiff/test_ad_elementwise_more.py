@@ -343,3 +343,24 @@ def test_bessel_derivatives(name):
     x64, h = x.to(F64), 1e-3
     fd = (f(x64 + h) - f(x64 - h)) / (2 * h)
     torch.testing.assert_close(ft.vmap(ft.grad(f))(x64), fd, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_rrelu_matches_torch_func(training):
+    """rrelu_with_noise: the slope is the drawn noise in training, (lower + upper) / 2 in eval;
+    the same seed gives torch.func's values and derivatives."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    t = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def f(x):
+        return F.rrelu(x, 0.1, 0.4, training=training)
+
+    def loss(x):
+        return (f(x) * t).sum()
+
+    for ours, ref in ((ft.grad(loss), tf.grad(loss)), (lambda x: ft.jvp(f, (x,), (t,)), None)):
+        torch.manual_seed(2)
+        got = ours(x)
+        torch.manual_seed(2)
+        want = ref(x) if ref is not None else tf.jvp(f, (x,), (t,))
+        torch.testing.assert_close(got, want)

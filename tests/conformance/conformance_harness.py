@@ -197,17 +197,7 @@ _PRIORITY = [
 #     (with the reason; the lead prunes the list as rules land). Where torch.func loops too,
 #     ours may loop: the outcome stays ``fallback``.
 LOOP = "loop where torch.func batches"
-_LINALG = "linalgrules helper in progress"
-ALLOWED_LOOPS: dict[str, str] = {
-    "aten.cholesky.default": _LINALG,
-    "aten.cholesky_inverse.default": _LINALG,
-    "aten.linalg_solve.default": _LINALG,
-    "aten._linalg_solve_ex.default": _LINALG,
-    "aten.geqrf.default": _LINALG,
-    "aten.lu_unpack.default": _LINALG,
-    "aten.linalg_ldl_factor_ex.default": _LINALG,
-    "aten.linalg_ldl_solve.default": _LINALG,
-}
+ALLOWED_LOOPS: dict[str, str] = {}
 
 
 def _rank(category):

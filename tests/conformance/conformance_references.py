@@ -71,6 +71,14 @@ def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     return out.reshape(shape)
 
 
+def triangular_solve(b, A, upper=True, transpose=False, unitriangular=False):
+    """torch.triangular_solve through linalg.solve_triangular (the same solve; its derivative
+    reads only the triangle the solve reads), with the copy of A as its second output."""
+    M = A.mT if transpose else A
+    x = torch.linalg.solve_triangular(M, b, upper=upper != transpose, unitriangular=unitriangular)
+    return torch.return_types.triangular_solve((x, A.clone()))
+
+
 # op full name -> (reference, the kinds it covers, what is wrong in torch)
 REFERENCES = {
     "as_strided_scatter": (
@@ -92,6 +100,13 @@ REFERENCES = {
         ("real",),
         "torch's double backward of scatter_reduce(prod, include_self=False) divides the "
         "product of the src members by self, which is not one of them",
+    ),
+    "triangular_solve": (
+        triangular_solve,
+        ("real", "complex"),
+        "torch's forward-mode formula of triangular_solve applies the whole tangent of A, "
+        "though the solve reads only one triangle of A (and not its diagonal when "
+        "unitriangular): its jvp, and so its jvp of the vjp, is wrong (its vjp is right)",
     ),
 }
 

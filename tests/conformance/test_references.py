@@ -78,11 +78,29 @@ def _cases():
             (_x(6, 3) + 2, _x(5, 3, seed=1) + 2),
             torch.scatter_reduce,
         ),
+        "triangular_solve": (
+            lambda b, a, op: op(b, a, upper=False, unitriangular=True)[0],
+            (_x(4, 3), _x(4, 4, seed=1) + 3 * torch.eye(4, dtype=F64)),
+            torch.triangular_solve,
+        ),
+        "triangular_solve-complex": (
+            lambda b, a, op: op(b, a, upper=True, transpose=True)[0],
+            (_x(4, 3, dtype=C128), _x(4, 4, seed=1, dtype=C128) + 3 * torch.eye(4, dtype=C128)),
+            torch.triangular_solve,
+        ),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["as_strided_scatter", "logcumsumexp", "logcumsumexp-complex", "scatter_reduce.prod"]
+    "case",
+    [
+        "as_strided_scatter",
+        "logcumsumexp",
+        "logcumsumexp-complex",
+        "scatter_reduce.prod",
+        "triangular_solve",
+        "triangular_solve-complex",
+    ],
 )
 def test_reference_derivatives_are_right_and_torchs_are_not(case):
     call, primals, op = _cases()[case]
