@@ -88,6 +88,11 @@ _EAGER = object()  # cache value of a signature that runs eagerly (Note [Jit fal
 # Signatures
 
 
+# torch's own flag, not a grad wrapper's Python-level one (Note [requires_grad and grad_fn
+# inside grad], autodiff/reverse.py)
+_torch_requires_grad = torch._C.TensorBase.requires_grad.__get__
+
+
 def _tensor_key(t):
     # is_conj/is_neg only matter (and only can be set) for complex and negative views.
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
@@ -191,7 +196,7 @@ class _Watch(TorchDispatchMode):
                     self.reason = f"{_op_name(func)} {why}", _user_line()
             elif torch.is_grad_enabled() != self.grad_mode:
                 flat = torch.utils._pytree.arg_tree_leaves(*args, **kwargs)
-                if any(isinstance(t, _Tensor) and t.requires_grad for t in flat):
+                if any(isinstance(t, _Tensor) and _torch_requires_grad(t) for t in flat):
                     self.reason = (
                         f"{_op_name(func)} runs with torch grad mode "
                         f"{'on' if torch.is_grad_enabled() else 'off'} inside f "
