@@ -87,6 +87,11 @@ _EAGER = object()  # cache value of a signature that runs eagerly (Note [Jit fal
 # Signatures
 
 
+# torch's own flag, not a grad wrapper's Python-level one (Note [requires_grad and grad_fn
+# inside grad], autodiff/reverse.py)
+_torch_requires_grad = _compat.tensor_requires_grad
+
+
 def _tensor_key(t):
     # is_conj/is_neg only matter (and only can be set) for complex and negative views.
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
@@ -190,7 +195,7 @@ class _Watch(_compat.TorchDispatchMode):
                     self.reason = f"{_op_name(func)} {why}", _user_line()
             elif torch.is_grad_enabled() != self.grad_mode:
                 flat = _compat.torch_pytree.arg_tree_leaves(*args, **kwargs)
-                if any(isinstance(t, _Tensor) and t.requires_grad for t in flat):
+                if any(isinstance(t, _Tensor) and _torch_requires_grad(t) for t in flat):
                     self.reason = (
                         f"{_op_name(func)} runs with torch grad mode "
                         f"{'on' if torch.is_grad_enabled() else 'off'} inside f "

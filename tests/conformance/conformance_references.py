@@ -7,7 +7,7 @@ Note [Conformance references]
     torch's mistake. For those ops (``REFERENCES``) the oracle runs torch.func on a reference
     formulation of the same function, written with ops whose torch derivatives are right; it
     computes the same values (the harness compares the outputs too, so a wrong reference fails
-    the suite). Each entry says what is wrong in torch; tests/autodiff/test_torch_wrong.py shows
+    the suite). Each entry says what is wrong in torch; tests/conformance/test_references.py shows
     it against finite differences, ours right and torch wrong, so an entry is dropped (that
     test fails) when torch fixes its formula.
 """
