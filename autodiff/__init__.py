@@ -16,6 +16,7 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
 from . import (  # noqa: F401  (registration)
     convolution,
     elementwise,
+    fft,
     indexing,
     linalg,
     nn,
@@ -26,7 +27,6 @@ from . import (  # noqa: F401  (registration)
     scans,
     sorting,
     special,
-    spectral,
     views,
 )
 from ._registry import JVP_RULES, VJP_RULES, register_jvp_rule, register_vjp_rule
