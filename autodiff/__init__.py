@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (registration)
     collectives,
     convolution,
     elementwise,
+    fft,
     indexing,
     linalg,
     linalg_eig,
@@ -30,7 +31,6 @@ from . import (  # noqa: F401  (registration)
     scans,
     sorting,
     special,
-    spectral,
     views,
 )
 from ._registry import JVP_RULES, VJP_RULES, register_jvp_rule, register_vjp_rule

@@ -263,7 +263,7 @@ def sequential_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cf
 
 
-def stop_gradient(x):
+def stop_gradient(x: Any) -> Any:
     """Treat ``x`` as a constant for every transform (JAX's ``lax.stop_gradient``).
 
     Example:

@@ -16,7 +16,9 @@ MODULES = sorted(
     m.name
     for pkg in ("functransforms", "functransforms.batching", "functransforms.autodiff")
     for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")
-    if not m.name.endswith("__main__")
+    # in a source checkout functransforms.__path__ also holds the repository root (for the
+    # subpackages), where functransforms/ itself would be found again as a second copy
+    if not m.name.endswith(("__main__", ".functransforms"))
 )
 
 

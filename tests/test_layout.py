@@ -10,9 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Modules of the two packages that hold machinery, not rules of one op family.
 INFRASTRUCTURE = {"__init__", "_registry", "_util", "_tensor", "_fastpath", "forward", "reverse"}
-# autodiff/spectral.py is the fft family until its rename (a separate commit, so that git keeps
-# the history of a file another branch edits)
-ALIASES = {"spectral": "fft"}
 
 
 def _family_files(package):
@@ -73,7 +70,6 @@ def _owners(package):
     owners = {}
     for stem, path in _family_files(package).items():
         family = stem.split("_")[0]  # linalg_lu.py continues the linalg family
-        family = ALIASES.get(family, family)
         for op in _registered_ops(path):
             owners.setdefault(op, set()).add(family)
     return owners

@@ -25,17 +25,9 @@ def _public_functions():
             yield name, obj
 
 
-# stop_gradient's def line borders the code the seams branch deleted from _custom.py: typing it
-# here would make the merge conflict. Once both branches are merged: `def stop_gradient(x: Any)
-# -> Any:` and delete this entry.
-_UNTYPED_UNTIL_MERGED = {"stop_gradient"}
-
-
 def test_public_api_has_type_hints():
     missing = []
     for name, f in _public_functions():
-        if name in _UNTYPED_UNTIL_MERGED:
-            continue
         hints = typing.get_type_hints(f)  # also fails on an annotation that does not resolve
         params = [p for p in inspect.signature(f).parameters if p not in hints]
         if params or "return" not in hints:

@@ -1,4 +1,4 @@
-"""Derivative rules of linear algebra, FFT and sorting ops (autodiff/linalg.py, spectral.py,
+"""Derivative rules of linear algebra, FFT and sorting ops (autodiff/linalg.py, fft.py,
 sorting.py) against torch.func: vjp, jvp, grad of a real loss and, for some, jvp of grad
 (second order); float64 and complex128, batched matrices. Eigenvector and singular-vector
 outputs are checked through gauge-invariant functions (V f(L) V^H), as torch does."""
