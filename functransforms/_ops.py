@@ -4,12 +4,14 @@ Note [One record per op]
     Reading an op's schema costs microseconds and every interpreter asks on every op, so the
     answers are computed once per ``OpOverload`` and kept in an ``OpFacts`` record (a plain dict
     lookup, ``facts(func)``). The record also holds the op's rule of each transform
-    (``vmap_rule``, ``jvp_rule``, ``vjp_rule``, ``vjp_forward``), filled from the registries on
-    first read, so an op that passes through ``vmap(grad(f))`` is hashed once per level, not
-    once more per registry. Rules can be registered at any time (rule modules import in any
-    order, users register their own): writing to a registry clears the slot of that op's
-    record, so the next read fills it again. A missing rule is cached as ``None`` only until
-    then.
+    (``vmap_rule``, ``jvp_rule``, ``vjp_rule``, ``vjp_forward``), filled from the registries
+    when the record is made (the op's first use), so an op that passes through
+    ``vmap(grad(f))`` is hashed once per level, not once more per registry, and the rule is a
+    plain slot read. Rules can be registered at any time (rule modules import in any order,
+    users register their own): every write to a registry puts the op's current rule into its
+    record, so a missing rule is ``None`` only until one is registered. (Filling on first
+    read through ``__getattr__`` was tried: a class with ``__getattr__`` loses CPython's fast
+    slot reads for *all* its attributes, which cost more than the lookups it saved.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class OpFacts:
         "written_kwargs",
         "fresh_like",
         "op",
-        # the op's rules, filled on first read from the registries (Note [One record per op])
+        # the op's rules, kept current by the registries (Note [One record per op])
         "vmap_rule",
         "jvp_rule",
         "vjp_rule",
@@ -72,17 +74,9 @@ class OpFacts:
             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
         )
         self.fresh_like = func in _FRESH_LIKE  # Note [Buffers held by kernels]
-
-    def __getattr__(self, slot):
-        # only reached for a slot not filled yet (Note [One record per op])
-        registry = _REGISTRIES.get(slot)
-        if registry is None:
-            if slot in _RULE_SLOTS:  # that registry's package is not imported yet: not cached
-                return None
-            raise AttributeError(f"OpFacts has no attribute {slot!r}")
-        rule = registry.lookup(self.op)
-        setattr(self, slot, rule)
-        return rule
+        # the rules: filled by facts() once the record is in _FACTS (a registry's derive may
+        # ask for this record), kept current by the registries (Note [One record per op])
+        self.vmap_rule = self.jvp_rule = self.vjp_rule = self.vjp_forward = None
 
 
 # in-place ops whose functional form has another overload name
@@ -138,6 +132,8 @@ def facts(func) -> OpFacts:
     f = _FACTS.get(func)
     if f is None:
         f = _FACTS[func] = OpFacts(func)
+        for registry in _REGISTRIES.values():
+            registry._refresh(func)
     return f
 
 
@@ -161,8 +157,8 @@ def op_name(func) -> str:
 class Registry(dict):
     """One transform's rules, keyed by ``OpOverload`` (Note [One record per op]).
 
-    A dict, so ``op in RULES`` and ``RULES[op]`` work as before; every write also clears the
-    op's cached record slot. ``register(*ops)`` is the decorator that refuses duplicates.
+    A dict, so ``op in RULES`` and ``RULES[op]`` work as before; every write also updates the
+    op's record. ``register(*ops)`` is the decorator that refuses duplicates.
     """
 
     def __init__(self, kind, slot, what):
@@ -189,12 +185,12 @@ class Registry(dict):
         """Decorator: ``derive(func) -> rule or None`` gives a rule to ops registered without
         one (vmap: one shared rule for every op tagged pointwise). Returns ``derive``."""
         self._derive = derive
-        self._forget_all()
+        self._refresh_all()
         return derive
 
     def lookup(self, op):
         """The registered rule of ``op``, else the derived one, else None (uncached: records
-        cache it)."""
+        hold it)."""
         rule = self.get(op)
         if rule is None and self._derive is not None:
             rule = self._derive(op)
@@ -207,15 +203,15 @@ class Registry(dict):
     # every write clears the cached slot, so a late registration is seen
     def __setitem__(self, op, rule):
         super().__setitem__(op, rule)
-        self._forget(op)
+        self._refresh(op)
 
     def __delitem__(self, op):
         super().__delitem__(op)
-        self._forget(op)
+        self._refresh(op)
 
     def pop(self, op, *default):
         out = super().pop(op, *default)
-        self._forget(op)
+        self._refresh(op)
         return out
 
     def setdefault(self, op, rule=None):
@@ -229,24 +225,23 @@ class Registry(dict):
 
     def popitem(self):
         item = super().popitem()
-        self._forget(item[0])
+        self._refresh(item[0])
         return item
 
     def clear(self):
         super().clear()
-        self._forget_all()
+        self._refresh_all()
 
-    def _forget(self, op):
+    def _refresh(self, op):
+        """Put this registry's current rule of ``op`` into its record, if it has one (only the
+        registry records read: see make_registry)."""
         record = _FACTS.get(op)
-        if record is not None:
-            try:
-                delattr(record, self.slot)
-            except AttributeError:  # not filled yet
-                pass
+        if record is not None and _REGISTRIES.get(self.slot) is self:
+            setattr(record, self.slot, self.lookup(op))
 
-    def _forget_all(self):
+    def _refresh_all(self):
         for op in list(_FACTS):
-            self._forget(op)
+            self._refresh(op)
 
 
 def make_registry(kind, *, slot=None, what="a rule") -> Registry:
@@ -262,5 +257,6 @@ def make_registry(kind, *, slot=None, what="a rule") -> Registry:
     if slot not in _RULE_SLOTS:
         raise ValueError(f"make_registry({kind!r}): no OpFacts slot {slot!r}; add it first.")
     registry = Registry(kind, slot, what)
-    _REGISTRIES.setdefault(slot, registry)
+    if _REGISTRIES.setdefault(slot, registry) is registry:
+        registry._refresh_all()  # records made before this registry existed
     return registry
