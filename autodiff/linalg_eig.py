@@ -65,3 +65,81 @@ def_linalg(
     lambda out, dots, A: _exp_frechet(A, dots[0]),
     lambda bars, out, needs, A: (_exp_frechet(_H(A), bars[0]),),
 )
+
+
+# -- matrix_sqrth and polar (torch >= 2.15) ----------------------------------------------------
+# Note [Derivatives of matrix_sqrth and polar]
+#     S = sqrth(A) solves S S = A, so S dS + dS S = dA: a Sylvester equation. In the eigenbasis
+#     of S (S = V diag(s) V^H) it is diagonal: (V^H dS V)_ij = (V^H dA V)_ij / (s_i + s_j).
+#     That map (`_sylvester`) is self-adjoint for the real inner product, so it is also the vjp.
+#     torch applies it to the Hermitian part of the tangent / cotangent (checked against
+#     torch.func on 2.15), as the op reads a Hermitian A and S is Hermitian.
+#     polar: A = U H with H = sqrth(A^H A) (n x n), so dH = _sylvester(dA^H A + A^H dA) and
+#     dU = (dA - U dH) H^-1. Adjoint: G = _sylvester(bar H - U^H bar U H^-1),
+#     bar A = bar U H^-1 + A (G + G^H). The rules use only
+#     differentiable ops, so they differentiate again (jvp of vjp, hessians); like eigh, a
+#     repeated eigenvalue gives non-finite second derivatives. matrix_sqrth's rules take V, s
+#     from eigh(A) (s = sqrt of its eigenvalues), not eigh(S): their own derivative then sees
+#     the whole (non-Hermitian) tangent of A through eigh's rule, as torch's does (jvp(vjp)
+#     differs otherwise); polar's take them from eigh(H).
+#     For complex inputs the value is computed from eigh / svd (`forward=`), because torch 2.15's
+#     kernels are wrong when called inside __torch_dispatch__ (Note [matrix_sqrth and polar
+#     inside __torch_dispatch__], batching/linalg.py), which is where the rules run.
+def _sylvester(S, X, squared=False):
+    s, V = torch.linalg.eigh(S)
+    if squared:  # S is A = sqrth(A)^2
+        s = s.sqrt()
+    X = X.to(V.dtype)
+    return V @ ((_H(V) @ X @ V) / (s.unsqueeze(-1) + s.unsqueeze(-2))) @ _H(V)
+
+
+def _herm(X):
+    return (X + _H(X)) / 2
+
+
+def _polar_jvp(out, dots, A):
+    U, Hm = out
+    dA = dots[0]
+    dH = _sylvester(Hm, _H(dA) @ A + _H(A) @ dA)
+    dU = torch.linalg.solve(Hm, dA - U @ dH, left=False)
+    return dU, dH
+
+
+def _polar_vjp(bars, out, needs, A):
+    gU, gH = bars
+    U, Hm = out
+    gA = None
+    if gU is not None:
+        gU = gU.to(U.dtype)
+        gA = torch.linalg.solve(Hm, gU, left=False)  # bar U H^-1 (H is Hermitian)
+        gH2 = -(_H(U) @ gA)
+        gH = gH2 if gH is None else gH + gH2
+    if gH is not None:
+        G = _sylvester(Hm, gH)
+        gH_A = A @ (G + _H(G))
+        gA = gH_A if gA is None else gA + gH_A
+    return (gA,)
+
+
+def _complex_by_formula(op, formula):
+    return lambda A: formula(A) if A.is_complex() else op(A)
+
+
+if hasattr(aten, "linalg_matrix_sqrth"):
+    from functransforms.batching.linalg import _sqrth
+
+    def_linalg(
+        aten.linalg_matrix_sqrth.default,
+        lambda out, dots, A: _sylvester(A, _herm(dots[0]), squared=True),
+        lambda bars, out, needs, A: (_sylvester(A, _herm(bars[0]), squared=True),),
+        forward=_complex_by_formula(aten.linalg_matrix_sqrth.default, _sqrth),
+    )
+if hasattr(aten, "linalg_polar"):
+    from functransforms.batching.linalg import _polar
+
+    def_linalg(
+        aten.linalg_polar.default,
+        _polar_jvp,
+        _polar_vjp,
+        forward=_complex_by_formula(aten.linalg_polar.default, _polar),
+    )

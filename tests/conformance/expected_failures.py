@@ -19,22 +19,6 @@ BASE_TORCH = "2.13"
 # fmt: off
 OVERLAYS: dict[str, dict[tuple[str, str], str | None]] = {
     "2.15": {
-        ("linalg.matrix_sqrth", "jvp"): "no jvp rule",
-        ("linalg.matrix_sqrth", "jvp(vjp)"): "no jvp rule",
-        ("linalg.matrix_sqrth", "jvp(vjp)[complex]"): "no jvp rule",
-        ("linalg.matrix_sqrth", "jvp[complex]"): "no jvp rule",
-        ("linalg.matrix_sqrth", "vjp"): "no vjp rule",
-        ("linalg.matrix_sqrth", "vjp[complex]"): "no vjp rule",
-        ("linalg.matrix_sqrth", "vmap(vjp)"): "no vjp rule",
-        ("linalg.matrix_sqrth", "vmap(vjp)[complex]"): "no vjp rule",
-        ("linalg.polar", "jvp"): "no jvp rule",
-        ("linalg.polar", "jvp(vjp)"): "no jvp rule",
-        ("linalg.polar", "jvp(vjp)[complex]"): "no jvp rule",
-        ("linalg.polar", "jvp[complex]"): "no jvp rule",
-        ("linalg.polar", "vjp"): "no vjp rule",
-        ("linalg.polar", "vjp[complex]"): "no vjp rule",
-        ("linalg.polar", "vmap(vjp)"): "no vjp rule",
-        ("linalg.polar", "vmap(vjp)[complex]"): "no vjp rule",
     },
 }
 # fmt: on
