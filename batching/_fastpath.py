@@ -221,14 +221,15 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
 # Note [Shaped fast path]
 #     The same shortcut for the non-pointwise functions that dominate attention blocks and
 #     MLP heads: ``transpose``, ``matmul``/``@``, the dim reductions ``sum``/``mean``/``amax``/
-#     ``amin`` and ``softmax``/``log_softmax``. Each handler maps the logical dims onto the
-#     physical value (the batch dim stays where it is, or goes in front for matmul) and returns
-#     None, for the ordinary path, on anything it does not cover exactly: keyword arguments
-#     other than ``dim``/``keepdim``, dtypes, named or out-of-range or repeated dims, 0-d
-#     logical values, matmul operands whose batch dims would not line up, values of other
-#     levels, and (as above) values that require grad below torch's autograd. Only positional
-#     plain ints and lists of them are mapped; errors are left to the ordinary path, so their
-#     messages name logical dims.
+#     ``amin``, ``softmax``/``log_softmax`` and ``scaled_dot_product_attention``. Each handler
+#     maps the logical dims onto the physical value (the batch dim stays where it is, or goes
+#     in front for matmul and sdpa) and returns None, for the ordinary path, on anything it
+#     does not cover exactly: keyword arguments other than ``dim``/``keepdim``, dtypes, named
+#     or out-of-range or repeated dims, 0-d logical values, matmul operands whose batch dims
+#     would not line up, values of other levels, and (as above) values that require grad
+#     below torch's autograd. Errors are left to the ordinary path, so their messages name
+#     logical dims. The ordinary path stays the single source of semantics; every handler is
+#     tested against it and torch.func (tests/batching/test_fastpath_shaped.py).
 def _live_value(a, batched_cls):
     """The physical value of a live BatchedTensor that may run here, else None."""
     if type(a) is not batched_cls or not a._interp.alive:
@@ -348,6 +349,40 @@ def _matmul(func, args, kwargs, batched_cls, wrap):
     return wrap(func(v, plain) if ba else func(plain, v), 0, w._interp)
 
 
+_SDPA_KWARGS = frozenset(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
+
+
+def _sdpa(func, args, kwargs, batched_cls, wrap):
+    """``scaled_dot_product_attention`` of three values of one level, of equal logical rank,
+    with no mask, no dropout and no grouped-query broadcasting: one batched call (its
+    kernels take any number of leading dims) instead of the dozen ops of its decomposition."""
+    if len(args) != 3 or (kwargs and not kwargs.keys() <= _SDPA_KWARGS):
+        return None
+    kwargs = kwargs or {}
+    if (
+        kwargs.get("attn_mask") is not None
+        or kwargs.get("dropout_p", 0.0) != 0.0
+        or kwargs.get("enable_gqa", False)
+        or type(kwargs.get("is_causal", False)) is not bool
+    ):
+        return None
+    scale = kwargs.get("scale")
+    if scale is not None and type(scale) is not float and type(scale) is not int:
+        return None
+    q = args[0]
+    values = []
+    for a in args:
+        v = _live_value(a, batched_cls)
+        if v is None or a._interp is not q._interp:
+            return None
+        values.append(v if a._bdim == 0 else v.movedim(a._bdim, 0))
+    n = values[0].dim()
+    if n < 3 or values[1].dim() != n or values[2].dim() != n:
+        return None
+    out = func(*values, is_causal=kwargs.get("is_causal", False), scale=scale)
+    return wrap(out, 0, q._interp)
+
+
 def _shaped_table():
     table = {}
     for fn in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes):
@@ -360,6 +395,7 @@ def _shaped_table():
         table[getattr(torch.Tensor, name)] = _softmax
     for fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
         table[fn] = _matmul
+    table[F.scaled_dot_product_attention] = _sdpa
     return table
 
 

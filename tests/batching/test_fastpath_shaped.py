@@ -144,3 +144,31 @@ def test_composes_under_grad_and_nested_vmap():
     torch.testing.assert_close(
         ft.vmap(ft.vmap(f), in_dims=1)(y), torch.func.vmap(torch.func.vmap(f), in_dims=1)(y)
     )
+
+
+_SDPA = [
+    dict(),
+    dict(is_causal=True),
+    dict(scale=0.3),
+    dict(attn_mask=torch.ones(6, 6, dtype=torch.bool).tril()),  # the ordinary path
+]
+
+
+@pytest.mark.parametrize("kw", range(len(_SDPA)))
+@pytest.mark.parametrize("shape", [(6, 8), (2, 6, 8)])
+@pytest.mark.parametrize("bdim", [0, 1])
+def test_sdpa_same_answer_as_the_dispatch_path(shape, bdim, kw, monkeypatch):
+    q, k, v = (torch.randn(3, *shape).movedim(0, bdim) for _ in range(3))
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **_SDPA[kw])
+
+    _both_paths(f, (q, k, v), bdim, monkeypatch)
+
+
+def test_sdpa_is_one_op(dispatch_count):
+    q, k, v = (torch.randn(4, 6, 8) for _ in range(3))
+    out = ft.vmap(torch.nn.functional.scaled_dot_product_attention)(q, k, v)
+    ref = torch.func.vmap(torch.nn.functional.scaled_dot_product_attention)(q, k, v)
+    torch.testing.assert_close(out, ref)
+    assert dispatch_count == []
