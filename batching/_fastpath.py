@@ -22,8 +22,9 @@ another level applying ``x * y`` to this level's wrappers), it runs below them, 
 is recorded: then, if a value requires grad, the ordinary path is taken, whose dispatch
 re-enables torch's autograd (Note [Torch autograd through our transforms], ``_core.py``).
 
-The price is that metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) now pass through
-a Python ``__torch_function__`` too; they return at its first line.
+Metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) would pass through that Python
+``__torch_function__`` too (3.5 us each under load); the class shadows them instead (Note
+[Metadata reads without __torch_function__], ``_tensor.py``).
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
 # Note [Shaped fast path]
 #     The same shortcut for the non-pointwise functions that dominate attention blocks and
 #     MLP heads: ``transpose``, ``matmul``/``@``, the dim reductions ``sum``/``mean``/``amax``/
-#     ``amin``, ``softmax``/``log_softmax`` and ``scaled_dot_product_attention``. Each handler
+#     ``amin``, ``softmax``/``log_softmax``, ``scaled_dot_product_attention``, ``reshape``/
+#     ``view`` and ``unsqueeze`` (the last three with the batch dim in front). Each handler
 #     maps the logical dims onto the physical value (the batch dim stays where it is, or goes
 #     in front for matmul and sdpa) and returns None, for the ordinary path, on anything it
 #     does not cover exactly: keyword arguments other than ``dim``/``keepdim``, dtypes, named
@@ -383,6 +385,54 @@ def _sdpa(func, args, kwargs, batched_cls, wrap):
     return wrap(out, 0, q._interp)
 
 
+def _shape_arg(args):
+    """The target shape of ``x.reshape(*shape)`` / ``x.reshape(shape)``: a list of ints, or
+    None."""
+    shape = args[1] if len(args) == 2 and type(args[1]) in (list, tuple, torch.Size) else args[1:]
+    if any(type(s) is not int or s < -1 for s in shape) or list(shape).count(-1) > 1:
+        return None
+    return list(shape)
+
+
+def _reshape(func, args, kwargs, batched_cls, wrap):
+    """``reshape``/``view`` with the batch dim in front: the batch dim is kept as its own
+    leading dim, so the rest is the logical reshape (a view exactly when the logical one is);
+    anything the logical shape does not fit goes on to the ordinary path for its error."""
+    if kwargs or len(args) < 2:
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None or a._bdim != 0:
+        return None
+    shape = _shape_arg(args)
+    if shape is None:
+        return None
+    B = v.shape[0]
+    if B == 0:
+        return None
+    numel = v.numel() // B
+    known = 1
+    for s in shape:
+        if s != -1:
+            known *= s
+    if (-1 in shape and (known == 0 or numel % known)) or (-1 not in shape and known != numel):
+        return None
+    return wrap(func(v, [B, *shape]), 0, a._interp)
+
+
+def _unsqueeze(func, args, kwargs, batched_cls, wrap):
+    if kwargs or len(args) != 2 or type(args[1]) is not int:
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None or a._bdim != 0:
+        return None
+    n, d = v.dim() - 1, args[1]
+    if not -n - 1 <= d <= n:
+        return None
+    return wrap(func(v, d % (n + 1) + 1), 0, a._interp)
+
+
 def _shaped_table():
     table = {}
     for fn in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes):
@@ -396,6 +446,10 @@ def _shaped_table():
     for fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
         table[fn] = _matmul
     table[F.scaled_dot_product_attention] = _sdpa
+    for fn in (torch.reshape, torch.Tensor.reshape, torch.Tensor.view):
+        table[fn] = _reshape
+    for fn in (torch.unsqueeze, torch.Tensor.unsqueeze):
+        table[fn] = _unsqueeze
     return table
 
 

@@ -54,6 +54,14 @@ _UNARY = [
     lambda v: torch.log_softmax(v, 1),
     lambda v: v.log_softmax(dim=-2),  # a keyword: the ordinary path
     lambda v: v.sum(1, dtype=torch.float64),  # dtype: the ordinary path
+    lambda v: v.reshape(-1),
+    lambda v: v.reshape(5, 6),
+    lambda v: torch.reshape(v, (2, -1, 5)),
+    lambda v: v.view(3, 10),
+    lambda v: v.view([3, -1]),
+    lambda v: v.unsqueeze(0),
+    lambda v: v.unsqueeze(-1),
+    lambda v: torch.unsqueeze(v, 2),
 ]
 
 
@@ -122,6 +130,10 @@ def test_errors_name_logical_dims():
         ft.vmap(lambda v: v.transpose(0, 2))(x)
     with pytest.raises(RuntimeError):
         ft.vmap(lambda v: v.sum((0, 0)))(torch.randn(4, 3, 2))
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        ft.vmap(lambda v: v.reshape(7))(x)
+    with pytest.raises(IndexError):
+        ft.vmap(lambda v: v.unsqueeze(3))(x)
 
 
 def test_torch_autograd_sees_the_fast_path():
