@@ -98,17 +98,17 @@ class BatchedTensor(TransformTensor):
     #     a BatchedTensor). ``__torch_function__`` never changes what these return, so the class
     #     shadows torch's accessors with ones that read the same C++ fields with subclass torch
     #     functions disabled (torch function *modes* still see them, as before).
-    dtype = _no_tf_property(torch._C.TensorBase.dtype)
-    shape = _no_tf_property(torch._C.TensorBase.shape)
-    device = _no_tf_property(torch._C.TensorBase.device)
-    ndim = _no_tf_property(torch._C.TensorBase.ndim)
-    is_conj = _no_tf_method(torch._C.TensorBase.is_conj)
-    is_neg = _no_tf_method(torch._C.TensorBase.is_neg)
-    stride = _no_tf_method(torch._C.TensorBase.stride)
-    size = _no_tf_method(torch._C.TensorBase.size)
-    dim = _no_tf_method(torch._C.TensorBase.dim)
-    is_complex = _no_tf_method(torch._C.TensorBase.is_complex)
-    is_floating_point = _no_tf_method(torch._C.TensorBase.is_floating_point)
+    dtype = _no_tf_property(_compat.TensorBase.dtype)
+    shape = _no_tf_property(_compat.TensorBase.shape)
+    device = _no_tf_property(_compat.TensorBase.device)
+    ndim = _no_tf_property(_compat.TensorBase.ndim)
+    is_conj = _no_tf_method(_compat.TensorBase.is_conj)
+    is_neg = _no_tf_method(_compat.TensorBase.is_neg)
+    stride = _no_tf_method(_compat.TensorBase.stride)
+    size = _no_tf_method(_compat.TensorBase.size)
+    dim = _no_tf_method(_compat.TensorBase.dim)
+    is_complex = _no_tf_method(_compat.TensorBase.is_complex)
+    is_floating_point = _no_tf_method(_compat.TensorBase.is_floating_point)
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         v = self._value
