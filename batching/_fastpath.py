@@ -22,8 +22,9 @@ another level applying ``x * y`` to this level's wrappers), it runs below them, 
 is recorded: then, if a value requires grad, the ordinary path is taken, whose dispatch
 re-enables torch's autograd (Note [Torch autograd through our transforms], ``_core.py``).
 
-The price is that metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) now pass through
-a Python ``__torch_function__`` too; they return at its first line.
+Metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) would pass through that Python
+``__torch_function__`` too (3.5 us each under load); the class shadows them instead (Note
+[Metadata reads without __torch_function__], ``_tensor.py``).
 """
 
 from __future__ import annotations
@@ -225,3 +226,240 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     if not isinstance(out, torch.Tensor):  # e.g. x == None
         return out
     return wrap(out, bdim, interp)
+
+
+# Note [Shaped fast path]
+#     The same shortcut for the non-pointwise functions that dominate attention blocks and
+#     MLP heads: ``transpose``, ``matmul``/``@``, the dim reductions ``sum``/``mean``/``amax``/
+#     ``amin``, ``softmax``/``log_softmax``, ``scaled_dot_product_attention``, ``reshape``/
+#     ``view`` and ``unsqueeze`` (the last three with the batch dim in front). Each handler
+#     maps the logical dims onto the physical value (the batch dim stays where it is, or goes
+#     in front for matmul and sdpa) and returns None, for the ordinary path, on anything it
+#     does not cover exactly: keyword arguments other than ``dim``/``keepdim``, dtypes, named
+#     or out-of-range or repeated dims, 0-d logical values, matmul operands whose batch dims
+#     would not line up, values of other levels, and (as above) values that require grad
+#     below torch's autograd. Errors are left to the ordinary path, so their messages name
+#     logical dims. The ordinary path stays the single source of semantics; every handler is
+#     tested against it and torch.func (tests/batching/test_fastpath_shaped.py).
+def _live_value(a, batched_cls):
+    """The physical value of a live BatchedTensor that may run here, else None."""
+    if type(a) is not batched_cls or not a._interp.alive:
+        return None
+    v = a._value
+    if type(v) is not batched_cls and v.requires_grad and below_torch_autograd():
+        return None  # Note [Fast path below torch's autograd]
+    return v
+
+
+def _phys(d, n, bdim):
+    """Logical dim ``d`` of a rank-``n`` (n >= 1) value -> its physical index, or None."""
+    if type(d) is not int or not -n <= d < n:
+        return None
+    d %= n
+    return d if d < bdim else d + 1
+
+
+def _transpose(func, args, kwargs, batched_cls, wrap):
+    if kwargs or len(args) != 3:
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None:
+        return None
+    n, bdim = v.dim() - 1, a._bdim
+    if n == 0:
+        return None
+    d0, d1 = _phys(args[1], n, bdim), _phys(args[2], n, bdim)
+    if d0 is None or d1 is None:
+        return None
+    return wrap(v.transpose(d0, d1), bdim, a._interp)
+
+
+_NO_DIM = object()
+
+
+def _reduction(func, args, kwargs, batched_cls, wrap):
+    if len(args) > 3 or (kwargs and not kwargs.keys() <= {"dim", "keepdim"}):
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None:
+        return None
+    n, bdim = v.dim() - 1, a._bdim
+    if n == 0:
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", _NO_DIM) if kwargs else _NO_DIM
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False) if kwargs else False
+    if type(keepdim) is not bool:
+        return None
+    if dim is _NO_DIM or dim is None or (type(dim) in (list, tuple) and len(dim) == 0):
+        dims = [d for d in range(n + 1) if d != bdim]
+    elif type(dim) is int:
+        d = _phys(dim, n, bdim)
+        if d is None:
+            return None
+        dims = [d]
+    elif type(dim) in (list, tuple):
+        dims = [_phys(d, n, bdim) for d in dim]
+        if None in dims or len(set(dims)) != len(dims):
+            return None
+    else:
+        return None
+    out = func(v, dims, keepdim)
+    return wrap(out, bdim if keepdim else bdim - sum(d < bdim for d in dims), a._interp)
+
+
+def _softmax(func, args, kwargs, batched_cls, wrap):
+    if kwargs or len(args) != 2:
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None:
+        return None
+    n, bdim = v.dim() - 1, a._bdim
+    d = _phys(args[1], n, bdim) if n > 0 else None
+    if d is None:
+        return None
+    return wrap(func(v, d), bdim, a._interp)
+
+
+def _matmul(func, args, kwargs, batched_cls, wrap):
+    if kwargs or len(args) != 2:
+        return None
+    a, b = args
+    ba, bb = type(a) is batched_cls, type(b) is batched_cls
+    if ba and bb:
+        if a._interp is not b._interp:
+            return None
+        va, vb = _live_value(a, batched_cls), _live_value(b, batched_cls)
+        if va is None or vb is None:
+            return None
+        n = va.dim() - 1
+        if n < 2 or vb.dim() - 1 != n:  # equal ranks >= 2: batch dims line up
+            return None
+        va = va if a._bdim == 0 else va.movedim(a._bdim, 0)
+        vb = vb if b._bdim == 0 else vb.movedim(b._bdim, 0)
+        return wrap(func(va, vb), 0, a._interp)
+    w, plain = (a, b) if ba else (b, a)
+    if type(plain) is not torch.Tensor:
+        return None
+    v = _live_value(w, batched_cls)
+    if v is None or (plain.requires_grad and below_torch_autograd()):
+        return None
+    n, p = v.dim() - 1, plain.dim()
+    # the plain operand's batch dims must align with the logical ones, never with the mapped
+    # dim: a batched left operand of rank >= 1 takes a plain right one of rank <= max(n, 2); a
+    # batched right operand must be a matrix (or a batch of them) and the plain left one no
+    # higher in rank
+    if ba:
+        if n < 1 or p < 1 or p > max(n, 2):
+            return None
+    elif n < 2 or p < 1 or p > n:
+        return None
+    v = v if w._bdim == 0 else v.movedim(w._bdim, 0)
+    return wrap(func(v, plain) if ba else func(plain, v), 0, w._interp)
+
+
+_SDPA_KWARGS = frozenset(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
+
+
+def _sdpa(func, args, kwargs, batched_cls, wrap):
+    """``scaled_dot_product_attention`` of three values of one level, of equal logical rank,
+    with no mask, no dropout and no grouped-query broadcasting: one batched call (its
+    kernels take any number of leading dims) instead of the dozen ops of its decomposition."""
+    if len(args) != 3 or (kwargs and not kwargs.keys() <= _SDPA_KWARGS):
+        return None
+    kwargs = kwargs or {}
+    if (
+        kwargs.get("attn_mask") is not None
+        or kwargs.get("dropout_p", 0.0) != 0.0
+        or kwargs.get("enable_gqa", False)
+        or type(kwargs.get("is_causal", False)) is not bool
+    ):
+        return None
+    scale = kwargs.get("scale")
+    if scale is not None and type(scale) is not float and type(scale) is not int:
+        return None
+    q = args[0]
+    values = []
+    for a in args:
+        v = _live_value(a, batched_cls)
+        if v is None or a._interp is not q._interp:
+            return None
+        values.append(v if a._bdim == 0 else v.movedim(a._bdim, 0))
+    n = values[0].dim()
+    if n < 3 or values[1].dim() != n or values[2].dim() != n:
+        return None
+    out = func(*values, is_causal=kwargs.get("is_causal", False), scale=scale)
+    return wrap(out, 0, q._interp)
+
+
+def _shape_arg(args):
+    """The target shape of ``x.reshape(*shape)`` / ``x.reshape(shape)``: a list of ints, or
+    None."""
+    shape = args[1] if len(args) == 2 and type(args[1]) in (list, tuple, torch.Size) else args[1:]
+    if any(type(s) is not int or s < -1 for s in shape) or list(shape).count(-1) > 1:
+        return None
+    return list(shape)
+
+
+def _reshape(func, args, kwargs, batched_cls, wrap):
+    """``reshape``/``view`` with the batch dim in front: the batch dim is kept as its own
+    leading dim, so the rest is the logical reshape (a view exactly when the logical one is);
+    anything the logical shape does not fit goes on to the ordinary path for its error."""
+    if kwargs or len(args) < 2:
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None or a._bdim != 0:
+        return None
+    shape = _shape_arg(args)
+    if shape is None:
+        return None
+    B = v.shape[0]
+    if B == 0:
+        return None
+    numel = v.numel() // B
+    known = 1
+    for s in shape:
+        if s != -1:
+            known *= s
+    if (-1 in shape and (known == 0 or numel % known)) or (-1 not in shape and known != numel):
+        return None
+    return wrap(func(v, [B, *shape]), 0, a._interp)
+
+
+def _unsqueeze(func, args, kwargs, batched_cls, wrap):
+    if kwargs or len(args) != 2 or type(args[1]) is not int:
+        return None
+    a = args[0]
+    v = _live_value(a, batched_cls)
+    if v is None or a._bdim != 0:
+        return None
+    n, d = v.dim() - 1, args[1]
+    if not -n - 1 <= d <= n:
+        return None
+    return wrap(func(v, d % (n + 1) + 1), 0, a._interp)
+
+
+def _shaped_table():
+    table = {}
+    for fn in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes):
+        table[fn] = _transpose
+    for name in ("sum", "mean", "amax", "amin"):
+        table[getattr(torch, name)] = _reduction
+        table[getattr(torch.Tensor, name)] = _reduction
+    for name in ("softmax", "log_softmax"):
+        table[getattr(torch, name)] = _softmax
+        table[getattr(torch.Tensor, name)] = _softmax
+    for fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+        table[fn] = _matmul
+    table[F.scaled_dot_product_attention] = _sdpa
+    for fn in (torch.reshape, torch.Tensor.reshape, torch.Tensor.view):
+        table[fn] = _reshape
+    for fn in (torch.unsqueeze, torch.Tensor.unsqueeze):
+        table[fn] = _unsqueeze
+    return table
+
+
+SHAPED_FUNCS: dict = _shaped_table()

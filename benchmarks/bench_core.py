@@ -684,6 +684,25 @@ def render_per_op(per_op):
     return "\n".join(lines)
 
 
+def render_eager(rows):
+    """The eager columns only: ours and the do-nothing subclass floor against torch.func."""
+    lines = [
+        "| workload | ours (ms) | torch.func (ms) | subclass floor (ms) "
+        "| ours / torch.func (<= 1.3) | floor / torch.func |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if "na" in row:
+            lines.append(f"| {row['workload']} | n/a: {row['na']} | | | | |")
+            continue
+        tf_ms, fl = row["torch_func_ms"], row.get("floor_ms")
+        lines.append(
+            f"| {row['workload']} | {_ms(row['ours_ms'])} | {_ms(tf_ms)} | {_ms(fl)} | "
+            f"{row['ours_ms'] / tf_ms:.2f} | {'-' if fl is None else f'{fl / tf_ms:.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
 def _ms(t):
     return "-" if t is None else f"{t:.3f}"
 
@@ -805,8 +824,18 @@ def main(argv=None):
         action="store_true",
         help="only the per-op dispatch cost of sin and mm under vmap, grad and vmap(grad)",
     )
+    ap.add_argument(
+        "--eager-rows",
+        action="store_true",
+        help="only the eager columns of the workload rows (ours, torch.func, subclass floor), "
+        "as a markdown table; no jit/inductor columns, cold start or overheads",
+    )
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if ns.eager_rows:
+        rows = [run_case(m, 5 if ns.quick else 21, False, ns.only) for m in all_cases()]
+        print(render_eager([r for r in rows if r is not None]))
+        return
     if ns.per_op:
         per_op = per_op_dispatch(21 if ns.quick else 61)
         print(json.dumps({f"{op}/{k}": v * 1e6 for (op, k), v in per_op.items()}))

@@ -54,6 +54,7 @@ __all__ = [
     "RANDOM_GUARD_KEY",
     "SetExcludeDispatchKeyGuard",
     "SingleLevelFunction",
+    "TensorBase",
     "TorchDispatchMode",
     "BatchNormBase",
     "compile_fx",
@@ -102,6 +103,10 @@ disabled_torch_function_impl = _C._disabled_torch_function_impl
 DisableTorchDispatch = _C._DisableTorchDispatch
 DisableTorchFunction = _C.DisableTorchFunction
 DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
+# The C++ base of torch.Tensor: its metadata accessors (``dtype``, ``shape``, ``stride``, ...)
+# read under DisableTorchFunctionSubclass (Note [Metadata reads without __torch_function__],
+# batching/_tensor.py). Checked on 2.13.0, 2.15.0.
+TensorBase = _C.TensorBase
 # Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
 # a transformed function writes into: Note [Writing into plain tensors]).
 swap_tensor_impl = _C._swap_tensor_impl
