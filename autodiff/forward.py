@@ -85,7 +85,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         finally:
             _set_fwd(self.prev_fwd)
 
-    def _wrap(self, out, t):
+    def _as_dual(self, out, t):
         if t is None:
             return out
         if isinstance(out, torch.Tensor):
@@ -102,7 +102,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
                 if t_dtype != dtype:
                     t = t.to(dtype)
             return wrap_dual(out, t, self)
-        return type(out)(self._wrap(o, ti) for o, ti in zip(out, t))
+        return type(out)(self._as_dual(o, ti) for o, ti in zip(out, t))
 
     def process(self, func, args, kwargs):
         f = facts(func)
@@ -128,7 +128,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
                 out, t_out = rule(primals, tangents, kwargs)
             finally:
                 _set_fwd(True)
-        out = self._wrap(out, t_out)
+        out = self._as_dual(out, t_out)
         if f.fresh_like:
             out = self._fresh_buffer(out)
         if f.view:

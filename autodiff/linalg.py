@@ -248,11 +248,6 @@ def _solve_tri(A, B, upper, left=True, unit=False):
     return torch.linalg.solve_triangular(A, B, upper=upper, left=left, unitriangular=unit)
 
 
-def _filled(bars, out):
-    """Output cotangents with zeros for the None entries of the first len(bars) outputs."""
-    return [torch.zeros_like(o) if b is None else b for b, o in zip(bars, out)]
-
-
 # Cholesky: A = L L^H. dL = L Phi(L^-1 dA L^-H), Phi = tril with a halved diagonal;
 # bar A = L^-H Phi*(tril(L^H bar L)) L^-1 with Phi*(X) = (X + tril(X, -1)^H) / 2.
 def _cholesky_jvp(out, dots, A, upper, check_errors):

@@ -207,12 +207,12 @@ class VmapInterpreter(Interpreter):
                     bdims[i] = sub_b
         return vals, bdims
 
-    def _wrap(self, out, bdim):
+    def _as_batched(self, out, bdim):
         if bdim is None:
             return out
         if isinstance(out, torch.Tensor):
             return wrap_batched(out, bdim, self)
-        return type(out)(self._wrap(o, b) for o, b in zip(out, bdim))
+        return type(out)(self._as_batched(o, b) for o, b in zip(out, bdim))
 
     # -- processing ------------------------------------------------------------------------
     def process(self, func, args, kwargs):
@@ -237,7 +237,7 @@ class VmapInterpreter(Interpreter):
             return args[0]
         if f.inplace_view:
             return _set_view_inplace(args[0], out, out_bdim)
-        return self._wrap(out, out_bdim)
+        return self._as_batched(out, out_bdim)
 
     def _batched_kwargs(self, func, f, kwargs):
         """Whether a keyword argument is batched at this level (rules see positional arguments

@@ -23,10 +23,6 @@ def flat_batch(x):
     return x.reshape(x.shape[0], -1)
 
 
-def logical_dim(x, bdim):
-    return x.dim() - (bdim is not None)
-
-
 def wrap_dim(d, n):
     """Normalize a possibly negative logical dim against logical rank ``n``. As in torch, a 0-d
     tensor accepts dims 0 and -1."""

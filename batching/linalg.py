@@ -111,7 +111,7 @@ def matmul_vmap_rule(interp, args, bdims, kwargs):
     return out, 0
 
 
-def _broadcast_front(operands, nd):
+def _expand_to_common_batch(operands, nd):
     """Note [Batching broadcasting linalg ops]
     Solvers broadcast the batch dims of their operands (A ``[2, 4, 4]`` with b ``[4, 1]``). Each
     batched operand gets its batch dim in front and size-1 dims after it, so that its logical
@@ -201,7 +201,7 @@ def def_broadcasting_solve(op, n_out=1):
         x, y = args[0], args[1]
         bx, by = bdims[0], bdims[1]
         nd = max(_batch_rank(x, bx, 2), _batch_rank(y, by, 2))
-        x, y = _broadcast_front([(x, bx, 2), (y, by, 2)], nd)
+        x, y = _expand_to_common_batch([(x, bx, 2), (y, by, 2)], nd)
         out = op(x, y, *args[2:], **kwargs)
         return out, (0 if n_out == 1 else (0,) * n_out)
 
@@ -233,13 +233,13 @@ def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
         b = b.unsqueeze(-1)
     ka = len(A_shape) - 2
     nd = max(ka, _batch_rank(b, bb, 2))
-    A, b = _broadcast_front([(A, bA, 2), (b, bb, 2)], nd)
+    A, b = _expand_to_common_batch([(A, bA, 2), (b, bb, 2)], nd)
     X, LU, pivots, info = aten._linalg_solve_ex.default(A, b, *args[2:], **kwargs)
     if vec:
         X = X.squeeze(-1)
     if bA is None:
         return (X, LU, pivots, info), (0, None, None, None)
-    if nd > ka:  # drop the size-1 dims that _broadcast_front inserted after the vmap dim
+    if nd > ka:  # drop the size-1 dims that _expand_to_common_batch inserted after the vmap dim
         keep = (A.shape[0],)
         LU = LU.reshape(keep + LU.shape[1 + nd - ka :])
         pivots = pivots.reshape(keep + pivots.shape[1 + nd - ka :])
@@ -258,7 +258,7 @@ def linalg_lu_solve_vmap_rule(interp, args, bdims, kwargs):
         piv = expand_front(piv, bpiv, interp.batch_size)
         bLU = bpiv = 0
     nd = max(_batch_rank(LU, bLU, 2), _batch_rank(b, bb, 2))
-    LU, piv, b = _broadcast_front([(LU, bLU, 2), (piv, bpiv, 1), (b, bb, 2)], nd)
+    LU, piv, b = _expand_to_common_batch([(LU, bLU, 2), (piv, bpiv, 1), (b, bb, 2)], nd)
     # torch 2.13 returns wrong values when LU's batch dims broadcast against B's (size-1 dims
     # in LU/pivots): expand all three to the common batch shape first
     batch = torch.broadcast_shapes(LU.shape[:-2], b.shape[:-2])

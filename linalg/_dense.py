@@ -89,7 +89,9 @@ class DenseOperator(_StoredMatrix, LinearOperator):
         super().__init__(A.shape, A.dtype, A.device, **props)
 
     @classmethod
-    def _wrap(cls, A: torch.Tensor, symmetric: bool, positive_definite: bool) -> DenseOperator:
+    def _from_tensor(
+        cls, A: torch.Tensor, symmetric: bool, positive_definite: bool
+    ) -> DenseOperator:
         """Fast construction from a matrix already known to be a square tensor (internal)."""
         op = cls.__new__(cls)
         op.A = A
@@ -98,12 +100,6 @@ class DenseOperator(_StoredMatrix, LinearOperator):
         op.positive_definite = positive_definite
         op.lower = op.upper = op.unitary = False
         return op
-
-    def _half_logdet_pd(self):
-        """``½ log det A = sum log diag(chol A)`` (positive definite only)."""
-        if not self.positive_definite:
-            return slogdet(self)[1] / 2
-        return pd_logdet_sum((0.5,), self.A)
 
 
 @scale.register(DenseOperator)

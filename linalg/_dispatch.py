@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _functions as F
+from . import _functions as functions
 from . import _rules
 
 # _warn_once is re-exported: tests clear its cache through this module.
@@ -25,29 +25,29 @@ def _is_op(x) -> bool:
 def _matmul(input, other, *, out=None):
     if out is not None:
         return None
-    return F.matmul(input, other)
+    return functions.matmul(input, other)
 
 
 def _rmatmul(self, other):
-    return F.matmul(other, self)
+    return functions.matmul(other, self)
 
 
 def _solve(A, B, *, left=True, out=None):
     if out is not None or not _is_op(A):
         return None
-    return F.solve(A, B, left=left)
+    return functions.solve(A, B, left=left)
 
 
 def _solve_triangular(A, B, *, upper, left=True, unitriangular=False, out=None):
     if out is not None or not _is_op(A):
         return None
-    return F.solve_triangular(A, B, upper=upper, left=left, unitriangular=unitriangular)
+    return functions.solve_triangular(A, B, upper=upper, left=left, unitriangular=unitriangular)
 
 
 def _cholesky(A, *, upper=False, out=None):
     if out is not None:
         return None
-    return F.cholesky(A, upper=upper)
+    return functions.cholesky(A, upper=upper)
 
 
 def _cholesky_old(A, upper=False, *, out=None):
@@ -57,62 +57,62 @@ def _cholesky_old(A, upper=False, *, out=None):
 def _cholesky_solve(B, L, upper=False, *, out=None):
     if out is not None or not _is_op(L):
         return None
-    return F.cholesky_solve(B, L, upper=upper)
+    return functions.cholesky_solve(B, L, upper=upper)
 
 
 def _inv(A, *, out=None):
-    return None if out is not None else F.inv(A)
+    return None if out is not None else functions.inv(A)
 
 
 def _det(A, *, out=None):
-    return None if out is not None else F.det(A)
+    return None if out is not None else functions.det(A)
 
 
 def _slogdet(A, *, out=None):
-    return None if out is not None else F.slogdet(A)
+    return None if out is not None else functions.slogdet(A)
 
 
 def _logdet(A):
     if A.positive_definite and _iterative_config() is None and not A.is_complex:  # fast
         return A._logdet_pd()
-    return F.logdet(A)
+    return functions.logdet(A)
 
 
 _iterative_config = _CONFIG.get
 
 
 def _eigh(A, UPLO="L", *, out=None):
-    return None if out is not None else F.eigh(A, UPLO=UPLO)
+    return None if out is not None else functions.eigh(A, UPLO=UPLO)
 
 
 def _eigvalsh(A, UPLO="L", *, out=None):
-    return None if out is not None else F.eigvalsh(A, UPLO=UPLO)
+    return None if out is not None else functions.eigvalsh(A, UPLO=UPLO)
 
 
 def _svd(A, full_matrices=True, *, driver=None, out=None):
     if out is not None or driver is not None:
         return None
-    return F.svd(A, full_matrices=full_matrices)
+    return functions.svd(A, full_matrices=full_matrices)
 
 
 def _svdvals(A, *, driver=None, out=None):
-    return None if (out is not None or driver is not None) else F.svdvals(A)
+    return None if (out is not None or driver is not None) else functions.svdvals(A)
 
 
 def _trace(A):
-    return F.trace(A)
+    return functions.trace(A)
 
 
 def _diagonal(A, offset=0, dim1=0, dim2=1):
-    return F.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
+    return functions.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
 
 
 def _diagonal_method(A, offset=0, dim1=0, dim2=1):
-    return F.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
+    return functions.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
 
 
 def _linalg_diagonal(A, *, offset=0, dim1=-2, dim2=-1):
-    return F.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
+    return functions.diagonal(A, offset=offset, dim1=dim1, dim2=dim2)
 
 
 def _matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=None):
@@ -120,7 +120,7 @@ def _matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=N
         return None
     if tuple(d % A.ndim for d in dim) not in ((A.ndim - 2, A.ndim - 1), (A.ndim - 1, A.ndim - 2)):
         return None
-    n = F.frobenius_norm(A)
+    n = functions.frobenius_norm(A)
     return n.unsqueeze(-1).unsqueeze(-1) if keepdim else n
 
 
@@ -141,7 +141,7 @@ def _add(input, other, *, alpha=1, out=None):
         return None
     if alpha != 1:
         other = other * alpha
-    return F.add(input, other)
+    return functions.add(input, other)
 
 
 def _sub(input, other, *, alpha=1, out=None):
@@ -149,7 +149,7 @@ def _sub(input, other, *, alpha=1, out=None):
 
 
 def _rsub(input, other, *, alpha=1):
-    return F.add(other, -input * alpha)
+    return functions.add(other, -input * alpha)
 
 
 def _mul(input, other, *, out=None):
@@ -199,7 +199,7 @@ _TABLE = {
     torch.add: _add,
     torch.Tensor.add: _add,
     torch.Tensor.__add__: _add,
-    torch.Tensor.__radd__: lambda a, b: F.add(b, a),
+    torch.Tensor.__radd__: lambda a, b: functions.add(b, a),
     torch.sub: _sub,
     torch.Tensor.sub: _sub,
     torch.Tensor.__sub__: _sub,
@@ -227,8 +227,3 @@ def torch_function(func, args, kwargs):
         if result is not None:
             return result
     return dense_fallback(func, args, kwargs)
-
-
-def structured_functions() -> list[str]:
-    """Names of the torch functions with a structured rule (for docs and tests)."""
-    return sorted({_func_name(f) for f in _TABLE})

@@ -126,7 +126,7 @@ class KroneckerOperator(LinearOperator):
                         "KroneckerOperator(*factors): expected matrices of shape (..., m, n), "
                         f"received a tensor of shape {tuple(f.shape)}."
                     )
-                f = DenseOperator._wrap(f, bool(sym), bool(pd))
+                f = DenseOperator._from_tensor(f, bool(sym), bool(pd))
             elif not isinstance(f, LinearOperator):
                 raise TypeError(
                     "KroneckerOperator(*factors): expected operators or tensors, received "
