@@ -31,6 +31,8 @@ Note [Supported torch versions]
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.utils._pytree as torch_pytree  # checked on 2.13.0, 2.15.0; arg_tree_leaves, tree_map
 
@@ -72,6 +74,7 @@ __all__ = [
     "has_internal_overlap",
     "is_fake_tensor",
     "is_fwd_grad_enabled",
+    "register_subclass_dispatch_rules",
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
     "set_fwd_grad_enabled",
@@ -137,6 +140,46 @@ dispatch_tls_is_dispatch_key_excluded = _C._dispatch_tls_is_dispatch_key_exclude
 dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_included
 dispatch_tls_set_dispatch_key_excluded = _C._dispatch_tls_set_dispatch_key_excluded
 dispatch_tls_set_dispatch_key_included = _C._dispatch_tls_set_dispatch_key_included
+
+
+# -- per-op subclass dispatch rules (checked on 2.13.0, 2.15.0) ---------------------------------
+# Note [Entering through registered rules] (functransforms/_core.py). torch's C++ subclass
+# dispatch (``dispatch_on_subclass``) first asks ``torch._library.simple_registry`` for a rule
+# registered for (op, type) -- the table behind ``torch.library.register_torch_dispatch`` --
+# and only when there is none checks the argument for DTensor, which imports
+# ``torch.distributed.tensor`` (and sympy, ~1 s) at the first subclass op of the process. We
+# fill the table directly by qualified name: ``register_torch_dispatch`` would build an
+# ``OpOverload`` per op (~10x the cost).
+def register_subclass_dispatch_rules(classes, rule_of, packets) -> int:
+    """Register ``rule_of(cls)`` as the ``__torch_dispatch__`` rule of each class in
+    ``classes`` for every overload of the ops named in ``packets`` (``"aten::sin"``; with its
+    in-place variant ``"aten::sin_"``), except ``out=`` overloads and backend-specific
+    families that never meet a transform. Other ops keep torch's default path: correct, only
+    the first of them in a process pays the import. Returns how many ops were registered."""
+    from torch._library.simple_registry import singleton
+
+    wanted = set(packets)
+    wanted |= {p + "_" for p in wanted}
+    rules = [(cls, rule_of(cls)) for cls in classes]
+    count = 0
+    for name in _C._dispatch_get_all_op_names():
+        base, _, overload = name.partition(".")
+        if base not in wanted or overload.endswith("out") or _BACKEND_ONLY.search(name):
+            continue
+        # Creating the registry entry is the cost (~20-30 us: torch looks up the op's schema
+        # for its effects table), hence registering the ops that reach us, not all 3600.
+        table = singleton.find(name).torch_dispatch_rules._data
+        for cls, rule in rules:
+            table.setdefault(cls, rule)  # a rule someone registered first wins
+        count += 1
+    return count
+
+
+_BACKEND_ONLY = re.compile(
+    "cudnn|miopen|mkldnn|onednn|quantize|fbgemm|_foreach_|sparse|nested|_mps|xpu|vulkan|"
+    "::q_|_fused_adam|_fused_sgd|_cslt|_efficientzerotensor|_test_|_amp_"
+)
+
 
 # -- grad modes (checked on 2.13.0, 2.15.0) -------------------------------------------------------
 # The C setters, not the context managers: entering/leaving a level sets a flag without the

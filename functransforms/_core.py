@@ -57,6 +57,8 @@ class Interpreter:
         raise NotImplementedError
 
     def __enter__(self):
+        if _entry_pending:
+            _install_entry()
         _state.stack.append(self)
         return self
 
@@ -80,6 +82,63 @@ class Interpreter:
 
     def __repr__(self):
         return f"{type(self).__name__}(level={self.level})"
+
+
+# Note [Entering through registered rules]
+#     Every op on a wrapper enters the library through torch's C++ subclass dispatch
+#     (``dispatch_on_subclass``). Since torch 2.10 that path checks each argument for DTensor
+#     unless a per-op ``__torch_dispatch__`` rule is registered for the argument's type (the
+#     table behind ``torch.library.register_torch_dispatch``), and the check imports
+#     ``torch.distributed.tensor`` and sympy at the first subclass op of the process: ~1 s, most
+#     of a cold first ``grad`` call. So the first transform call registers each wrapper class's
+#     own ``__torch_dispatch__`` as its rule for the ops that reach wrappers: every overload of an
+#     op with a rule in a registry, plus ``_ALSO_ENTERING`` (~700 ops, ~15-25 ms once, mostly
+#     torch building its registry entries; all 3600 ops would cost ~3x that). The
+#     C++ path then calls the same function it would have called, found by one dict lookup it
+#     makes anyway, and skips the DTensor check: no cost per op (bench_core --per-op, same
+#     numbers before and after). An op outside the table (an ``out=`` variant, a custom op, a
+#     rare decomposed op) takes the old path: correct, and the first such op in a process pays
+#     the import. The alternative prototyped in issue 13, a dispatch mode as the single entry
+#     point (the mode path has no DTensor check), costs a Python call for every plain op run
+#     inside a nested transform, where subclass dispatch costs nothing.
+_entry_pending = True
+
+# Ops that reach wrappers without a rule of their own: pointwise ops that vmap batches by their
+# tag, ops the rules call below torch's autograd (where CompositeImplicit ops reach the Python
+# key too), and common ops that run through torch's decompositions.
+_ALSO_ENTERING = (
+    "reshape view view_as movedim clone copy detach alias expand expand_as where masked_fill "
+    "eq ne lt le gt ge isinf isnan isfinite isneginf isposinf signbit logical_and logical_or "
+    "logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not addcmul addcdiv "
+    "norm linalg_vector_norm renorm logaddexp logaddexp2 lerp zeros_like ones_like full_like "
+    "empty_like rand_like randn_like new_zeros new_ones new_full new_empty new_empty_strided "
+    "fill fill_ zero_ scalar_tensor to _to_copy contiguous flatten unflatten squeeze unsqueeze "
+    "permute transpose t select slice index_select gather scatter scatter_add index index_put "
+    "cat stack split split_with_sizes chunk unbind narrow sum mean amax amin max min var std "
+    "prod cumsum softmax log_softmax _softmax _log_softmax dropout native_dropout bernoulli "
+    "matmul mm bmm addmm linear abs neg sign round floor ceil trunc frac clamp clamp_min "
+    "clamp_max maximum minimum fmax fmin remainder fmod pow sqrt rsqrt exp log sin cos tanh "
+    "sigmoid relu gelu add sub mul div true_divide rsub sym_size sym_stride sym_numel"
+)
+
+
+def _install_entry():
+    """Note [Entering through registered rules]: register each wrapper class's
+    ``__torch_dispatch__`` as its per-op rule, once, at the first transform call."""
+    global _entry_pending
+    from . import _compat, _ops
+
+    _entry_pending = False
+    classes, todo = [], [TransformTensor]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            classes.append(sub)
+            todo.append(sub)
+    packets = {op.__qualname__.partition(".")[0] for r in _ops._REGISTRIES.values() for op in r}
+    packets.update(f"{ns}::{name}" for name in _ALSO_ENTERING.split() for ns in ("aten", "prims"))
+    _compat.register_subclass_dispatch_rules(
+        classes, lambda c: c.__torch_dispatch__.__func__, packets
+    )
 
 
 def interpreter_stack() -> tuple[Interpreter, ...]:

@@ -11,6 +11,7 @@ import functransforms as ft
 from functransforms.errors import JitFallbackWarning, RandomnessError
 
 D = torch.float64
+aten = torch.ops.aten
 
 
 def _mlp():
@@ -236,6 +237,23 @@ def test_captured_weight_updated_in_place_is_seen_by_replay():
     ref = torch.func.vmap(torch.func.grad(lambda x: f(x).sum()))(xs)
     _close(jf(xs), ref)
     assert jf.cache_info().hits == 1
+
+
+def test_jacfwd_graph_copies_instead_of_multiplying_by_the_identity_basis():
+    W = torch.randn(5, 5, dtype=D)
+    f = lambda x: torch.tanh(W @ x)  # noqa: E731
+    jf = ft.jit(ft.jacfwd(f))
+    x = torch.randn(5, dtype=D)
+    gm = jf.graph(x)
+    assert aten.mm.default not in [n.target for n in gm.graph.nodes], gm.code
+    _close(jf(x), torch.func.jacfwd(f)(x))
+    with torch.no_grad():
+        W.mul_(-2.0)  # the copy reads the live weight
+    _close(jf(x), torch.func.jacfwd(f)(x))
+    # a product with a folded matrix that is not the identity stays a product
+    g = lambda x: (torch.eye(5, dtype=D) * 2) @ (W @ x)  # noqa: E731
+    assert aten.mm.default in [n.target for n in ft.jit(ft.jacfwd(g)).graph(x).graph.nodes]
+    _close(ft.jit(ft.jacfwd(g))(x), torch.func.jacfwd(g)(x))
 
 
 def test_folded_constants_are_not_shared_between_calls():

@@ -187,7 +187,11 @@ def write_table(rows: dict) -> int:
     base_lines, overlays = _current_table()
     minor = _installed_minor()
     if minor == BASE_TORCH:
-        base_lines = ["EXPECTED: dict[tuple[str, str], str] = {", *_entry_lines(fails), "}"]
+        base_lines = (  # as ruff formats it: `{}` when empty
+            ["EXPECTED: dict[tuple[str, str], str] = {", *_entry_lines(fails), "}"]
+            if fails
+            else ["EXPECTED: dict[tuple[str, str], str] = {}"]
+        )
     else:
         import expected_failures
 

@@ -1,0 +1,63 @@
+"""Cold start (Note [Entering through registered rules], functransforms/_core.py): the first
+transform calls of a fresh process must not make torch import ``torch.distributed.tensor``
+(and sympy), which its C++ subclass dispatch does for a wrapper op without a registered rule.
+No timing here: the benchmark measures the time; this checks the mechanism."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import functransforms as ft
+
+ROOT = Path(__file__).resolve().parent.parent
+_REPORT = "print('torch.distributed.tensor' in sys.modules, 'sympy' in sys.modules)"
+
+
+def _fresh(code):
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}\n{_REPORT}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()[-2:]
+
+
+def test_first_transform_calls_do_not_import_distributed():
+    code = (
+        "import functransforms as ft\n"
+        "f = lambda x: (x.sin() * x).sum()\n"
+        "ft.grad(f)(torch.randn(3)); ft.vmap(ft.grad(f))(torch.randn(2, 3))\n"
+        "ft.jvp(f, (torch.randn(3),), (torch.randn(3),)); ft.jacrev(torch.tanh)(torch.randn(3))"
+    )
+    assert _fresh(code) == ["False", "False"]
+
+
+def test_a_plain_wrapper_subclass_does_import_it():
+    # guards the test above: without registered rules, torch does import it (torch >= 2.10)
+    code = (
+        "class W(torch.Tensor):\n"
+        "    @classmethod\n"
+        "    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):\n"
+        "        return func(args[0].v)\n"
+        "w = torch.Tensor._make_wrapper_subclass(W, (3,)); w.v = torch.randn(3); torch.sin(w)"
+    )
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 10):
+        assert _fresh(code)[0] == "True"
+
+
+def test_registered_entry_is_the_class_dispatch():
+    # the rule torch finds for a wrapper op is the class's own __torch_dispatch__: same code path
+    from torch._library.simple_registry import find_torch_dispatch_rule
+
+    from functransforms._core import TransformTensor
+
+    ft.grad(torch.sin)(torch.tensor(1.0))  # installs the rules
+    for cls in TransformTensor.__subclasses__():
+        rule = find_torch_dispatch_rule(torch.ops.aten.sin.default, cls)
+        assert rule is cls.__torch_dispatch__.__func__
