@@ -36,9 +36,36 @@ def _multilabel_margin_loss_forward(input, target, reduction):
     ).reshape(input.shape)
 
 
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _flash_attention_for_cpu(
+    query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
+):
+    """torch's decomposition (2.13 and 2.15) returns the attention weights ``[N, H, L, S]`` as
+    the second output, where the kernel returns the logsumexp ``[N, H, L]`` of the scaled,
+    masked scores: the output stays torch's decomposition's, logsumexp is computed."""
+    from torch._decomp import decomposition_table
+
+    out, _ = decomposition_table[_FLASH_CPU](
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: key heads are shared
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    s = query @ key.mT * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if is_causal:
+        L, S = s.shape[-2:]
+        causal = torch.ones(L, S, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        s = s + attn_mask
+    return out, torch.logsumexp(s, -1)
+
+
 # Decompositions of ours that replace torch's (each says why).
 _OVERRIDES = {
     torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+    _FLASH_CPU: _flash_attention_for_cpu,
 }
 
 

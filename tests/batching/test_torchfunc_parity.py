@@ -129,6 +129,21 @@ def test_flash_attention_for_cpu_folds_the_batch_into_n(in_dims):
     check_loop(lambda q, m: _FLASH_CPU(q, q, q, attn_mask=m), in_dims, q, m)
 
 
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"attn_mask": "mask"}])
+def test_flash_attention_for_cpu_under_vjp_and_jvp_keeps_logsumexp(kw):
+    """jvp/vjp run the op through its decomposition, whose second output must be the kernel's
+    logsumexp [N, H, L] (torch's returns the attention weights there)."""
+    q, k = randn(2, 3, 4, 8), randn(2, 3, 6, 8, seed=1)
+    kw = {**kw, "attn_mask": randn(4, 6, seed=2)} if "attn_mask" in kw else kw
+    out, lse = _FLASH_CPU(q, k, k, **kw)
+    (o1, l1), _ = ft.vjp(lambda q: _FLASH_CPU(q, k, k, **kw), q)
+    (o2, l2), (t_out, t_lse) = ft.jvp(lambda q: _FLASH_CPU(q, k, k, **kw), (q,), (q,))
+    for o, lo in ((o1, l1), (o2, l2)):
+        torch.testing.assert_close(o, out)
+        torch.testing.assert_close(lo, lse)
+    assert t_lse.shape == lse.shape
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("shape", [(5,), (4, 5)])
 def test_multilabel_margin_loss_terminator(reduction, shape):
