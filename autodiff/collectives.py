@@ -11,7 +11,7 @@ tangent or cotangent is lifted to the binding vmap's level when it does not vary
 from __future__ import annotations
 
 from functransforms import _collective_ops as ops
-from functransforms._collectives import bind
+from functransforms._collectives import bind, by_level, lift
 
 from ._registry import register_jvp_rule, register_vjp_rule
 
@@ -95,3 +95,26 @@ def_linear_collective(
 def_linear_collective(ops.dist_replicate, lambda: (ops.dist_psum, ()), _call)
 def_extremum(ops.dist_pmax, ops.dist_psum, _call)
 def_extremum(ops.dist_pmin, ops.dist_psum, _call)
+
+
+def _psum_many(ts, axis):
+    """psum_many of the leaves that are not symbolic zeros (None stays None)."""
+    live = [i for i, t in enumerate(ts) if t is not None]
+    out = [None] * len(ts)
+    if live:
+        interp = by_level(axis)
+        summed = ops.psum_many([lift(ts[i], interp) for i in live], axis)
+        for i, t in zip(live, summed):
+            out[i] = t
+    return out
+
+
+@register_jvp_rule(ops.psum_many)
+def psum_many_jvp_rule(primals, tangents, kwargs):
+    xs, axis = primals
+    return ops.psum_many(xs, axis), tuple(_psum_many(list(tangents[0]), axis))
+
+
+@register_vjp_rule(ops.psum_many)
+def psum_many_vjp_rule(cts, primals, kwargs, out, needs):  # psum's transpose is psum
+    return _psum_many(list(cts), primals[1]), None

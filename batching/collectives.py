@@ -149,3 +149,32 @@ def_collective(ops.all_gather, _all_gather, _dist_all_gather)
 def_collective(ops.psum_scatter, _psum_scatter, _dist_psum_scatter)
 def_collective(ops.all_to_all, _all_to_all, _dist_all_to_all)
 def_collective(ops.ppermute, _ppermute, _dist_ppermute)
+
+
+@register_vmap_rule(ops.psum_many)
+def psum_many_vmap_rule(interp, args, bdims, kwargs):
+    """At the binding level: each leaf summed over its examples, then (under pmap) all leaves
+    of one dtype flattened into one buffer and all-reduced once. Elsewhere: leaf by leaf, the
+    batch dim in front (it commutes)."""
+    xs, axis = args
+    bs = bdims[0] if isinstance(bdims[0], list) else [None] * len(xs)
+    if interp.level != axis:
+        out = ops.psum_many([x if b is None else to_front(x, b) for x, b in zip(xs, bs)], axis)
+        return tuple(out), tuple(None if b is None else 0 for b in bs)
+    n = interp.batch_size
+    local = [x * n if b is None else x.sum(b) for x, b in zip(xs, bs)]
+    if getattr(interp, "group", None) is not None:
+        local = _all_reduce_by_dtype(local, interp.group)
+    return tuple(local), (None,) * len(local)
+
+
+def _all_reduce_by_dtype(tensors, group):
+    out = list(tensors)
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault((t.dtype, t.device), []).append(i)
+    for idx in by_dtype.values():
+        flat = ops.dist_psum(torch.cat([tensors[i].reshape(-1) for i in idx]), group)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = piece.view(tensors[i].shape)
+    return out

@@ -62,9 +62,16 @@ def _escaped(name):
 OPS = {
     name: _define(name, f"Tensor x, {params}", _escaped(name)) for name, params in _SCHEMAS.items()
 }
+# psum of several leaves at once: under pmap, one all-reduce for a whole pytree (as DDP buckets
+# gradients) instead of one per leaf (Note [pmap's collectives])
+if not hasattr(torch.ops.functransforms, "psum_many"):
+    _LIB.define("psum_many(Tensor[] xs, int axis) -> Tensor[]")
+    _LIB.impl("psum_many", _escaped("psum_many"), "CompositeExplicitAutograd")
+OPS["psum_many"] = torch.ops.functransforms.psum_many.default
 psum, pmean, pmax, pmin = OPS["psum"], OPS["pmean"], OPS["pmax"], OPS["pmin"]
 all_gather, psum_scatter = OPS["all_gather"], OPS["psum_scatter"]
 all_to_all, ppermute = OPS["all_to_all"], OPS["ppermute"]
+psum_many = OPS["psum_many"]
 
 
 # -- the cross-process halves, for pmap -------------------------------------------------------

@@ -135,10 +135,26 @@ def _reduction(op, name):
                 t = bind(op, t, level)
             return t
 
+        if op in (ops.psum, ops.pmean) and getattr(by_level(levels[-1]), "group", None):
+            return _reduce_across_processes(op, call, x, levels)
         return _map(call, one, x)
 
     collective.__name__ = collective.__qualname__ = name
     return collective
+
+
+def _reduce_across_processes(op, call, x, levels):
+    """psum/pmean of a pytree whose outermost axis is a pmap's: the inner axes leaf by leaf,
+    then every leaf in one collective (``psum_many``: one all-reduce per dtype)."""
+    leaves, spec = pt.tree_flatten(x)
+    leaves = [_tensor(leaf, call) for leaf in leaves]
+    for level in levels[:-1]:
+        leaves = [bind(op, t, level) for t in leaves]
+    interp = by_level(levels[-1])
+    summed = ops.psum_many([lift(t, interp) for t in leaves], interp.level) if leaves else []
+    if op is ops.pmean:
+        summed = [t / size_of(interp) for t in summed]
+    return pt.tree_unflatten(spec, list(summed))
 
 
 psum = _reduction(ops.psum, "psum")
