@@ -265,12 +265,20 @@ def all_to_all(
         f"concat_axis={concat_axis})"
     )
     names = _names(axis_name)
-    if len(names) != 1:
-        raise NotImplementedError(
-            f"{call}: all_to_all over several axes is not supported; name one axis."
-        )
-    interp = binding(names[0], call)
-    size = size_of(interp)
+    interps = [binding(n, call) for n in names]
+    size = 1
+    for interp in interps:
+        size *= size_of(interp)
+
+    def tiled_op(t, split, concat):
+        if len(interps) == 1:
+            return bind(ops.all_to_all, t, interps[0].level, split, concat)
+        # several axes: gather every example's x, keep this example's chunk of each
+        # (Note [Collectives over several axes])
+        g = all_gather(t, names)  # [N, *S]
+        g = g.unflatten(1 + split, (size, g.shape[1 + split] // size))  # [j, ..., i, c, ...]
+        g = g.index_select(1 + split, axis_index(names).reshape(1)).squeeze(1 + split)
+        return g.movedim(0, concat).flatten(concat, concat + 1)  # j-major blocks along concat
 
     def one(t):
         split = _dim(split_axis, t.dim(), call, "split_axis")
@@ -282,21 +290,21 @@ def all_to_all(
                 )
             concat = _dim(concat_axis, t.dim(), call, "concat_axis")
             if split == concat:
-                return bind(ops.all_to_all, t, interp.level, split, concat)
+                return tiled_op(t, split, concat)
             if split < concat:
                 concat += 1
                 t = t.unsqueeze(concat)
             else:
                 t = t.unsqueeze(concat)
                 split += 1
-            return bind(ops.all_to_all, t, interp.level, split, concat).squeeze(split)
+            return tiled_op(t, split, concat).squeeze(split)
         concat = _dim(concat_axis, t.dim(), call, "concat_axis")
         if t.shape[split] % size:
             raise ValueError(
                 f"{call}: the split dim has size {t.shape[split]}; expected a multiple of the axis "
                 f"size {size}."
             )
-        return bind(ops.all_to_all, t, interp.level, split, concat)
+        return tiled_op(t, split, concat)
 
     return _map(call, one, x)
 
@@ -314,12 +322,10 @@ def ppermute(x: PyTree, axis_name: AxisName, perm: list[tuple[int, int]]) -> PyT
     """
     call = f"ppermute(x, axis_name={axis_name!r}, perm={perm!r})"
     names = _names(axis_name)
-    if len(names) != 1:
-        raise NotImplementedError(
-            f"{call}: ppermute over several axes is not supported; name one axis."
-        )
-    interp = binding(names[0], call)
-    size = size_of(interp)
+    interps = [binding(n, call) for n in names]
+    size = 1
+    for interp in interps:
+        size *= size_of(interp)
     src = [-1] * size
     for pair in perm:
         if len(pair) != 2:
@@ -333,7 +339,24 @@ def ppermute(x: PyTree, axis_name: AxisName, perm: list[tuple[int, int]]) -> PyT
                 f"{call}: perm must be a permutation: {(s, d)} repeats a source or a destination."
             )
         src[d] = s
-    return _map(call, lambda t: bind(ops.ppermute, t, interp.level, src), x)
+    if len(interps) == 1:
+        return _map(call, lambda t: bind(ops.ppermute, t, interps[0].level, src), x)
+
+    # Note [Collectives over several axes]
+    #     A permutation (or all_to_all) over several axes moves values between examples of
+    #     different levels, which no single level's batching rule sees at once. It is written
+    #     with the collectives that do take several names: gather every example's value
+    #     (all_gather over the names) and select this example's part by its linearised index
+    #     (axis_index over the names). Correct and differentiable (all_gather's transpose sums
+    #     the cotangents back), at the cost of materialising the gathered values.
+    index = torch.tensor([s if s >= 0 else size for s in src])[axis_index(names)]
+
+    def one(t):
+        gathered = all_gather(t, names)  # [N, *S]
+        padded = torch.cat([gathered, torch.zeros_like(gathered[:1])])  # index N: zeros
+        return padded.index_select(0, index.reshape(1)).squeeze(0)
+
+    return _map(call, one, x)
 
 
 def axis_index(axis_name: AxisName) -> torch.Tensor:

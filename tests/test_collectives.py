@@ -337,3 +337,36 @@ def test_bad_arguments():
         ft.vmap(lambda t: t, axis_size=3)(x)
     with pytest.raises(TypeError, match="hashable"):
         ft.vmap(lambda t: t, axis_name=["i"])
+
+
+def test_ppermute_and_all_to_all_over_two_axes():
+    # the two axes act as one of 6 examples, "a" major (Note [Collectives over several axes])
+    x = rand(2, 3, 4)
+    perm = [(i, (i + 1) % 6) for i in range(6)]
+
+    def nested(f):
+        return ft.vmap(ft.vmap(f, axis_name="b"), axis_name="a")
+
+    out = nested(lambda t: ft.ppermute(t, ("a", "b"), perm))(x)
+    torch.testing.assert_close(out.reshape(6, 4), x.reshape(6, 4).roll(1, 0))
+    y = rand(2, 3, 6)
+    out = nested(lambda t: ft.all_to_all(t, ("a", "b"), 0, 0))(y)
+    torch.testing.assert_close(out.reshape(6, 6), y.reshape(6, 6).T)
+
+    def loss(y):
+        return nested(lambda t: (ft.all_to_all(t, ("a", "b"), 0, 0).sin() * t).sum())(y).sum()
+
+    ref = tf.grad(lambda y: (y.reshape(6, 6).T.sin() * y.reshape(6, 6)).sum())(y)
+    torch.testing.assert_close(ft.grad(loss)(y), ref)
+
+    def partial(x):
+        return nested(lambda t: (ft.ppermute(t, ("a", "b"), perm[:3]) * t.cos()).sum())(x).sum()
+
+    def partial_ref(x):
+        f = x.reshape(6, 4)
+        moved = torch.stack(
+            [f[i - 1] if i in (1, 2, 3) else torch.zeros_like(f[0]) for i in range(6)]
+        )
+        return (moved * f.cos()).sum()
+
+    torch.testing.assert_close(ft.grad(partial)(x), tf.grad(partial_ref)(x))
