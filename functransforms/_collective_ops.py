@@ -110,7 +110,24 @@ def group_key(group):
     return len(GROUPS) - 1
 
 
+# Note [The shard check overlaps the computation]
+#     pmap compares the processes' shard shapes with one small all-reduce per call. Waiting for
+#     it up front would add a synchronisation point per step; instead pmap starts it
+#     asynchronously and the first cross-process collective of the call (or the end of the
+#     call, if f has none) waits for it and raises on a mismatch, before any collective whose
+#     sizes could differ runs. Every process runs the same program, so all of them check at
+#     the same point and raise the same error.
+PENDING_CHECKS: dict = {}  # group key -> finish() of the call's shard check
+
+
+def finish_shard_check(key):
+    finish = PENDING_CHECKS.pop(key, None)
+    if finish is not None:
+        finish()
+
+
 def _group(key):
+    finish_shard_check(key)
     return GROUPS[key]
 
 

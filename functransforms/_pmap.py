@@ -80,23 +80,26 @@ def pmap(
             dims = [in_dims] * len(flat)
         else:
             dims = broadcast_prefix(in_dims, args, "in_dims", call)
-        _check_shards(flat, dims, g, call)
+        ops.PENDING_CHECKS[key] = _start_shard_check(flat, dims, g, call)
         flat = [
             ops.dist_replicate(x, key) if d is None and isinstance(x, TransformTensor) else x
             for x, d in zip(flat, dims)
         ]
         args = pt.tree_unflatten(spec, flat)
-        return _vmap_call(
-            f,
-            in_dims,
-            out_dims,
-            "error",
-            None,
-            args,
-            kwargs,
-            (axis_name, None),
-            pmap=(key, world, rank),
-        )
+        try:
+            return _vmap_call(
+                f,
+                in_dims,
+                out_dims,
+                "error",
+                None,
+                args,
+                kwargs,
+                (axis_name, None),
+                pmap=(key, world, rank),
+            )
+        finally:  # f ran no collective: the check still ends with the call
+            ops.finish_shard_check(key)
 
     return pmapped
 
@@ -114,9 +117,10 @@ def _group(group, call):
     return g, dist.get_world_size(g), dist.get_rank(g)
 
 
-def _check_shards(flat, dims, group, call):
+def _start_shard_check(flat, dims, group, call):
     """Every process must hold shards of the same shapes and dtypes: a mismatch would hang or
-    garble the collectives, so compare a digest of them first (one small all-reduce)."""
+    garble the collectives. Compare a digest of them with one small all-reduce, started here
+    without waiting (Note [The shard check overlaps the computation])."""
     import torch.distributed as dist
 
     shapes = tuple(
@@ -125,16 +129,21 @@ def _check_shards(flat, dims, group, call):
     )
     digest = _stable_hash(repr(shapes))  # not hash(): str hashing is salted per process
     both = torch.tensor([digest, -digest], dtype=torch.int64)
-    dist.all_reduce(both, dist.ReduceOp.MIN, group=group)
-    if both[0].item() != -both[1].item():
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, shapes, group=group)
-        lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(every))
-        raise ValueError(
-            f"{call}: the processes passed inputs of different shapes or dtypes (each entry: "
-            f"shape, dtype, in_dim of a flattened input):\n{lines}\nExpected every process to "
-            "pass a shard of the same shape: split the global batch evenly."
-        )
+    work = dist.all_reduce(both, dist.ReduceOp.MIN, group=group, async_op=True)
+
+    def finish():
+        work.wait()
+        if both[0].item() != -both[1].item():
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, shapes, group=group)
+            lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(every))
+            raise ValueError(
+                f"{call}: the processes passed inputs of different shapes or dtypes (each entry: "
+                f"shape, dtype, in_dim of a flattened input):\n{lines}\nExpected every process "
+                "to pass a shard of the same shape: split the global batch evenly."
+            )
+
+    return finish
 
 
 def _stable_hash(text):
