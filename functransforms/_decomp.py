@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from . import _compat
+
+aten = torch.ops.aten
 _TABLE = None
 _CACHE: dict = {}
 
@@ -36,7 +39,7 @@ def _multilabel_margin_loss_forward(input, target, reduction):
     ).reshape(input.shape)
 
 
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def _flash_attention_for_cpu(
@@ -45,9 +48,7 @@ def _flash_attention_for_cpu(
     """torch's decomposition (2.13 and 2.15) returns the attention weights ``[N, H, L, S]`` as
     the second output, where the kernel returns the logsumexp ``[N, H, L]`` of the scaled,
     masked scores: the output stays torch's decomposition's, logsumexp is computed."""
-    from torch._decomp import decomposition_table
-
-    out, _ = decomposition_table[_FLASH_CPU](
+    out, _ = _compat.decomposition_table()[_FLASH_CPU](
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
     if key.shape[1] != query.shape[1]:  # grouped-query attention: key heads are shared
@@ -75,8 +76,6 @@ def decomposition(func):
     if d is False:
         global _TABLE
         if _TABLE is None:
-            from . import _compat
-
             _TABLE = _compat.decomposition_table()
         d = _CACHE[func] = _OVERRIDES.get(func) or _TABLE.get(func)
     return d

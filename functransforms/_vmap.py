@@ -316,10 +316,13 @@ def _as_views_of_inputs(out, flat_args):
     storages = {x.untyped_storage().data_ptr(): x for x in inputs}
 
     def view_of_input(o):
-        if type(o) is not torch.Tensor or o._base is not None or o.requires_grad:
+        if type(o) is not torch.Tensor or o.requires_grad:
             return o
-        if getattr(o, "_ft_detached", False):  # an alias, not a view, as torch's detach
+        base = o._base  # a view registered on an intermediate (a fast path's) is rebuilt too
+        if base is not None and any(base is x for x in inputs):
             return o
+        if getattr(o, "_ft_detached", False) or getattr(base, "_ft_detached", False):
+            return o  # an alias, not a view, as torch's detach (or a view of that alias)
         x = storages.get(o.untyped_storage().data_ptr()) if o.device.type != "meta" else None
         if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg():
             return o
