@@ -157,10 +157,14 @@ def _tensor_index(index):
 
 def wrap_batched(value, bdim, interp):
     shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
+    lazy = None
     if value.is_conj() or value.is_neg():
         # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves
         # conjugate/negative bits lazily, so a rule would compute z * z with the physical
-        # value of z.conj(): materialize them when they enter a wrapper.
+        # value of z.conj(): materialize them when they enter a wrapper. The lazy view is kept
+        # beside it: if the wrapper is returned by vmap unchanged, vmap returns the lazy
+        # conjugate, as torch.func does (Note [Lazy conj outputs], functransforms/_vmap.py).
+        lazy = value if value.is_conj() and not value.is_neg() else None
         value = value.resolve_conj().resolve_neg()
         shape, st, dtype, device = metadata(value)
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
@@ -176,6 +180,8 @@ def wrap_batched(value, bdim, interp):
     r._value = value
     r._bdim = bdim
     r._interp = interp
+    if lazy is not None:
+        r._lazy_conj = (lazy,)
     return r
 
 

@@ -324,9 +324,10 @@ def _as_views_of_inputs(out, flat_args):
         if getattr(o, "_ft_detached", False) or getattr(base, "_ft_detached", False):
             return o  # an alias, not a view, as torch's detach (or a view of that alias)
         x = storages.get(o.untyped_storage().data_ptr()) if o.device.type != "meta" else None
-        if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg():
+        if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg() or o.is_neg():
             return o
-        return x.as_strided(o.shape, o.stride(), o.storage_offset())
+        view = x.as_strided(o.shape, o.stride(), o.storage_offset())
+        return view.conj() if o.is_conj() else view  # Note [Lazy conj outputs]
 
     flat, spec = pt.tree_flatten(out)
     return pt.tree_unflatten(spec, [view_of_input(o) for o in flat])
@@ -354,6 +355,20 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
             )
         if isinstance(o, BatchedTensor) and o._interp is interp:
             v, b = o._value, o._bdim
+            # Note [Lazy conj outputs]: a wrapper made from a lazy conjugate view (``t.conj()``)
+            # is returned as that view (is_conj(), a view of the input), as torch.func returns
+            # it, if its value is still the view's: in-place ops inside rules do not bump
+            # version counters, so the values are compared (only for such outputs, plain
+            # tensors). Later views of it were materialized and stay copies.
+            lazy = getattr(o, "_lazy_conj", None)
+            if (
+                lazy is not None
+                and type(v) is torch.Tensor
+                and type(lazy[0]) is torch.Tensor
+                and lazy[0].shape == v.shape
+                and torch.equal(lazy[0].resolve_conj(), v)
+            ):
+                v = lazy[0]
             if od is None:
                 raise ValueError(
                     f"{_call_repr(func, in_dims, out_dims)}: output {i} has out_dim=None but it "

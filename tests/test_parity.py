@@ -643,3 +643,17 @@ def test_out_argument_under_autodiff():
         match="out= arguments do not support",
     )
     both_raise(RuntimeError, lambda L: L.vmap(lambda a: torch.sin(a, out=torch.empty(3)))(xb))
+
+
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_vmap_of_conj_is_a_lazy_conjugate_view_as_in_torch_func(in_dim):
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    for f in (lambda t: t.conj(), lambda t: t.unsqueeze(0).conj()):
+        ours, ref = ft.vmap(f, in_dims=in_dim)(z), torch.func.vmap(f, in_dims=in_dim)(z)
+        assert ours.is_conj() and ref.is_conj()
+        assert ours._base is z and ref._base is z
+        torch.testing.assert_close(ours.resolve_conj(), ref.resolve_conj())
+    # written after conj: the value is the written one, a materialized tensor
+    out = ft.vmap(lambda t: t.conj().mul_(2))(z.clone())
+    torch.testing.assert_close(out, 2 * z.conj())
+    assert not out.is_conj()
