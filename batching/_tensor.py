@@ -17,6 +17,7 @@ from functransforms.errors import (  # raise_*: re-exported for rule modules
     FallbackWarning,
     InplaceError,
     raise_data_dependent,
+    raise_inplace_into_conj,
     raise_inplace_out_unbatched,
     raise_inplace_unbatched,
     raise_random,
@@ -224,6 +225,8 @@ class VmapInterpreter(Interpreter):
     def process(self, func, args, kwargs):
         """Autodidax's ``process_primitive``: unwrap this level, apply the op's rule, wrap."""
         f = facts(func)  # Note [One record per op]
+        if f.inplace and getattr(args[0], "_lazy_conj", None) is not None:
+            raise_inplace_into_conj(self, func)
         if (
             kwargs
             and self._batched_kwargs(func, f, kwargs)

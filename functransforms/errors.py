@@ -127,6 +127,17 @@ def raise_inplace_unbatched(interp, func):
     )
 
 
+def raise_inplace_into_conj(interp, func):
+    """vmap: an in-place op writes into the result of ``conj()`` (Note [Lazy conj outputs])."""
+    raise InplaceError(
+        f"{interp.call}: {op_name(func)} writes in place into the result of `conj()`. torch "
+        "writes through a conjugate view into the tensor it came from; under vmap the view is "
+        "materialized, so the write could not reach it and the result would differ from "
+        "torch.func. Do: write out of place (`y = x.conj() + 1`), or write into a copy "
+        "(`x.conj().clone()`)."
+    )
+
+
 def raise_inplace_untracked(interp, func, why):
     """jvp/grad: a value with derivatives is written into a plain tensor that cannot be
     promoted (Note [Writing into a plain tensor]); ``why`` says which condition refused."""
