@@ -22,8 +22,8 @@ from functransforms.errors import MissingRuleError, missing_rule
 JVP_RULES = make_registry("jvp")
 VJP_RULES = make_registry("vjp")
 # Ops whose value under grad is computed by another function than the op itself: the lazy
-# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]). Other ops
-# say so on their vjp rule (`rule.forward`, see def_linalg in autodiff/linalg.py).
+# conj/neg views, which must materialize (Note [No lazy conjugate inside wrappers]), and kernels
+# that need the conj keys inside transforms (def_linalg(forward=), autodiff/linalg.py).
 VJP_FORWARD = make_registry("vjp_forward", slot="vjp_forward")
 
 

@@ -12,7 +12,7 @@ from functransforms import _compat
 from functransforms._core import TransformTensor
 from functransforms.errors import IllDefinedDerivativeError
 
-from ._registry import register_jvp_rule, register_vjp_rule
+from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
 from ._util import conj_if_complex, unbroadcast
 from .reductions import _norm_weight
 
@@ -175,7 +175,7 @@ def def_linalg(op, jvp, vjp, forward=None):
         return tuple(grads[: len(primals)]) + (None,) * (len(primals) - len(grads))
 
     if forward is not None:
-        linalg_vjp_rule.forward = forward  # what grad runs for the value (autodiff/reverse.py)
+        VJP_FORWARD[op] = forward  # what grad runs for the value (autodiff/reverse.py)
     register_jvp_rule(op)(linalg_jvp_rule)
     register_vjp_rule(op)(linalg_vjp_rule)
 

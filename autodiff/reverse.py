@@ -197,10 +197,10 @@ class GradInterpreter(InplaceMixin, Interpreter):
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
         primals, inputs = unwrap_level(self, args, _entry_of)
-        # the value: the op itself, or what computes it in its place (vjp_forward for the lazy
-        # conj/neg views: Note [No lazy conjugate inside wrappers]; a rule's `forward`, e.g.
-        # kernels that need the conj keys, autodiff/linalg_qr.py)
-        run = (f.vjp_forward if f.view else getattr(rule, "forward", None)) or func
+        # the value: the op itself, or what computes it in its place (VJP_FORWARD: the lazy
+        # conj/neg views, Note [No lazy conjugate inside wrappers]; kernels that need the conj
+        # keys, def_linalg(forward=) in autodiff/linalg.py)
+        run = f.vjp_forward or func
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
                 out = run(*primals, **kwargs)
