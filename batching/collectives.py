@@ -125,26 +125,24 @@ def _dist_ppermute(x, bdim, group, world, src):
     return ops.dist_ppermute(to_front(x, bdim), group, 0, src), 0
 
 
-def_collective(
-    ops.psum,
-    lambda x, b, n: (x.sum(b), None),
-    lambda x, b, group, world: (ops.dist_psum(x.sum(b), group), None),
-)
-def_collective(
-    ops.pmean,
-    lambda x, b, n: (x.mean(b), None),
-    lambda x, b, group, world: (ops.dist_psum(x.sum(b), group) / (x.shape[b] * world), None),
-)
-def_collective(
-    ops.pmax,
-    lambda x, b, n: (x.amax(b), None),
-    lambda x, b, group, world: (ops.dist_pmax(x.amax(b), group), None),
-)
-def_collective(
-    ops.pmin,
-    lambda x, b, n: (x.amin(b), None),
-    lambda x, b, group, world: (ops.dist_pmin(x.amin(b), group), None),
-)
+def def_reduction(op, reduce, dist_op, mean=False):
+    """A reduction over the axis: ``reduce`` over the local examples, then ``dist_op`` over the
+    processes under pmap (a mean divides the global sum by the axis size)."""
+
+    def local(x, b, n):
+        return getattr(x, reduce)(b), None
+
+    def across(x, b, group, world):
+        out = dist_op(getattr(x, "sum" if mean else reduce)(b), group)
+        return (out / (x.shape[b] * world) if mean else out), None
+
+    def_collective(op, local, across)
+
+
+def_reduction(ops.psum, "sum", ops.dist_psum)
+def_reduction(ops.pmean, "mean", ops.dist_psum, mean=True)
+def_reduction(ops.pmax, "amax", ops.dist_pmax)
+def_reduction(ops.pmin, "amin", ops.dist_pmin)
 def_collective(ops.all_gather, _all_gather, _dist_all_gather)
 def_collective(ops.psum_scatter, _psum_scatter, _dist_psum_scatter)
 def_collective(ops.all_to_all, _all_to_all, _dist_all_to_all)
