@@ -17,6 +17,7 @@ from functransforms.errors import (  # raise_*: re-exported for rule modules
     FallbackWarning,
     InplaceError,
     raise_data_dependent,
+    raise_dynamic_shape,
     raise_inplace_into_conj,
     raise_inplace_out_unbatched,
     raise_inplace_unbatched,
@@ -275,6 +276,8 @@ class VmapInterpreter(Interpreter):
         random = draws_random(func, args, kwargs)
         if random and self.randomness == "error":
             raise_random(self, func)
+        if func in _DYNAMIC_SHAPE:  # torch.func refuses them even when the sizes agree
+            raise_dynamic_shape(self, func)
         same_draw = random and self.randomness == "same"
         if same_draw and any(
             _is_batched_at(a, self) for i, a in enumerate(args) if i not in f.written
@@ -307,13 +310,19 @@ class VmapInterpreter(Interpreter):
             return args[written[0]]
         first = results[0]
         if isinstance(first, torch.Tensor):
-            return wrap_batched(torch.stack(results), 0, self)
+            return wrap_batched(self._stack(func, results), 0, self)
         if isinstance(first, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in first):
             return type(first)(
-                wrap_batched(torch.stack([r[j] for r in results]), 0, self)
+                wrap_batched(self._stack(func, [r[j] for r in results]), 0, self)
                 for j in range(len(first))
             )
         raise_data_dependent(self, func)
+
+    def _stack(self, func, results):
+        shapes = [tuple(r.shape) for r in results]
+        if any(s != shapes[0] for s in shapes):  # bincount, repeat_interleave: value-sized
+            raise_dynamic_shape(self, func, shapes)
+        return torch.stack(results)
 
     def process_custom(self, custom_fn, args):
         """Note [Custom rules across levels]: the user's vmap rule, or a custom function whose
@@ -377,6 +386,11 @@ class VmapInterpreter(Interpreter):
 
 
 _WARNED: set = set()
+# ops torch.func refuses under vmap because their output size depends on the values
+_DYNAMIC_SHAPE = frozenset(
+    getattr(torch.ops.aten, n).default
+    for n in ("nonzero", "_unique", "_unique2", "unique_consecutive", "unique_dim")
+)
 
 
 def _is_batched_at(a, interp):

@@ -106,6 +106,18 @@ def raise_data_dependent(interp, func):
     )
 
 
+def raise_dynamic_shape(interp, func, shapes=None):
+    """vmap: an op whose output shape depends on the values (``nonzero``, ``unique``)."""
+    got = f" (the examples give shapes {sorted(set(shapes))})" if shapes else ""
+    raise DataDependentError(
+        f"{interp.call}: the output shape of {op_name(func)} depends on the values of each "
+        f"example{got}, so the results cannot form one batched tensor. Expected: ops whose "
+        "output shape depends only on the input shapes. Do: use a fixed-size form (e.g. "
+        "`torch.where(mask, x, 0)` instead of `x[mask]`, `bincount(..., minlength=n)`, "
+        "`nonzero` outside vmap), or loop over the examples in Python."
+    )
+
+
 def raise_inplace_out_unbatched(interp, func, key):
     """vmap: an op writes its batched result into an ``out=`` tensor that is not batched."""
     raise InplaceError(

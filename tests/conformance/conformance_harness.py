@@ -82,6 +82,9 @@ SKIP: dict[str, str] = {
             "resize_ resize_as_"
         ).split()
     },
+    # docs/torch_func_differences.md section 11: torch.func loops argwhere (a value only when
+    # every example has as many non-zeros) but refuses nonzero; ours refuses both
+    "argwhere": "deliberate: raises like nonzero under vmap (torch_func_differences.md 11)",
     **{
         name: "CUDA only (jiterator)"
         for name in (
