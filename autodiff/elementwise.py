@@ -483,11 +483,6 @@ for _op, _dx, _dy in (
     ),
     (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
     (
-        aten.atan2.default,
-        pullback(lambda g, x, y, o: g * y * (x * x + y * y).reciprocal()),
-        pullback(lambda g, x, y, o: g * -x * (x * x + y * y).reciprocal()),
-    ),
-    (
         aten.hypot.default,
         pullback(lambda g, x, y, o: g * x / o),
         pullback(lambda g, x, y, o: g * y / o),
@@ -506,6 +501,21 @@ for _op, _dx, _dy in (
     ),
 ):
     def_binary(_op, _dx, _dy)
+
+
+def _atan2_recip(x, y):
+    """torch's atan2_backward: 1 / (x^2 + y^2), and 0 at the origin (the zero subgradient)."""
+    d = x * x + y * y
+    return torch.where(d == 0, torch.zeros_like(d), d.reciprocal())
+
+
+# torch's forward formula is not masked: its jvp at the origin is nan, as ours
+def_binary(
+    aten.atan2.default,
+    pullback(lambda g, x, y, o: g * y * _atan2_recip(x, y)),
+    pullback(lambda g, x, y, o: g * -x * _atan2_recip(x, y)),
+    jvp=lambda x, y, o, tx, ty: (-x * ty + y * tx) / (x.pow(2) + y.pow(2)),
+)
 
 
 def _sgn_tangent(x, s, t):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._registry import register_jvp_rule, register_vjp_rule
@@ -124,7 +126,19 @@ def _var_weight(x, o, dim, primals, kwargs, std=False):
     centered = x - x.mean(_dims(x, dim), keepdim=True)
     if centered.is_complex():  # d|z - m|^2 = 2 Re(conj(z - m) dz)
         centered = torch.conj_physical(centered)
-    return 2 * centered / max(n - c, 0) if not std else centered / (max(n - c, 0) * o)
+    dof = n - c
+    if dof <= 0 and (dim is None or x.dim() == 0):
+        # torch's var_backward without a dim: 2 / 0 times (x - mean) as constants, inf * 0 = nan
+        # (a constant: its own derivative is 0, where differentiating 2 (x - mean) / 0 gives nan)
+        real = centered.real if centered.is_complex() else centered
+        w = torch.where(real == 0, torch.full_like(real, math.nan), torch.full_like(real, math.inf))
+    else:
+        w = 2 * centered / dof  # with a dim and dof < 0, torch's 2 / dof too (negative)
+    if not std:
+        return w
+    w = w / (2 * o)
+    # torch masks d std where std = 0 (constant input): the zero subgradient, not 0/0
+    return torch.where(o == 0, torch.zeros_like(w), w)
 
 
 def _norm_weight(x, o, dim, primals, kwargs):

@@ -28,26 +28,28 @@ def _scan_args(primals, kwargs):
 
 # Note [cumprod with zeros]
 #     out_j = prod_{k <= j} x_k, so d out_j = sum_{k <= j} t_k prod_{i <= j, i != k} x_i. With C the
-#     cumprod of x with its zeros replaced by 1, n_j the number of zeros among x_0..x_j, f the
-#     position of the first zero and S_j = sum_{k <= j, x_k != 0} t_k / x_k:
+#     cumprod of x with its zeros replaced by 1, n_j the number of zeros among x_0..x_j, f1 and f2
+#     the positions of the first two zeros and S_j = sum_{k <= j, x_k != 0} t_k / x_k:
 #       n_j = 0:  d out_j = C_j S_j
-#       n_j = 1:  d out_j = C_j (t_f + x_f S_j)     (x_f S_j is 0, but its derivative is not)
-#       n_j > 1:  d out_j = 0
+#       n_j = 1:  d out_j = C_j (t_f1 + x_f1 S_j)                          (x_f1 S_j is 0)
+#       n_j = 2:  d out_j = C_j (t_f1 x_f2 + x_f1 t_f2 + x_f1 x_f2 S_j)    (all 0)
+#       n_j > 2:  d out_j = 0
 #     A linear map of t built from cumsums and masks (no branch on the data), O(n) like the op;
-#     the vjp is its transpose, with reverse cumsums. Keeping x_f (rather than its value 0)
-#     makes second derivatives right at a single zero; at two or more zeros in one scan the
-#     second derivative misses the x_f1 x_f2 terms (torch's cumprod_backward has the same
-#     limit).
+#     the vjp is its transpose, with reverse cumsums. The terms that are 0 keep the zeros x_f as
+#     differentiable values, so that their derivatives are right: second derivatives are exact
+#     at any number of zeros (d2 out_j / dx_f1 dx_f2 = C_j, as torch's). A third derivative
+#     with three zeros in one scan would need an n_j = 3 term: not kept (it costs every call).
 def _cumprod_parts(x, dim):
     z = x == 0
     xs = torch.where(z, torch.ones_like(x), x)
     C = xs.cumprod(dim)
     nz = z.to(torch.int32).cumsum(dim)
-    m0, m1 = nz == 0, nz == 1
-    first = z & m1
+    m = (nz == 0, nz == 1, nz == 2)
+    firsts = (z & m[1], z & m[2])  # the first and second zero
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    xf = torch.where(first, x, zero).cumsum(dim)  # x_f from f on (a differentiable 0)
-    return z, xs, C, m0, m1, first, xf
+    # x_f1, x_f2 from their position on (differentiable zeros)
+    xf = tuple(torch.where(f, x, zero).cumsum(dim) for f in firsts)
+    return z, xs, C, m, firsts, xf
 
 
 @register_jvp_rule(aten.cumprod.default)
@@ -61,11 +63,15 @@ def cumprod_jvp_rule(primals, tangents, kwargs):
     t = t.to(out.dtype)
     if x.dim() == 0:
         return out, t
-    z, xs, C, m0, m1, first, xf = _cumprod_parts(x, dim)
+    z, xs, C, (m0, m1, m2), firsts, (xf1, xf2) = _cumprod_parts(x, dim)
     zero = torch.zeros((), dtype=out.dtype, device=out.device)
     S = torch.where(z, zero, t / xs).cumsum(dim)
-    tf_ = torch.where(first, t, zero).cumsum(dim)
-    d = torch.where(m0, C * S, zero) + torch.where(m1, C * (tf_ + xf * S), zero)
+    tf1, tf2 = (torch.where(f, t, zero).cumsum(dim) for f in firsts)
+    d = (
+        torch.where(m0, C * S, zero)
+        + torch.where(m1, C * (tf1 + xf1 * S), zero)
+        + torch.where(m2, C * (tf1 * xf2 + xf1 * tf2 + xf1 * xf2 * S), zero)
+    )
     return out, d
 
 
@@ -75,13 +81,17 @@ def cumprod_vjp_rule(ct, primals, kwargs, out, needs):
     rest = (None,) * (len(primals) - 1)
     if x.dim() == 0:
         return (ct.to(primals[0].dtype),) + rest
-    z, xs, C, m0, m1, first, xf = _cumprod_parts(x, dim)
+    z, xs, C, (m0, m1, m2), (first, second), (xf1, xf2) = _cumprod_parts(x, dim)
     zero = torch.zeros((), dtype=ct.dtype, device=ct.device)
     cC = ct * conj_if_complex(C)
-    # transpose of t -> m0 C S + m1 C (t_f + x_f S), term by term
-    via_s = torch.where(m0, cC, zero) + torch.where(m1, cC * conj_if_complex(xf), zero)
+    c1, c2 = conj_if_complex(xf1), conj_if_complex(xf2)
+    # transpose of the jvp's map, term by term: through S, then t_f1, then t_f2
+    via_s = torch.where(m0, cC, zero) + torch.where(m1, cC * c1, zero)
+    via_s = via_s + torch.where(m2, cC * c1 * c2, zero)
     g = torch.where(z, zero, _rev_cumsum(via_s, dim) / conj_if_complex(xs))
-    g = g + torch.where(first, _rev_cumsum(torch.where(m1, cC, zero), dim), zero)
+    via_f1 = torch.where(m1, cC, zero) + torch.where(m2, cC * c2, zero)
+    g = g + torch.where(first, _rev_cumsum(via_f1, dim), zero)
+    g = g + torch.where(second, _rev_cumsum(torch.where(m2, cC * c1, zero), dim), zero)
     return (g.to(primals[0].dtype),) + rest
 
 

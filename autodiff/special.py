@@ -112,6 +112,8 @@ for _op, _pb in (
     (aten.special_log_ndtr.default, _log_ndtr_pullback),
     (aten.special_ndtri.default, lambda g, x, o: g * _SQRT_2PI * (o.square() / 2).exp()),
     (aten.copysign.Scalar, _copysign_pullback),
+    # torch's formula, so entr'(0) = inf as in torch (its decomposition's where() gives nan)
+    (aten.special_entr.default, lambda g, x, o: g * (-(1 + x.log()))),
 ):
     def_unary(_op, pullback(_pb))
 
