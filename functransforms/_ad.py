@@ -330,6 +330,28 @@ def _check_holomorphic_inputs(diff, call):
             )
 
 
+def _check_jacobian_dtypes(leaves, call, holomorphic, what):
+    """jacrev/jacfwd as torch.func: real inputs and outputs only (the Jacobian of a complex map
+    is not one complex matrix unless the map is holomorphic); with ``holomorphic=True`` (JAX),
+    complex ones only."""
+    for i, leaf in enumerate(leaves):
+        if not torch.is_tensor(leaf) or leaf.dtype.is_complex == holomorphic:
+            continue
+        if holomorphic:
+            raise TypeError(
+                f"{call} with holomorphic=True: expected complex {what}s; got {leaf.dtype} at "
+                f"flattened {what} index {i}. The complex derivative f'(z) needs a complex "
+                f"{what}; drop holomorphic=True for real functions."
+            )
+        raise RuntimeError(
+            f"{call}: Expected all {what}s to be real but received a complex tensor at "
+            f"flattened {what} idx: {i} (as torch.func). The Jacobian of a complex function "
+            "is not one complex matrix: pass holomorphic=True for the complex derivative of a "
+            "holomorphic function, or use vjp / jvp, which follow PyTorch's complex convention "
+            "(docs/complex.md)."
+        )
+
+
 def grad(
     func: Func, argnums: ArgNums = 0, has_aux: bool = False, *, holomorphic: bool = False
 ) -> Func:
@@ -582,9 +604,11 @@ def jacrev(
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         if holomorphic:
             _check_holomorphic_inputs(tuple(args[i] for i in nums), call)
+        _check_jacobian_dtypes(pt.tree_leaves([args[i] for i in nums]), call, holomorphic, "input")
         res = _vjp(f, tuple(args[i] for i in nums), has_aux, call)
         out, vjp_fn = res[0], res[1]
         flat_out, out_spec = pt.tree_flatten(out)
+        _check_jacobian_dtypes(flat_out, call, holomorphic, "output")
         sizes = [o.numel() for o in flat_out]
         total = sum(sizes)
         dtype = flat_out[0].dtype
@@ -644,6 +668,7 @@ def jacfwd(
             _check_holomorphic_inputs(diff, call)
         flat_in, in_spec = pt.tree_flatten(diff)
         flat_in = [_as_primal(x, call, forward=True) for x in flat_in]
+        _check_jacobian_dtypes(flat_in, call, holomorphic, "input")
         sizes = [x.numel() for x in flat_in]
         total = sum(sizes)
         basis = torch.eye(total, dtype=flat_in[0].dtype, device=flat_in[0].device)
@@ -662,6 +687,7 @@ def jacfwd(
             pushed, aux = pushed
             aux = pt.tree_map(lambda a: a[0], aux)
         flat_out, out_spec = pt.tree_flatten(pushed)
+        _check_jacobian_dtypes(flat_out, call, holomorphic, "output")
         per_out = []
         for o in flat_out:
             leaves = []
