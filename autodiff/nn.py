@@ -247,7 +247,7 @@ def _source_index(coord, size, padding, align):
             shifted = ix - lo
             d = torch.where(shifted < 0, -d, d)
             shifted = shifted.abs()
-            extra = torch.fmod(shifted, span)
+            extra = torch.fmod(shifted, torch.tensor(span, dtype=ix.dtype))  # fmod.Scalar: no rule
             even = (shifted / span).floor().remainder(2) == 0
             ix = torch.where(even, extra + lo, span - extra + lo)
             d = torch.where(even, d, -d)
@@ -403,10 +403,11 @@ def _ctc_loss_backward(
     onehot = (ext.unsqueeze(-1) == torch.arange(C, device=dev)).to(post.dtype)  # [B, S, C]
     gamma = torch.einsum("tbs,bsc->tbc", post, onehot)
     g = (log_probs.exp() - gamma) * grad.view(1, B, 1)
+    # an impossible alignment: the kernel's 0 under zero_infinity, else its NaN (before each
+    # input length only)
+    g = torch.where(dead.view(1, B, 1), 0.0 if zero_infinity else float("nan"), g)
     live = torch.arange(T, device=dev).unsqueeze(1) < il  # [T, B]
-    g = torch.where(live.unsqueeze(-1), g, 0)
-    # an impossible alignment: the kernel's 0 under zero_infinity, else its NaN
-    return torch.where(dead.view(1, B, 1), 0.0 if zero_infinity else float("nan"), g)
+    return torch.where(live.unsqueeze(-1), g, 0)
 
 
 override(aten.grid_sampler_3d_backward.default)(_grid_sampler_3d_backward)
