@@ -218,3 +218,26 @@ def test_second_order_ctc_without_zero_infinity_is_nan_where_torch_is():
     assert g[0, 1].isnan().all() and not g[:, 0].isnan().any()
     h = ft.hessian(f)(_ctc_x())
     assert h[:, 0, :, :, 0, :].isfinite().all()
+
+
+def test_vmap_of_hessian_through_both_kernels_equals_a_loop():
+    """Per-example Hessians: the formulations run on batched values (inputs, grids, targets)."""
+    grid_loss = _grid_loss("bilinear", "reflection", False)
+    x, grid = _grid_args()
+    xs = torch.stack([x, x.sin()])
+    grids = torch.stack([grid, grid.flip(1)])
+    h = ft.vmap(ft.hessian(grid_loss, argnums=(0, 1)))(xs, grids)
+    for i in range(2):
+        hi = ft.hessian(grid_loss, argnums=(0, 1))(xs[i], grids[i])
+        for j, k in itertools.product(range(2), range(2)):  # d2 / d(x, grid)[j] d(x, grid)[k]
+            torch.testing.assert_close(h[j][k][i], hi[j][k])
+
+    def ctc(x, targets):
+        lp = x.log_softmax(-1)
+        return F.ctc_loss(lp, targets, [6, 5], [3, 2], reduction="sum")
+
+    cs = torch.stack([_ctc_x(), _ctc_x(seed=1)])
+    ts = torch.stack([_TARGETS, _TARGETS.flip(1).clamp(min=1)])
+    h = ft.vmap(ft.hessian(ctc))(cs, ts)
+    for i in range(2):
+        torch.testing.assert_close(h[i], ft.hessian(ctc)(cs[i], ts[i]))
