@@ -244,7 +244,7 @@ def _source_index(coord, size, padding, align):
     else:
         ix, scale = ((coord + 1) * size - 1) / 2, size / 2
     d = torch.full_like(ix, scale)
-    if padding == 2:  # reflection about the borders (twice the bounds keep half integers exact)
+    if padding == 2:  # reflection about the borders, as GridSampler.h's reflect_coordinates
         lo, span = (0.0, size - 1.0) if align else (-0.5, float(size))
         if span <= 0:
             ix, d = ix * 0, d * 0
@@ -252,7 +252,8 @@ def _source_index(coord, size, padding, align):
             shifted = ix - lo
             d = torch.where(shifted < 0, -d, d)
             shifted = shifted.abs()
-            extra = torch.fmod(shifted, torch.tensor(span, dtype=ix.dtype))  # fmod.Scalar: no rule
+            span_t = torch.tensor(span, dtype=ix.dtype, device=ix.device)  # fmod.Scalar: no rule
+            extra = torch.fmod(shifted, span_t)
             even = (shifted / span).floor().remainder(2) == 0
             ix = torch.where(even, extra + lo, span - extra + lo)
             d = torch.where(even, d, -d)
