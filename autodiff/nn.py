@@ -2,11 +2,18 @@
 normalization families that reach dispatch undecomposed: softmax, the losses (ctc_loss's
 forward mode is ours only) and grid_sampler_3d. Every vjp is written in ordinary
 differentiable, batchable ops, so backward passes compose with vmap and higher-order
-derivatives (ctc_loss's vjp is torch's kernel, which has no derivative: second order raises)."""
+derivatives. ctc_loss's and grid_sampler_3d's vjps call torch's backward kernels (12-16x faster
+than ours); differentiating those kernels runs our differentiable formulations of them
+(Note [Differentiable backward kernels])."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
+
+from functransforms._decomp import override
 
 from ._registry import register_jvp_rule, register_vjp_rule
 
@@ -164,7 +171,7 @@ def def_ctc_loss(op, backward):
         return out, (dnll.reshape(nll.shape), None)
 
     def ctc_loss_vjp_rule(cts, primals, kwargs, out, needs):
-        """torch's kernel, which has no derivative of its own: second order raises naming it."""
+        """torch's kernel; its derivatives: Note [Differentiable backward kernels]."""
         ct = cts[0]
         if ct is None:
             return (None,) * len(primals)
@@ -182,7 +189,8 @@ def_ctc_loss(aten._ctc_loss.default, aten._ctc_loss_backward.default)
 # Linear in the input (the jvp is the op on the tangent, the vjp torch's backward kernel). The
 # jvp in the grid (ours only) comes from the same kernel: with the channels moved into the batch
 # and a cotangent of ones, its grid gradient is d out[n, c, p] / d grid[n, p, :] for each channel
-# separately, which is contracted with the grid tangent: one kernel call.
+# separately, which is contracted with the grid tangent: one kernel call. Second order:
+# Note [Differentiable backward kernels].
 @register_jvp_rule(aten.grid_sampler_3d.default)
 def grid_sampler_3d_jvp_rule(primals, tangents, kwargs):
     x, grid, mode, padding, align = primals
@@ -211,3 +219,202 @@ def grid_sampler_3d_vjp_rule(ct, primals, kwargs, out, needs):
         ct, x, grid, mode, padding, align, [bool(needs[0]), bool(needs[1])]
     )
     return (gx if needs[0] else None, gg if needs[1] else None, None, None, None)
+
+
+# -- second order through the backward kernels ---------------------------------------------------
+# Note [Differentiable backward kernels]
+#     The first-order vjps (and grid_sampler_3d's jvp in the grid) call torch's backward kernels
+#     `grid_sampler_3d_backward` and `_ctc_loss_backward`, which have no derivative in torch.
+#     They stay the first-order path: equal to torch by construction, and 12x (grid_sampler_3d)
+#     and 16x (ctc_loss, whose recursions here are a Python loop over time) faster in CPU time
+#     than the formulations below (docs/design.md). When a backward kernel itself meets a
+#     transform's wrappers (jvp of a vjp, grad of grad, jvp of jvp), the interpreters find no
+#     rule for it and fall back to its decomposition (Note [Decomposition fallback],
+#     functransforms/_decomp.py): the formulations below, which compute the kernels' numbers
+#     with ordinary differentiable ops. This is how grid_sampler_2d gets its second order
+#     (torch's decomposition of it). Batching keeps its own rules for both kernels
+#     (batching/nn.py), so vmap of a first-order backward never reaches them.
+
+
+def _source_index(coord, size, padding, align):
+    """The kernel's sampling coordinate of normalized ``coord`` along an axis of ``size``, and
+    its derivative in ``coord`` (piecewise constant: GridSampler.h's ``*_set_grad``)."""
+    if align:
+        ix, scale = (coord + 1) / 2 * (size - 1), (size - 1) / 2
+    else:
+        ix, scale = ((coord + 1) * size - 1) / 2, size / 2
+    d = torch.full_like(ix, scale)
+    if padding == 2:  # reflection about the borders, as GridSampler.h's reflect_coordinates
+        lo, span = (0.0, size - 1.0) if align else (-0.5, float(size))
+        if span <= 0:
+            ix, d = ix * 0, d * 0
+        else:
+            shifted = ix - lo
+            d = torch.where(shifted < 0, -d, d)
+            shifted = shifted.abs()
+            span_t = torch.tensor(span, dtype=ix.dtype, device=ix.device)  # fmod.Scalar: no rule
+            extra = torch.fmod(shifted, span_t)
+            even = (shifted / span).floor().remainder(2) == 0
+            ix = torch.where(even, extra + lo, span - extra + lo)
+            d = torch.where(even, d, -d)
+    if padding != 0:  # border and reflection clip to the edge pixels, where d = 0
+        inside = (ix > 0) & (ix < size - 1)
+        ix, d = ix.clamp(0, size - 1), torch.where(inside, d, 0)
+    return ix, d
+
+
+def _grid_sampler_3d_backward(grad_out, x, grid, mode, padding, align, output_mask):
+    """(d input, d grid) of ``grid_sampler_3d`` for modes bilinear (0) and nearest (1), in ops
+    that have derivatives: the input's is a scatter-add of the trilinear (or nearest) weights,
+    the grid's the gathered corner values times the weights' derivatives (zero for nearest)."""
+    if mode not in (0, 1):
+        raise NotImplementedError(f"grid_sampler_3d_backward: interpolation mode {mode}")
+    N, C, D, H, W = x.shape
+    P = grid.shape[1] * grid.shape[2] * grid.shape[3]
+    g = grid.reshape(N, P, 3)
+    go = grad_out.reshape(N, C, P)
+    flat = x.reshape(N, C, D * H * W)
+    axes = [_source_index(g[..., k], n, padding, align) for k, n in enumerate((W, H, D))]
+    if mode == 1:  # nearest: round half to even like the kernel's nearbyint
+        corners = [(None, [i.round() for i, _ in axes], None)]
+    else:  # the kernel's weights: (base + 1 - i) on the low corner, (i - base) on the high one
+        base = [i.floor() for i, _ in axes]
+        lo = [b + 1 - i for (i, _), b in zip(axes, base)]
+        hi = [i - b for (i, _), b in zip(axes, base)]
+        corners = [
+            (
+                offs,
+                [b + o for b, o in zip(base, offs)],
+                [h if o else w for w, h, o in zip(lo, hi, offs)],
+            )
+            for offs in itertools.product((0, 1), repeat=3)
+        ]
+    gx = torch.zeros_like(flat) if output_mask[0] else None
+    dgrid = [0, 0, 0]
+    for offs, pos, ws in corners:
+        inb = functools.reduce(
+            torch.logical_and, [(p >= 0) & (p <= n - 1) for p, n in zip(pos, (W, H, D))]
+        )
+        ix, iy, iz = (torch.where(inb, p, 0).long() for p in pos)
+        idx = ((iz * H + iy) * W + ix).unsqueeze(1).expand(N, C, P)
+        w = inb.to(x.dtype) if ws is None else torch.where(inb, ws[0] * ws[1] * ws[2], 0)
+        if gx is not None:
+            gx = gx.scatter_add(2, idx, go * w.unsqueeze(1))
+        if output_mask[1] and ws is not None:
+            s = torch.where(inb, (go * flat.gather(2, idx)).sum(1), 0)  # [N, P]
+            for k in range(3):  # d w / d i_k: the other two weights, signed by the corner side
+                other = ws[(k + 1) % 3] * ws[(k + 2) % 3]
+                dgrid[k] = dgrid[k] + (s * other if offs[k] else -s * other)
+    if gx is not None:
+        gx = gx.reshape(x.shape)
+    gg = None
+    if output_mask[1]:
+        if mode == 1:
+            gg = torch.zeros_like(grid)
+        else:
+            gg = torch.stack([dg * axes[k][1] for k, dg in enumerate(dgrid)], -1)
+            gg = gg.reshape(grid.shape)
+    return gx, gg
+
+
+# A finite stand-in for log 0 in the recursions below: logsumexp over entries that are all -inf
+# has a NaN derivative; over this value it has a finite one, and exp() of it is exactly 0.
+_LOG0 = -1e30
+
+
+def _ctc_lengths(lengths, device):
+    return (
+        torch.as_tensor(lengths, device=device) if isinstance(lengths, (list, tuple)) else lengths
+    )
+
+
+def _ctc_loss_backward(
+    grad,
+    log_probs,
+    targets,
+    input_lengths,
+    target_lengths,
+    nll,
+    log_alpha,
+    blank,
+    zero_infinity=False,
+):
+    """d nll / d log_probs as torch's kernel computes it: ``(exp(lp) - gamma) * grad`` with the
+    posterior ``gamma[t, c] = sum_{s: l'(s) = c} exp(log_alpha + log_beta + nll - lp)`` of the
+    extended labels l' (blanks between the targets), zero from each input length on. The alpha
+    and beta recursions are redone here in ordinary ops (the kernel's ``log_alpha`` and ``nll``
+    are outputs without derivatives of their own); ``nll`` is read only for its infinities."""
+    T, B, C = log_probs.shape
+    dev = log_probs.device
+    il = _ctc_lengths(input_lengths, dev)
+    tl = _ctc_lengths(target_lengths, dev)
+    if isinstance(target_lengths, (list, tuple)):  # the padded width: a Python int is needed
+        L = max(target_lengths, default=0)
+    elif type(target_lengths) is torch.Tensor and target_lengths.numel():
+        L = int(target_lengths.max())
+    else:  # a transform's wrapper: a bound read from the shapes
+        L = targets.shape[-1]
+    j = torch.arange(L, device=dev)
+    if targets.dim() == 1:  # concatenated targets: example b's start at sum(tl[:b])
+        start = tl.cumsum(0) - tl
+        at = (start.unsqueeze(1) + j).clamp(max=max(targets.shape[0] - 1, 0))
+        labels = targets[at] if targets.numel() else torch.zeros_like(at)
+    else:
+        labels = targets[:, :L]
+    labels = torch.where(j < tl.unsqueeze(1), labels, blank)
+    S = 2 * L + 1
+    s = torch.arange(S, device=dev)
+    blanks = torch.full_like(labels, blank)
+    ext = torch.stack([blanks, labels], 2).reshape(B, 2 * L)  # l': blank, l1, blank, l2, ...
+    ext = torch.cat([ext, blanks[:, :1] if L else labels.new_full((B, 1), blank)], 1)
+    valid = s < 2 * tl.unsqueeze(1) + 1  # [B, S]
+    prev2 = torch.cat([ext.new_full((B, 2), blank), ext[:, :-2]], 1)
+    skip = (s >= 2) & (ext != blank) & (ext != prev2)  # alpha may come from s - 2
+    skip_next = torch.cat([skip[:, 2:], skip.new_zeros(B, 2)], 1)  # beta may come from s + 2
+    lp = log_probs.gather(2, ext.unsqueeze(0).expand(T, B, S))  # [T, B, S]: lp[t, b, l'(s)]
+
+    def shift(a, k):  # a[:, s - k], log 0 where s < k (k < 0: a[:, s + |k|], log 0 past the end)
+        pad = a.new_full((B, abs(k)), _LOG0)
+        return torch.cat([pad, a[:, :-k]], 1) if k > 0 else torch.cat([a[:, -k:], pad], 1)
+
+    def lse3(a, b, c):
+        return torch.logsumexp(torch.stack([a, b, c]), 0)
+
+    t0 = s < 2  # alpha starts on the first blank and the first label
+    alphas = [torch.where(t0 & valid, lp[0], _LOG0)]
+    for t in range(1, T):
+        a = alphas[-1]
+        a = lse3(a, shift(a, 1), torch.where(skip, shift(a, 2), _LOG0)) + lp[t]
+        alphas.append(torch.where(valid, a, _LOG0))
+    alpha = torch.stack(alphas)  # [T, B, S]
+    last = (il - 1).clamp(min=0)
+    tail = (s == 2 * tl.unsqueeze(1)) | (s == 2 * tl.unsqueeze(1) - 1)  # the two end states
+    end = alpha.gather(0, last.view(1, B, 1).expand(1, B, S))[0]
+    dead = nll == float("inf")  # an impossible alignment: no finite posterior to compute
+    loss = torch.where(dead, 0, -torch.logsumexp(torch.where(tail, end, _LOG0), 1))  # [B]
+    betas = []
+    b_next = None
+    for t in reversed(range(T)):
+        start = (t == il - 1).unsqueeze(1)
+        init = torch.where(tail & valid, lp[t], _LOG0)
+        if b_next is None:
+            b = torch.where(start, init, _LOG0)
+        else:
+            b = lse3(b_next, shift(b_next, -1), torch.where(skip_next, shift(b_next, -2), _LOG0))
+            b = torch.where(start, init, torch.where((t < il - 1).unsqueeze(1), b + lp[t], _LOG0))
+        b_next = torch.where(valid, b, _LOG0)
+        betas.append(b_next)
+    beta = torch.stack(betas[::-1])
+    post = torch.exp(alpha + beta + loss.view(1, B, 1) - lp)  # [T, B, S]
+    onehot = (ext.unsqueeze(-1) == torch.arange(C, device=dev)).to(post.dtype)  # [B, S, C]
+    gamma = torch.einsum("tbs,bsc->tbc", post, onehot)
+    g = (log_probs.exp() - gamma) * grad.view(1, B, 1)
+    # an impossible alignment: the kernel's 0 under zero_infinity, else its NaN (before each
+    # input length only)
+    g = torch.where(dead.view(1, B, 1), 0.0 if zero_infinity else float("nan"), g)
+    live = torch.arange(T, device=dev).unsqueeze(1) < il  # [T, B]
+    return torch.where(live.unsqueeze(-1), g, 0)
+
+
+override(aten.grid_sampler_3d_backward.default)(_grid_sampler_3d_backward)
+override(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)(_ctc_loss_backward)

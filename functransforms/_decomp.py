@@ -70,6 +70,21 @@ _OVERRIDES = {
 }
 
 
+def override(*ops):
+    """Decorator: ``fn`` is our decomposition of each op in ``ops``, in place of torch's or where
+    torch has none (Note [Differentiable backward kernels] in autodiff/nn.py)."""
+
+    def register(fn):
+        for op in ops:
+            if op in _OVERRIDES:
+                raise ValueError(f"override: {op} already has a decomposition of ours")
+            _OVERRIDES[op] = fn
+            _CACHE.pop(op, None)
+        return fn
+
+    return register
+
+
 def decomposition(func):
     """torch's decomposition of ``func``, or None."""
     d = _CACHE.get(func, False)
