@@ -366,3 +366,75 @@ def _div_mode(op, plain):
 
 _div_mode(aten.div.Tensor_mode, aten.div.Tensor)
 _div_mode(aten.div.Scalar_mode, aten.div.Scalar)
+
+
+# -- Python-scalar overloads (x % 0.7, fmod(x, s), nan_to_num) and the Hurwitz zeta ------------
+def _not_implemented(what):
+    """A partial torch does not define either: asking for it raises (never a silent zero)."""
+
+    def partial(*args):
+        raise NotImplementedError(
+            f"the derivative of {what} is not implemented (torch has none either). Expected: "
+            "differentiate with respect to the other arguments only (detach this one)."
+        )
+
+    return partial
+
+
+for _op, _d in (
+    (aten.fmod.Scalar, lambda x, o, s: torch.ones_like(o)),
+    (aten.remainder.Scalar, lambda x, o, s: torch.ones_like(o)),
+    # torch's formula, grad * isfinite(x): a nan tangent stays nan (a where() would zero it)
+    (aten.nan_to_num.default, lambda x, o, *params: torch.isfinite(x).to(o.dtype)),
+):
+    def_unary(_op, _d)
+
+
+def _zeta_dq(x, q, o):
+    """d/dq zeta(x, q) = -x zeta(x + 1, q)."""
+    return -x * torch.special.zeta(x + 1.0, q)
+
+
+def_binary(aten.special_zeta.default, _not_implemented("zeta(x, q) with respect to x"), _zeta_dq)
+
+
+@register_jvp_rule(aten.special_zeta.self_scalar)
+def zeta_self_scalar_jvp_rule(primals, tangents, kwargs):
+    s, q = primals
+    out = aten.special_zeta.self_scalar(s, q)
+    t = tangents[1]
+    return out, None if t is None else t * _zeta_dq(s, q, out)
+
+
+@register_vjp_rule(aten.special_zeta.self_scalar)
+def zeta_self_scalar_vjp_rule(ct, primals, kwargs, out, needs):
+    s, q = primals
+    return None, ct * _zeta_dq(s, q, out)
+
+
+@register_jvp_rule(aten.special_zeta.other_scalar)
+def zeta_other_scalar_jvp_rule(primals, tangents, kwargs):
+    out = aten.special_zeta.other_scalar(*primals)
+    if tangents[0] is not None:
+        _not_implemented("zeta(x, q) with respect to x")()
+    return out, None
+
+
+@register_vjp_rule(aten.special_zeta.other_scalar)
+def zeta_other_scalar_vjp_rule(ct, primals, kwargs, out, needs):
+    _not_implemented("zeta(x, q) with respect to x")()
+
+
+# s % q (torch has no derivative: ours only): s - floor(s / q) q, so d/dq = -floor(s / q)
+@register_jvp_rule(aten.remainder.Scalar_Tensor)
+def remainder_scalar_tensor_jvp_rule(primals, tangents, kwargs):
+    s, q = primals
+    out = aten.remainder.Scalar_Tensor(s, q)
+    t = tangents[1]
+    return out, None if t is None else t * -torch.floor(s / q)
+
+
+@register_vjp_rule(aten.remainder.Scalar_Tensor)
+def remainder_scalar_tensor_vjp_rule(ct, primals, kwargs, out, needs):
+    s, q = primals
+    return None, ct * -torch.floor(s / q)
