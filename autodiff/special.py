@@ -438,3 +438,25 @@ def remainder_scalar_tensor_jvp_rule(primals, tangents, kwargs):
 def remainder_scalar_tensor_vjp_rule(ct, primals, kwargs, out, needs):
     s, q = primals
     return None, ct * -torch.floor(s / q)
+
+
+# Special functions torch leaves underivable (torch.func returns a silent zero gradient for them;
+# ours only): j0(x) = sin x / x, and the exponentially scaled K0/K1 (k0e = e^x K0, k1e = e^x K1,
+# with K0' = -K1 and K1' = -K0 - K1 / x)
+def _sph_j0_deriv(x, o):
+    d = (x * torch.cos(x) - torch.sin(x)) / (x * x)
+    return torch.where(x == 0, torch.zeros_like(d), d)
+
+
+for _op, _d in (
+    (aten.special_spherical_bessel_j0.default, _sph_j0_deriv),
+    (
+        aten.special_scaled_modified_bessel_k0.default,
+        lambda x, o: o - torch.special.scaled_modified_bessel_k1(x),
+    ),
+    (
+        aten.special_scaled_modified_bessel_k1.default,
+        lambda x, o: o - torch.special.scaled_modified_bessel_k0(x) - o / x,
+    ),
+):
+    def_unary(_op, _d)

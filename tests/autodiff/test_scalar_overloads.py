@@ -67,3 +67,28 @@ def test_zeta_in_x_is_a_clear_error_as_in_torch():
         ft.grad(lambda x: torch.special.zeta(x, q).sum())(_X + 1)
     with pytest.raises(NotImplementedError, match="zeta.*with respect to x"):
         ft.grad(lambda x: torch.special.zeta(x, 2.0).sum())(_X + 1)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        torch.special.spherical_bessel_j0,
+        torch.special.scaled_modified_bessel_k0,
+        torch.special.scaled_modified_bessel_k1,
+    ],
+    ids=["spherical_bessel_j0", "scaled_modified_bessel_k0", "scaled_modified_bessel_k1"],
+)
+def test_special_functions_torch_cannot_differentiate_match_finite_differences(f):
+    # torch has no derivative (torch.func returns a silent 0); ours: checked to second order
+    x = torch.tensor([0.4, 1.3, 2.7], dtype=torch.float64)
+    t, eps = torch.ones_like(x), 1e-6
+    fd = (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+    torch.testing.assert_close(ft.grad(lambda q: f(q).sum())(x), fd, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(ft.jvp(f, (x,), (t,))[1], fd, rtol=1e-6, atol=1e-8)
+    g = lambda q: ft.grad(lambda r: f(r).sum())(q)  # noqa: E731
+    fd2 = (g(x + eps * t) - g(x - eps * t)) / (2 * eps)
+    torch.testing.assert_close(ft.jvp(g, (x,), (t,))[1], fd2, rtol=1e-5, atol=1e-7)
+
+
+def test_spherical_bessel_j0_derivative_at_zero_is_zero():
+    assert ft.grad(torch.special.spherical_bessel_j0)(torch.tensor(0.0)).item() == 0.0
