@@ -36,6 +36,7 @@ from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._jit import jit
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
 from ._pmap import pmap
+from ._rearrange import rearrange
 from ._vmap import vmap
 
 _install_autograd_function()  # Note [autograd.Function under transforms]
@@ -71,6 +72,7 @@ __all__ = [
     "jit",
     "jvp",
     "linearize",
+    "rearrange",
     "replace_all_batch_norm_modules_",
     "stack_module_state",
     "value_and_grad",
