@@ -129,3 +129,17 @@ def_full(aten.max.default, lambda x: aten.amax.default(x, [1]))
 def_full(aten.min.default, lambda x: aten.amin.default(x, [1]))
 def_full(aten.any.default, lambda x: aten.any.dim(x, 1))
 def_full(aten.all.default, lambda x: aten.all.dim(x, 1))
+
+
+# torch.distributions' argument checks (`if not torch._is_all_true(valid): raise`) read one Python
+# bool under vmap: as in torch.func, the check spans the whole batch (every example valid) and
+# its answer is not batched, so the bool can be read
+def def_whole_batch(op):
+    def whole_batch_vmap_rule(interp, args, bdims, kwargs):
+        return op(args[0], **kwargs), None
+
+    register_vmap_rule(op)(whole_batch_vmap_rule)
+
+
+def_whole_batch(aten._is_all_true.default)
+def_whole_batch(aten._is_any_true.default)
