@@ -473,14 +473,14 @@ class InplaceMixin:
                 known = 1 if root is target else 2
                 if _compat.storage_use_count(root.untyped_storage()._cdata) != known + 1:
                     why = "other tensors share its memory (views or aliases of it are alive)"
-                elif self._is_fresh(root) and root._use_count() > (3 if root is target else 2):
-                    # Note [Buffers held by kernels]: a buffer made at this level by a *_like
-                    # op from a tracked value, whose TensorImpl is referenced from C++ beyond
-                    # its Python object and this op's arguments: a composite kernel
-                    # (hinge_embedding_loss: `(margin - x).clamp_min_(0)`) made it and keeps
-                    # computing with it in C++, where a promoted wrapper is invisible;
-                    # promoting would silently drop the derivative (and the value). Buffers the
-                    # user made, or passed into a kernel (batch_norm's running stats), promote.
+                elif root._use_count() > (3 if root is target else 2):
+                    # Note [Buffers held by kernels]: a buffer whose TensorImpl is referenced
+                    # from C++ beyond its Python object and this op's arguments: a composite
+                    # kernel made it and keeps computing with it in C++, where a promoted
+                    # wrapper is invisible (hinge_embedding_loss: `(margin - x).clamp_min_(0)`
+                    # on a *_like buffer; the CPU LSTM cell: `linear_hh(hx).add_(gates)` on a
+                    # plain one); promoting would silently drop the derivative and the value.
+                    # Buffers the user made (held only by Python) promote.
                     why = "a torch kernel holds it (a composite op writing into its own buffer)"
         if why is not None:
             raise_inplace_untracked(self, func, why)

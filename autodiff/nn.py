@@ -418,3 +418,40 @@ def _ctc_loss_backward(
 
 override(aten.grid_sampler_3d_backward.default)(_grid_sampler_3d_backward)
 override(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)(_ctc_loss_backward)
+
+
+# -- LSTM on CPU ---------------------------------------------------------------------------------
+# Note [LSTM through oneDNN]
+#     On CPU, nn.LSTM's composite kernel runs each layer and direction as aten.mkldnn_rnn_layer,
+#     a fused oneDNN kernel whose only derivative in torch is its backward kernel (no forward
+#     mode, no second order, no batching rule). We differentiate and batch it through this
+#     decomposition instead: the input projection as one matmul over all time steps, then the
+#     recurrence one step at a time (gates i, f, g, o as torch orders them), so grad, jvp,
+#     second order and vmap (per-sample gradients of an LSTM, which torch.func cannot batch)
+#     all come from the rules of ordinary ops. torch hands the kernel a sequence-first input
+#     [T, B, I] whatever its batch_first flag says (it transposes before the call).
+def _mkldnn_rnn_layer(
+    input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode, hidden_size, *rest
+):
+    has_biases = rest[1] if len(rest) > 1 else True
+    if batch_sizes:
+        raise NotImplementedError(
+            "LSTM with packed sequences (batch_sizes) under a transform: not supported. "
+            "Do: pad the sequences (torch.nn.utils.rnn.pad_packed_sequence) instead."
+        )
+    gx = torch.matmul(input, w_ih.t())  # [T, B, 4H]
+    if has_biases:
+        gx = gx + b_ih + b_hh
+    h, c = hx, cx
+    T = input.shape[0]
+    outs = [None] * T
+    for t in range(T - 1, -1, -1) if reverse else range(T):
+        i, f, g, o = (gx[t] + torch.matmul(h, w_hh.t())).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        outs[t] = h
+    out = torch.stack(outs) if T else input.new_zeros((0,) + tuple(hx.shape))
+    return out, h, c, torch.empty(0, dtype=torch.uint8, device=input.device)
+
+
+override(aten.mkldnn_rnn_layer.default)(_mkldnn_rnn_layer)

@@ -106,6 +106,13 @@ def _no_training_geometry(primals, out):
     return _batch_geometry(x, out, rm, rv, False, eps)
 
 
+def _with_update_geometry(primals, out):
+    """_batch_norm_with_update(x, w, b, rm, rv, momentum, eps): training mode, the running
+    statistics updated by torch's kernel on the primal values."""
+    x, _, _, rm, rv, _, eps = primals
+    return _batch_geometry(x, out, rm, rv, True, eps)
+
+
 def _sum(t, dims):
     """``t`` summed over ``dims`` (none: ``t`` itself; torch's ``sum([])`` sums everything)."""
     return t.sum(dims) if dims else t
@@ -162,7 +169,8 @@ def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
         if tb is not None:
             tb = _affine(tb, g)
             t = tb.expand(out[0].shape) if t is None else t + tb
-        return out, (t, tmean, trstd)
+        # _batch_norm_with_update's fourth output (a workspace) has no tangent
+        return out, (t, tmean, trstd) + (None,) * (len(out) - 3)
 
     def normalization_vjp_rule(cts, primals, kwargs, out, needs):
         ct, ct_mean, ct_rstd = cts[0], cts[1], cts[2]
@@ -215,5 +223,6 @@ for _op, _geometry in (
     (aten._native_batch_norm_legit.default, _batch_norm_geometry),
     (aten._native_batch_norm_legit.no_stats, _no_stats_geometry),
     (aten._native_batch_norm_legit_no_training.default, _no_training_geometry),
+    (aten._batch_norm_with_update.default, _with_update_geometry),
 ):
     def_normalization(_op, _geometry, kernel_vjp=_batch_norm_kernel_vjp)
