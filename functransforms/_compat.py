@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 __all__ = [
     "ADInplaceOrView",
+    "AutoDispatchBelowADInplaceOrView",
     "AutogradFunctionality",
     "AutogradNestedTensor",
     "AutogradOther",
@@ -105,6 +106,9 @@ disabled_torch_function_impl = _C._disabled_torch_function_impl
 # storage positions) that must not re-enter the interpreters.
 DisableTorchDispatch = _C._DisableTorchDispatch
 DisableTorchFunction = _C.DisableTorchFunction
+# Below the autograd and ADInplaceOrView keys: views made here are not registered as views
+# (Note [Many views at once], batching/views.py). Checked on 2.13.0, 2.15.0.
+AutoDispatchBelowADInplaceOrView = _C._AutoDispatchBelowADInplaceOrView
 DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # The C++ base of torch.Tensor: its metadata accessors (``dtype``, ``shape``, ``stride``, ...)
 # read under DisableTorchFunctionSubclass (Note [Metadata reads without __torch_function__],
