@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from functransforms import _compat
@@ -357,13 +359,35 @@ def _many_views(func, args, kwargs, cls, wrap):
             outs = func(v, *sections, pd)
     except _ERRORS:
         return None  # the ordinary path raises it, naming logical dims
-    out_bdim = bdim - 1 if at == 1 and bdim > pd else bdim
-    return wrap_many(a, outs, out_bdim, cls, same_shape=at == 1)
+    if at == 1:
+        return wrap_many(a, outs, bdim - 1 if bdim > pd else bdim, cls, _SAME)
+    # split and chunk by a size: every piece but the last has one shape
+    uneven = func in _BY_SIZE and type(sections[0]) is int
+    return wrap_many(a, outs, bdim, cls, _ALL_BUT_LAST if uneven else None)
 
 
-def wrap_many(a, outs, bdim, cls, same_shape=False):
+_SAME, _ALL_BUT_LAST = "same", "all but last"
+
+
+def _runs(outs, kind):
+    """``(count, first index)`` of each run of consecutive pieces of one shape."""
+    m = len(outs)
+    if kind is _SAME or m == 1:
+        return ((m, 0),)
+    if kind is _ALL_BUT_LAST:
+        return ((m - 1, 0), (1, m - 1))
+    runs, i = [], 0
+    for _, group in itertools.groupby([o.shape for o in outs]):  # torch.Size: compared in C
+        k = len(list(group))
+        runs.append((k, i))
+        i += k
+    return runs
+
+
+def wrap_many(a, outs, bdim, cls, kind=None):
     """Note [Many views at once]: wrappers of ``a``'s level around the physical views ``outs``
-    (batch dim ``bdim``), made as views of the wrapper ``a`` by two C++ calls per shape."""
+    (batch dim ``bdim``), made from the wrapper ``a`` by two C++ calls per run of pieces of one
+    shape (``kind``: all pieces of one shape, all but the last, or unknown)."""
     if not outs:
         return ()
     st = outs[0].stride()
@@ -371,15 +395,10 @@ def wrap_many(a, outs, bdim, cls, same_shape=False):
     ws = []
     with _NoTF(), _NoDispatch(), _BelowAD():
         offset = a.storage_offset()
-        i, m = 0, len(outs)
-        while i < m:
+        for k, i in _runs(outs, kind):
             shape = outs[i].shape
-            j = m if same_shape else i + 1
-            while j < m and outs[j].shape == shape:
-                j += 1
-            size = [j - i, *shape[:bdim], *shape[bdim + 1 :]]
+            size = [k, *shape[:bdim], *shape[bdim + 1 :]]
             ws.extend(a.as_strided(size, logical_st, offset).unbind(0))
-            i = j
     interp = a._interp
     for w, p in zip(ws, outs):
         w.__class__ = cls
@@ -387,6 +406,7 @@ def wrap_many(a, outs, bdim, cls, same_shape=False):
     return tuple(ws)
 
 
+_BY_SIZE = frozenset((torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk))
 for _fn in (
     torch.unbind,
     torch.Tensor.unbind,
