@@ -7,9 +7,11 @@ import itertools
 import torch
 
 from functransforms import _compat
+from functransforms._core import SLOW_METADATA, TransformTensor, metadata
 
 from ._fastpath import SHAPED_FUNCS, _live_value, _phys
 from ._registry import register_vmap_rule
+from ._tensor import WRITES, BatchedTensor
 from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
 from .elementwise import def_same_bdim
 
@@ -264,6 +266,7 @@ for _op in (
     aten.lift_fresh.default,
     aten.resolve_conj.default,
     aten.resolve_neg.default,
+    aten._neg_view.default,  # conj().imag: a negative view (materialized when wrapped)
     aten._conj.default,
     aten.view_as_real.default,
     aten.view_as_complex.default,
@@ -300,26 +303,27 @@ def flip_vmap_rule(interp, args, bdims, kwargs):
 
 # Note [Many views at once]
 #     ``unbind``/``split``/``chunk``/``tensor_split`` return one view per piece, often hundreds
-#     (``x.unbind(0)`` of 512 rows). Through ``__torch_dispatch__`` each piece cost a
-#     ``_make_wrapper_subclass`` and metadata reads (~2.5 us), then the dispatcher registered
-#     each as an autograd view of the input wrapper (~0.9 us more with its deallocation): 7-17x
-#     torch.func, which builds its BatchedTensors in C++. These functions take a shortcut in
-#     ``__torch_function__`` (Note [Shaped fast path]): one call of the function on the physical
-#     value (the logical dim mapped past the batch dim) gives every piece's value, as a
-#     registered view of it; one C++ call on the input *wrapper* gives every piece's wrapper:
-#     ``as_strided`` of the wrapper to ``[pieces, *logical shape]`` with stride 0 along the new
-#     dim, then ``unbind(0)`` of that, with Python dispatch off and below ADInplaceOrView. Each
-#     fresh Python object is then re-classed to BatchedTensor (identical layouts) and given its
-#     value, batch dim and level: ~0.15 us per piece. Pieces of equal shape share one
-#     ``as_strided``: an uneven ``split`` costs one more.
+#     (``x.unbind(0)`` of 512 rows). Through ``__torch_dispatch__`` each piece cost ~4 us:
+#     ``wrap_batched`` (metadata reads, conj checks, ``_make_wrapper_subclass`` with keyword
+#     arguments), three attribute stores, then the dispatcher registered each as an autograd
+#     view of the input wrapper (and freed that bookkeeping again): 7-17x torch.func, which
+#     builds its BatchedTensors in C++. These functions take a shortcut in
+#     ``__torch_function__`` (Note [Shaped fast path]): one call of the function on the
+#     physical value (the logical dim mapped past the batch dim) gives every piece's value,
+#     and a lean loop wraps them: the logical strides, dtype and device are the same for every
+#     piece and the shape for every piece of a run (all pieces for unbind, all but the last for
+#     split/chunk by a size), so each wrapper costs one ``_make_wrapper_subclass`` with
+#     positional arguments (keyword parsing costs ~0.2 us per call) and one ``__dict__``
+#     store. Measured alternatives: wrappers as C++ views of the input wrapper (one ``unbind``
+#     for all) are cheaper, but a C++-made TensorImpl never carries the Python dispatch key
+#     (only a subclass's constructor sets it), and ``as_subclass`` to add it costs more than
+#     building each wrapper.
 #
 #     What the pieces are: the physical values are views of the input's value, so writes
 #     through a piece reach the input and vmap returns views of its input (Note [Views of
-#     vmap's inputs], functransforms/_vmap.py). The wrappers themselves are not registered
-#     views of the input wrapper: ``piece._base`` is None inside the function, as for
-#     torch.func's BatchedTensors (the ordinary path's views report the input wrapper, as
-#     before). Their storage offset is the input wrapper's (0), as wrappers built one by one
-#     report (the convention the as_strided rule relies on, batching/indexing.py). Anything
+#     vmap's inputs], functransforms/_vmap.py). The wrappers are not registered autograd views
+#     of the input wrapper: ``piece._base`` is None inside the function, as for torch.func's
+#     BatchedTensors (the ordinary path's views report the input wrapper, as before). Anything
 #     else (other keyword arguments, tensor indices, a lazily conjugated value, a value that
 #     requires grad below torch's autograd, an error) takes the ordinary path, which stays the
 #     single source of semantics.
@@ -386,26 +390,27 @@ def _runs(outs, kind):
 
 def wrap_many(a, outs, bdim, cls, kind=None):
     """Note [Many views at once]: wrappers of ``a``'s level around the physical views ``outs``
-    (batch dim ``bdim``), made from the wrapper ``a`` by two C++ calls per run of pieces of one
-    shape (``kind``: all pieces of one shape, all but the last, or unknown)."""
+    (batch dim ``bdim``); ``kind`` says which pieces share a shape (all, all but the last, or
+    unknown)."""
     if not outs:
         return ()
     st = outs[0].stride()
-    logical_st = [0, *st[:bdim], *st[bdim + 1 :]]
+    logical_st = st[:bdim] + st[bdim + 1 :]
+    dtype, device, interp = a.dtype, a.device, a._interp
     ws = []
-    with _NoTF(), _NoDispatch(), _BelowAD():
-        offset = a.storage_offset()
-        for k, i in _runs(outs, kind):
-            shape = outs[i].shape
-            size = [k, *shape[:bdim], *shape[bdim + 1 :]]
-            ws.extend(a.as_strided(size, logical_st, offset).unbind(0))
-    interp = a._interp
-    for w, p in zip(ws, outs):
-        w.__class__ = cls
-        w.__dict__ = {"_value": p, "_bdim": bdim, "_interp": interp}  # one store, not three
+    append = ws.append
+    for k, i in _runs(outs, kind):
+        shape = outs[i].shape
+        size = shape[:bdim] + shape[bdim + 1 :]
+        for p in outs[i : i + k]:
+            w = _mk(cls, size, logical_st, None, None, dtype, _STRIDED, device)
+            w.__dict__ = {"_value": p, "_bdim": bdim, "_interp": interp}  # one store, not three
+            append(w)
     return tuple(ws)
 
 
+_mk = _compat.make_wrapper_subclass
+_STRIDED = torch.strided
 _BY_SIZE = frozenset((torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk))
 for _fn in (
     torch.unbind,
@@ -420,3 +425,96 @@ for _fn in (
     torch.Tensor.split_with_sizes,
 ):
     SHAPED_FUNCS[_fn] = _many_views
+
+
+# Note [Conjugate views under vmap]
+#     ``t.conj()`` is a lazy view in torch: no copy, ``is_conj()``, a view of ``t``, and views of
+#     it (``t.conj()[1:]``, ``.transpose``, ``.unbind``) are lazy views of ``t`` too. Inside
+#     ``__torch_dispatch__`` the Conjugate key is excluded, so a rule handed the lazy physical
+#     value would compute with the unconjugated numbers. A wrapper around a lazy conjugate is
+#     therefore a ConjBatchedTensor: it holds only the lazy physical view (``_lazy_conj``) and
+#     carries the conj bit itself (``is_conj()`` as torch.func; ``c.real``/``c.imag`` decompose
+#     as torch does for conj tensors). Its ``_value``, which rules and the fallback read, is the
+#     resolved copy, made when first read and remade when a tensor may have been written since
+#     (``WRITES``, bumped by vmap's ``process`` before every op that writes, and the lazy
+#     view's version counter): a write into ``t`` after ``c = t.conj()`` shows in ``c``, as in
+#     torch. View ops on it (``process`` sends them here) apply the op's rule to the lazy
+#     value instead: the result keeps the conj bit and is wrapped lazily again, or is a plain
+#     view when the op dropped the bit (``_conj`` of it, ``resolve_conj``). ``view_as_real``
+#     raises torch's error, as torch does for a conj tensor. vmap returns the lazy view (Note
+#     [Lazy conj outputs], functransforms/_vmap.py). In-place writes *into* such a wrapper or
+#     its views raise InplaceError (docs/torch_func_differences.md): the fast paths skip the
+#     subclass (they test ``type(a) is BatchedTensor``), so every op on it comes here.
+class ConjBatchedTensor(BatchedTensor):
+    """A BatchedTensor whose physical value is a lazy conjugate view (Note [Conjugate views
+    under vmap])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # the fast paths take values whose type is the ``cls`` they are given: not this one
+        return _batched_torch_function(BatchedTensor, func, types, args, kwargs)
+
+    @property
+    def _value(self):
+        lazy = self._lazy_conj[0]
+        key = (WRITES[0], lazy._version)
+        cached = self.__dict__.get("_resolved")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = lazy.resolve_conj()
+        self._resolved = (key, value)
+        return value
+
+    def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
+        v = self._lazy_conj[0]
+        return not isinstance(v, TransformTensor) and v.requires_grad
+
+    def _describe(self):
+        return (
+            f"BatchedTensor(lvl={self._interp.level}, bdim={self._bdim}, "
+            f"value={self._lazy_conj[0]!r})"
+        )
+
+
+_batched_torch_function = BatchedTensor.__torch_function__.__func__
+SLOW_METADATA.add(ConjBatchedTensor)  # Note [Reading a wrapper's metadata]
+
+
+def wrap_lazy_conj(value, bdim, interp):
+    """A ConjBatchedTensor around ``value``, a lazy conjugate view with batch dim ``bdim``."""
+    shape, st, dtype, device = metadata(value)
+    r = _compat.make_wrapper_subclass(
+        ConjBatchedTensor,
+        shape[:bdim] + shape[bdim + 1 :],
+        st[:bdim] + st[bdim + 1 :],
+        dtype=dtype,
+        device=device,
+    )
+    with _NoTF():
+        torch._C._set_conj(r, True)
+    r._lazy_conj = (value,)
+    r._bdim = bdim
+    r._interp = interp
+    return r
+
+
+def lazy_conj_view(interp, f, args, kwargs):
+    """A view op on a ConjBatchedTensor: its rule applied to the lazy value (None: no rule,
+    the ordinary path then works on the resolved copy)."""
+    rule = f.vmap_rule
+    if rule is None:
+        return None
+    a = args[0]
+    vals, bdims = interp._unwrap(args[1:])
+    out, out_bdim = rule(interp, [a._lazy_conj[0], *vals], [a._bdim, *bdims], kwargs)
+    if f.inplace_view:  # squeeze_, t_, ...: the wrapper takes the new view and shape
+        a._lazy_conj = (out,)
+        a._bdim = out_bdim
+        a.__dict__.pop("_resolved", None)
+        shape, st = out.shape, out.stride()
+        with _NoTF(), _NoDispatch():
+            a.as_strided_(
+                shape[:out_bdim] + shape[out_bdim + 1 :], st[:out_bdim] + st[out_bdim + 1 :]
+            )
+        return a
+    return interp._as_batched(out, out_bdim)
