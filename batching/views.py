@@ -355,8 +355,13 @@ def _many_views(func, args, kwargs, cls, wrap):
     sections = args[1:at]
     if pd is None or (sections and isinstance(sections[0], torch.Tensor)):
         return None
+    plain = type(v) is torch.Tensor and not v.requires_grad  # nothing for autograd to see
+    if plain:
+        pieces = _lazy_pieces(func, a, v, pd, bdim, sections)
+        if pieces is not None:
+            return pieces
     try:
-        if type(v) is torch.Tensor and not v.requires_grad:  # nothing for autograd to see
+        if plain:
             with _BelowAD():
                 outs = func(v, *sections, pd)
         else:
@@ -371,6 +376,93 @@ def _many_views(func, args, kwargs, cls, wrap):
 
 
 _SAME, _ALL_BUT_LAST = "same", "all but last"
+
+
+def _lazy_pieces(func, a, v, pd, bdim, sections):
+    """Note [Pieces made when first read]: ``unbind`` and ``split``/``chunk`` by a positive
+    size of a plain value that does not require grad, as LazyPieces; None for anything else."""
+    L = v.shape[pd]
+    shape, st = list(v.shape), v.stride()
+    if func in _UNBIND:
+        del shape[pd]
+        out_bdim = bdim - 1 if bdim > pd else bdim
+        st = st[:pd] + st[pd + 1 :]
+        starts = range(L)
+        size = shape[:out_bdim] + shape[out_bdim + 1 :]
+        last = None
+        length = None
+    else:
+        n = sections[0]
+        if func not in _BY_SIZE or type(n) is not int or n <= 0 or L == 0:
+            return None
+        length = n if func in _SPLIT else -(-L // n)  # chunk: pieces of ceil(L / n)
+        starts = range(0, L, length)
+        out_bdim = bdim
+        shape[pd] = length
+        size = shape[:bdim] + shape[bdim + 1 :]
+        last = L - starts[-1]
+    logical_st = st[:out_bdim] + st[out_bdim + 1 :]
+    dtype, device, interp = a.dtype, a.device, a._interp
+    ws = []
+    append = ws.append
+    for i in starts:
+        w = _mk(LazyPiece, size, logical_st, None, None, dtype, _STRIDED, device)
+        w.__dict__ = {"_piece": (v, pd, i, length), "_bdim": out_bdim, "_interp": interp}
+        append(w)
+    if last is not None and last != length:  # the last piece of an uneven split
+        shape[pd] = last
+        w = _mk(
+            LazyPiece,
+            shape[:bdim] + shape[bdim + 1 :],
+            logical_st,
+            None,
+            None,
+            dtype,
+            _STRIDED,
+            device,
+        )
+        w.__dict__ = {"_piece": (v, pd, starts[-1], last), "_bdim": out_bdim, "_interp": interp}
+        ws[-1] = w
+    return tuple(ws)
+
+
+# Note [Pieces made when first read]
+#     Most pieces of a big ``unbind``/``split`` are never used (``t.unbind(0)[0]``, a loop that
+#     stops early), and making each physical view costs as much as its wrapper (~0.35 us with
+#     its deallocation). A LazyPiece holds ``(value, dim, start, length)`` instead and makes its
+#     physical view (``select``/``narrow``, a view of the same memory, so it sees every write
+#     made before) the first time anything reads ``_value``; it then becomes an ordinary
+#     BatchedTensor (``__class__`` reassigned: the layouts are identical), so the fast paths
+#     apply to it from then on. Its ``__torch_function__`` makes the pieces among the
+#     arguments first, then runs BatchedTensor's. Only for values that are plain tensors not
+#     requiring grad: a view made later, inside a rule (below torch's autograd), would be
+#     missing from torch's graph otherwise.
+class LazyPiece(BatchedTensor):
+    """A piece of a many-views op whose physical view is made when first read (Note [Pieces
+    made when first read])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for x in args:
+            if type(x) is LazyPiece:
+                x._materialize()
+        if kwargs:
+            for x in kwargs.values():
+                if type(x) is LazyPiece:
+                    x._materialize()
+        return _batched_torch_function(BatchedTensor, func, types, args, kwargs or {})
+
+    @property
+    def _value(self):
+        return self._materialize()
+
+    def _materialize(self):
+        d = self.__dict__
+        v, pd, start, length = d.pop("_piece")
+        value = v.select(pd, start) if length is None else v.narrow(pd, start, length)
+        d["_value"] = value
+        self.__class__ = BatchedTensor
+        return value
 
 
 def _runs(outs, kind):
@@ -411,7 +503,8 @@ def wrap_many(a, outs, bdim, cls, kind=None):
 
 _mk = _compat.make_wrapper_subclass
 _STRIDED = torch.strided
-_BY_SIZE = frozenset((torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk))
+_SPLIT = frozenset((torch.split, torch.Tensor.split))
+_BY_SIZE = _SPLIT | {torch.chunk, torch.Tensor.chunk}
 for _fn in (
     torch.unbind,
     torch.Tensor.unbind,
@@ -477,7 +570,8 @@ class ConjBatchedTensor(BatchedTensor):
 
 
 _batched_torch_function = BatchedTensor.__torch_function__.__func__
-SLOW_METADATA.add(ConjBatchedTensor)  # Note [Reading a wrapper's metadata]
+SLOW_METADATA.add(ConjBatchedTensor)
+SLOW_METADATA.add(LazyPiece)  # Note [Reading a wrapper's metadata]
 
 
 def wrap_lazy_conj(value, bdim, interp):
@@ -491,7 +585,7 @@ def wrap_lazy_conj(value, bdim, interp):
         device=device,
     )
     with _NoTF():
-        torch._C._set_conj(r, True)
+        _compat.set_conj(r, True)
     r._lazy_conj = (value,)
     r._bdim = bdim
     r._interp = interp

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 __all__ = [
     "ADInplaceOrView",
     "AutoDispatchBelowADInplaceOrView",
+    "set_conj",
     "AutogradFunctionality",
     "AutogradNestedTensor",
     "AutogradOther",
@@ -109,6 +110,9 @@ DisableTorchFunction = _C.DisableTorchFunction
 # Below the autograd and ADInplaceOrView keys: views made here are not registered as views
 # (Note [Many views at once], batching/views.py). Checked on 2.13.0, 2.15.0.
 AutoDispatchBelowADInplaceOrView = _C._AutoDispatchBelowADInplaceOrView
+# Sets a tensor's conjugate bit (a wrapper that stands for a lazy conjugate: Note [Conjugate
+# views under vmap], batching/views.py). Checked on 2.13.0, 2.15.0.
+set_conj = _C._set_conj
 DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # The C++ base of torch.Tensor: its metadata accessors (``dtype``, ``shape``, ``stride``, ...)
 # read under DisableTorchFunctionSubclass (Note [Metadata reads without __torch_function__],
