@@ -7,7 +7,16 @@ import itertools
 import torch
 
 from functransforms import _compat
-from functransforms._core import SLOW_METADATA, TransformTensor, metadata
+from functransforms._core import (
+    _AUTOGRAD_KEYS,
+    SLOW_METADATA,
+    TransformTensor,
+    _ForceKeys,
+    _tls_exclude,
+    _tls_include,
+    below_torch_autograd,
+    metadata,
+)
 
 from ._fastpath import SHAPED_FUNCS, _live_value, _phys
 from ._registry import register_vmap_rule
@@ -428,15 +437,16 @@ def _lazy_pieces(func, a, v, pd, bdim, sections):
 
 # Note [Pieces made when first read]
 #     Most pieces of a big ``unbind``/``split`` are never used (``t.unbind(0)[0]``, a loop that
-#     stops early), and making each physical view costs as much as its wrapper (~0.35 us with
-#     its deallocation). A LazyPiece holds ``(value, dim, start, length)`` instead and makes its
+#     stops early), and each physical view costs about half as much as its wrapper (~0.35 us
+#     with its deallocation). A LazyPiece holds ``(value, dim, start, length)`` and makes its
 #     physical view (``select``/``narrow``, a view of the same memory, so it sees every write
 #     made before) the first time anything reads ``_value``; it then becomes an ordinary
 #     BatchedTensor (``__class__`` reassigned: the layouts are identical), so the fast paths
 #     apply to it from then on. Its ``__torch_function__`` makes the pieces among the
 #     arguments first, then runs BatchedTensor's. Only for values that are plain tensors not
 #     requiring grad: a view made later, inside a rule (below torch's autograd), would be
-#     missing from torch's graph otherwise.
+#     missing from torch's graph otherwise (and if the value has been written since with one
+#     that requires grad, the view is made with torch's autograd on, as ``process`` would).
 class LazyPiece(BatchedTensor):
     """A piece of a many-views op whose physical view is made when first read (Note [Pieces
     made when first read])."""
@@ -459,7 +469,11 @@ class LazyPiece(BatchedTensor):
     def _materialize(self):
         d = self.__dict__
         v, pd, start, length = d.pop("_piece")
-        value = v.select(pd, start) if length is None else v.narrow(pd, start, length)
+        if v.requires_grad and below_torch_autograd():  # written with a grad-requiring value
+            with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS):  # since: record
+                value = v.select(pd, start) if length is None else v.narrow(pd, start, length)
+        else:
+            value = v.select(pd, start) if length is None else v.narrow(pd, start, length)
         d["_value"] = value
         self.__class__ = BatchedTensor
         return value

@@ -252,3 +252,32 @@ def test_conj_views_compose_with_grad_and_nested_vmap():
     )
     nested = lambda t: t.conj()[1:]  # noqa: E731
     _same_views(ft.vmap(ft.vmap(nested))(z), tf.vmap(tf.vmap(nested))(z), z)
+
+
+def test_a_piece_read_after_its_input_was_written_with_a_grad_requiring_value():
+    # the piece's view is made when first read (Note [Pieces made when first read]); made
+    # after the write, it must be on torch's graph through the written input
+    x = torch.randn(3, 4, 5)
+    w = torch.randn(4, 5, requires_grad=True)
+
+    def f(t):
+        p = t.unbind(0)[1]
+        t.mul_(w)
+        return torch.stack([p, p]).sum()
+
+    ft.vmap(f)(x.clone()).sum().backward()
+    expected = torch.zeros(4, 5)
+    expected[1] = 2 * x[:, 1].sum(0)
+    torch.testing.assert_close(w.grad, expected)
+
+
+def test_pieces_see_writes_made_before_they_are_read():
+    def f(t):
+        a, b = t.split(2)
+        c = t.unbind(0)[3]
+        t.add_(1)
+        return a * 1, b.sum(0), c + 0
+
+    x = torch.randn(3, 4, 5)
+    for p, q in zip(ft.vmap(f)(x.clone()), tf.vmap(f)(x.clone())):
+        torch.testing.assert_close(p, q)
