@@ -356,16 +356,24 @@ def _many_views(func, args, kwargs, cls, wrap):
     else:
         return None
     a = args[0]
-    v = _live_value(a, cls)
-    if v is None or v.is_conj() or v.is_neg() or getattr(a, "_lazy_conj", None) is not None:
-        return None
+    conj = type(a) is ConjBatchedTensor  # Note [Conjugate views under vmap]: pieces stay lazy
+    if conj:
+        v = a._lazy_conj[0]
+        if not a._interp.alive or type(v) is not torch.Tensor:
+            return None
+        if v.requires_grad and below_torch_autograd():  # Note [Fast path below torch's autograd]
+            return None
+    else:
+        v = _live_value(a, cls)
+        if v is None or v.is_conj() or v.is_neg():
+            return None
     n, bdim = v.dim() - 1, a._bdim
     pd = _phys(dim, n, bdim) if n else None
     sections = args[1:at]
     if pd is None or (sections and isinstance(sections[0], torch.Tensor)):
         return None
     plain = type(v) is torch.Tensor and not v.requires_grad  # nothing for autograd to see
-    if plain:
+    if plain and not conj:
         pieces = _lazy_pieces(func, a, v, pd, bdim, sections)
         if pieces is not None:
             return pieces
@@ -378,10 +386,10 @@ def _many_views(func, args, kwargs, cls, wrap):
     except _ERRORS:
         return None  # the ordinary path raises it, naming logical dims
     if at == 1:
-        return wrap_many(a, outs, bdim - 1 if bdim > pd else bdim, cls, _SAME)
+        return wrap_many(a, outs, bdim - 1 if bdim > pd else bdim, _SAME, conj)
     # split and chunk by a size: every piece but the last has one shape
     uneven = func in _BY_SIZE and type(sections[0]) is int
-    return wrap_many(a, outs, bdim, cls, _ALL_BUT_LAST if uneven else None)
+    return wrap_many(a, outs, bdim, _ALL_BUT_LAST if uneven else None, conj)
 
 
 _SAME, _ALL_BUT_LAST = "same", "all but last"
@@ -494,10 +502,10 @@ def _runs(outs, kind):
     return runs
 
 
-def wrap_many(a, outs, bdim, cls, kind=None):
+def wrap_many(a, outs, bdim, kind=None, conj=False):
     """Note [Many views at once]: wrappers of ``a``'s level around the physical views ``outs``
     (batch dim ``bdim``); ``kind`` says which pieces share a shape (all, all but the last, or
-    unknown)."""
+    unknown); ``conj``: the views are lazy conjugates (ConjBatchedTensors)."""
     if not outs:
         return ()
     st = outs[0].stride()
@@ -508,8 +516,18 @@ def wrap_many(a, outs, bdim, cls, kind=None):
     for k, i in _runs(outs, kind):
         shape = outs[i].shape
         size = shape[:bdim] + shape[bdim + 1 :]
+        if conj:
+            with _NoTF():
+                for p in outs[i : i + k]:
+                    w = _mk(
+                        ConjBatchedTensor, size, logical_st, None, None, dtype, _STRIDED, device
+                    )
+                    _compat.set_conj(w, True)
+                    w.__dict__ = {"_lazy_conj": (p,), "_bdim": bdim, "_interp": interp}
+                    append(w)
+            continue
         for p in outs[i : i + k]:
-            w = _mk(cls, size, logical_st, None, None, dtype, _STRIDED, device)
+            w = _mk(BatchedTensor, size, logical_st, None, None, dtype, _STRIDED, device)
             w.__dict__ = {"_value": p, "_bdim": bdim, "_interp": interp}  # one store, not three
             append(w)
     return tuple(ws)
