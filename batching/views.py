@@ -528,18 +528,16 @@ def wrap_many(a, outs, bdim, kind=None, conj=False):
     for k, i in _runs(outs, kind):
         shape = outs[i].shape
         size = shape[:bdim] + shape[bdim + 1 :]
+        run_st = _or_none(size, logical_st)
         if conj:
-            with _NoTF():
-                for p in outs[i : i + k]:
-                    w = _mk(
-                        ConjBatchedTensor, size, logical_st, None, None, dtype, _STRIDED, device
-                    )
-                    _compat.set_conj(w, True)
-                    w.__dict__ = {"_lazy_conj": (p,), "_bdim": bdim, "_interp": interp}
-                    append(w)
+            for p in outs[i : i + k]:
+                w = _mk(ConjBatchedTensor, size, run_st, None, None, dtype, _STRIDED, device)
+                _compat.set_conj(w, True)
+                w.__dict__ = {"_lazy_conj": (p,), "_bdim": bdim, "_interp": interp}
+                append(w)
             continue
         for p in outs[i : i + k]:
-            w = _mk(BatchedTensor, size, logical_st, None, None, dtype, _STRIDED, device)
+            w = _mk(BatchedTensor, size, run_st, None, None, dtype, _STRIDED, device)
             w.__dict__ = {"_value": p, "_bdim": bdim, "_interp": interp}  # one store, not three
             append(w)
     return tuple(ws)
@@ -621,18 +619,18 @@ SLOW_METADATA.add(LazyPiece)  # Note [Reading a wrapper's metadata]
 def wrap_lazy_conj(value, bdim, interp):
     """A ConjBatchedTensor around ``value``, a lazy conjugate view with batch dim ``bdim``."""
     shape, st, dtype, device = metadata(value)
-    r = _compat.make_wrapper_subclass(
+    r = _mk(
         ConjBatchedTensor,
         shape[:bdim] + shape[bdim + 1 :],
         st[:bdim] + st[bdim + 1 :],
-        dtype=dtype,
-        device=device,
+        None,
+        None,
+        dtype,
+        _STRIDED,
+        device,
     )
-    with _NoTF():
-        _compat.set_conj(r, True)
-    r._lazy_conj = (value,)
-    r._bdim = bdim
-    r._interp = interp
+    _compat.set_conj(r, True)
+    r.__dict__ = {"_lazy_conj": (value,), "_bdim": bdim, "_interp": interp}
     return r
 
 
