@@ -281,3 +281,22 @@ def test_pieces_see_writes_made_before_they_are_read():
     x = torch.randn(3, 4, 5)
     for p, q in zip(ft.vmap(f)(x.clone()), tf.vmap(f)(x.clone())):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool, torch.complex64])
+def test_many_views_keep_dtype(dtype):
+    x = torch.randn(3, 4, 5).to(dtype)
+    for f in (MANY["unbind"], MANY["split_uneven_dim1"], MANY["tensor_split_idx"]):
+        ours, ref = ft.vmap(f)(x), tf.vmap(f)(x)
+        _same_views(ours, ref, x)
+        assert all(o.dtype == dtype for o in ours)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the wrappers' default dtype changes with it
+    try:
+        y = torch.randn(3, 4, dtype=torch.float32)
+        assert all(o.dtype == torch.float32 for o in ft.vmap(lambda t: t.unbind())(y))
+        seen = []
+        ft.vmap(lambda t: seen.append(t.unbind()[1].dtype) or t)(y)  # the wrapper's dtype
+        assert seen == [torch.float32]
+    finally:
+        torch.set_default_dtype(previous)
