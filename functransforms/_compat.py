@@ -42,7 +42,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 __all__ = [
     "ADInplaceOrView",
     "AutoDispatchBelowADInplaceOrView",
-    "set_conj",
     "AutogradFunctionality",
     "AutogradNestedTensor",
     "AutogradOther",
@@ -79,6 +78,7 @@ __all__ = [
     "register_subclass_dispatch_rules",
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
+    "set_conj",
     "set_fwd_grad_enabled",
     "set_grad_enabled",
     "storage_use_count",
