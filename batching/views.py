@@ -332,10 +332,12 @@ def flip_vmap_rule(interp, args, bdims, kwargs):
 #     through a piece reach the input and vmap returns views of its input (Note [Views of
 #     vmap's inputs], functransforms/_vmap.py). The wrappers are not registered autograd views
 #     of the input wrapper: ``piece._base`` is None inside the function, as for torch.func's
-#     BatchedTensors (the ordinary path's views report the input wrapper, as before). Anything
-#     else (other keyword arguments, tensor indices, a lazily conjugated value, a value that
-#     requires grad below torch's autograd, an error) takes the ordinary path, which stays the
-#     single source of semantics.
+#     BatchedTensors (the ordinary path's views report the input wrapper, as before). Pieces
+#     of a lazy conjugate are lazy conjugates (Note [Conjugate views under vmap]); pieces of
+#     ``unbind`` and of ``split``/``chunk`` by a size make their physical view only when read
+#     (Note [Pieces made when first read]). Anything else (other keyword arguments, tensor
+#     indices, a value that requires grad below torch's autograd, an error) takes the ordinary
+#     path, which stays the single source of semantics.
 _NoDispatch = _compat.DisableTorchDispatch
 _NoTF = _compat.DisableTorchFunctionSubclass
 _BelowAD = _compat.AutoDispatchBelowADInplaceOrView
