@@ -168,6 +168,14 @@ CONSUMERS = {
     "mv": lambda t: torch.mv(t.conj(), t[0]),
     "pinv": lambda t: torch.linalg.pinv(t.conj()[:, :3]),
     "real_sum": lambda t: t.conj().real.sum() + t.conj()[1:].real.t().sum(0),
+    "cat": lambda t: torch.cat([t.conj()[1:], t[:1]]),
+    "stack": lambda t: torch.stack([t.conj(), t]),
+    "where": lambda t: torch.where(t.real > 0, t.conj(), t),
+    "copy_into": lambda t: torch.zeros_like(t).copy_(t.conj().t().t()),
+    "einsum": lambda t: torch.einsum("ij,kj->ik", t.conj(), t),
+    "fft": lambda t: torch.fft.fft(t.conj()[1:]),
+    "flatten_copy": lambda t: t.conj().t().flatten(),
+    "index": lambda t: t.conj()[torch.tensor([0, 2])],
 }
 
 
