@@ -159,14 +159,16 @@ def _tensor_index(index):
 
 def wrap_batched(value, bdim, interp):
     shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
-    lazy = None
     if value.is_conj() or value.is_neg():
         # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves
         # conjugate/negative bits lazily, so a rule would compute z * z with the physical
-        # value of z.conj(): materialize them when they enter a wrapper. The lazy view is kept
-        # beside it: if the wrapper is returned by vmap unchanged, vmap returns the lazy
-        # conjugate, as torch.func does (Note [Lazy conj outputs], functransforms/_vmap.py).
-        lazy = value if value.is_conj() and not value.is_neg() else None
+        # value of z.conj(). A lazy conjugate is kept lazy, in a wrapper that resolves it
+        # when a rule reads it (Note [Conjugate views under vmap], views.py); other bits are
+        # materialized when they enter a wrapper.
+        if not value.is_neg():
+            from .views import wrap_lazy_conj
+
+            return wrap_lazy_conj(value, bdim, interp)
         value = value.resolve_conj().resolve_neg()
         shape, st, dtype, device = metadata(value)
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
@@ -182,8 +184,6 @@ def wrap_batched(value, bdim, interp):
     r._value = value
     r._bdim = bdim
     r._interp = interp
-    if lazy is not None:
-        r._lazy_conj = (lazy,)
     return r
 
 
@@ -226,8 +226,16 @@ class VmapInterpreter(Interpreter):
     def process(self, func, args, kwargs):
         """Autodidax's ``process_primitive``: unwrap this level, apply the op's rule, wrap."""
         f = facts(func)  # Note [One record per op]
-        if f.inplace and getattr(args[0], "_lazy_conj", None) is not None:
-            raise_inplace_into_conj(self, func)
+        if f.written:
+            WRITES[0] += 1  # Note [Conjugate views under vmap]: resolutions may go stale
+            if f.inplace and getattr(args[0], "_lazy_conj", None) is not None:
+                raise_inplace_into_conj(self, func)
+        if (f.view or f.inplace_view) and getattr(args[0], "_lazy_conj", None) is not None:
+            from .views import lazy_conj_view  # Note [Conjugate views under vmap]
+
+            out = lazy_conj_view(self, f, args, kwargs)
+            if out is not None:
+                return out
         if (
             kwargs
             and self._batched_kwargs(func, f, kwargs)
@@ -391,6 +399,8 @@ _DYNAMIC_SHAPE = frozenset(
     getattr(torch.ops.aten, n).default
     for n in ("nonzero", "_unique", "_unique2", "unique_consecutive", "unique_dim")
 )
+# Note [Conjugate views under vmap] (views.py): bumped before every op that writes a tensor
+WRITES = [0]
 
 
 def _is_batched_at(a, interp):

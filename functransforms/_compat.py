@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 __all__ = [
     "ADInplaceOrView",
+    "AutoDispatchBelowADInplaceOrView",
     "AutogradFunctionality",
     "AutogradNestedTensor",
     "AutogradOther",
@@ -77,6 +78,7 @@ __all__ = [
     "register_subclass_dispatch_rules",
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
+    "set_conj",
     "set_fwd_grad_enabled",
     "set_grad_enabled",
     "storage_use_count",
@@ -105,6 +107,12 @@ disabled_torch_function_impl = _C._disabled_torch_function_impl
 # storage positions) that must not re-enter the interpreters.
 DisableTorchDispatch = _C._DisableTorchDispatch
 DisableTorchFunction = _C.DisableTorchFunction
+# Below the autograd and ADInplaceOrView keys: views made here are not registered as views
+# (Note [Many views at once], batching/views.py). Checked on 2.13.0, 2.15.0.
+AutoDispatchBelowADInplaceOrView = _C._AutoDispatchBelowADInplaceOrView
+# Sets a tensor's conjugate bit (a wrapper that stands for a lazy conjugate: Note [Conjugate
+# views under vmap], batching/views.py). Checked on 2.13.0, 2.15.0.
+set_conj = _C._set_conj
 DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # The C++ base of torch.Tensor: its metadata accessors (``dtype``, ``shape``, ``stride``, ...)
 # read under DisableTorchFunctionSubclass (Note [Metadata reads without __torch_function__],

@@ -354,21 +354,11 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
                 "as it is."
             )
         if isinstance(o, BatchedTensor) and o._interp is interp:
-            v, b = o._value, o._bdim
-            # Note [Lazy conj outputs]: a wrapper made from a lazy conjugate view (``t.conj()``)
-            # is returned as that view (is_conj(), a view of the input), as torch.func returns
-            # it, if its value is still the view's: in-place ops inside rules do not bump
-            # version counters, so the values are compared (only for such outputs, plain
-            # tensors). Later views of it were materialized and stay copies.
+            # Note [Lazy conj outputs]: a lazily conjugated wrapper (``t.conj()``, views of it:
+            # Note [Conjugate views under vmap], batching/views.py) holds only the lazy view,
+            # which vmap returns (is_conj(), a view of the input), as torch.func returns it.
             lazy = getattr(o, "_lazy_conj", None)
-            if (
-                lazy is not None
-                and type(v) is torch.Tensor
-                and type(lazy[0]) is torch.Tensor
-                and lazy[0].shape == v.shape
-                and torch.equal(lazy[0].resolve_conj(), v)
-            ):
-                v = lazy[0]
+            v, b = (o._value if lazy is None else lazy[0]), o._bdim
             if od is None:
                 raise ValueError(
                     f"{_call_repr(func, in_dims, out_dims)}: output {i} has out_dim=None but it "
