@@ -20,6 +20,7 @@ from . import (  # noqa: F401  (registration)
     fft,
     indexing,
     linalg,
+    nested,
     nn,
     normalization,
     pooling,
