@@ -225,14 +225,6 @@ def nested_call(interp, func, name, args, kwargs):
         )
     leaves, spec = pt.tree_flatten((args, kwargs))
     per_leaf = [_examples(x, interp) for x in leaves]
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(
-            f"vmap: {name} on a nested tensor runs once per component (there is no nested "
-            "batching rule; as in torch.func, correct but slow).",
-            FallbackWarning,
-            stacklevel=3,
-        )
     rng = torch.random.get_rng_state() if interp.randomness == "same" else None
     results = []
     for i in range(interp.batch_size):
@@ -241,6 +233,14 @@ def nested_call(interp, func, name, args, kwargs):
         flat = [x if ex is None else ex[i] for x, ex in zip(leaves, per_leaf)]
         a_i, k_i = pt.tree_unflatten(spec, flat)
         results.append(func(*a_i, **k_i))
+    if name not in _WARNED and isinstance(results[0], (torch.Tensor, tuple, list)):
+        _WARNED.add(name)  # metadata queries (x.size(-1), x.is_nested) are not worth one
+        warnings.warn(
+            f"vmap: {name} on a nested tensor runs once per component (there is no nested "
+            "batching rule; as in torch.func, correct but slow).",
+            FallbackWarning,
+            stacklevel=3,
+        )
     same = _returns_its_input(results, leaves, per_leaf)
     if same is not None:  # e.g. contiguous(): torch.func returns the input itself
         return same
@@ -283,6 +283,13 @@ def _nest(interp, name, results):
                     )
         return wrap_nested(_from_list(results), 0, interp)
     if isinstance(first, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in first):
+        if any(len(r) != len(first) for r in results):
+            raise RuntimeError(
+                f"{interp.call}: {name} returns a different number of tensors for the examples "
+                f"of a nested tensor ({[len(r) for r in results]}); vmap needs the same "
+                "structure per example. Expected: code that does not depend on the ragged "
+                "sizes (e.g. `x.unbind()` along a ragged dim)."
+            )
         parts = [_nest(interp, name, [r[j] for r in results]) for j in range(len(first))]
         return type(first)(parts)
     if all(r == first for r in results[1:]):
