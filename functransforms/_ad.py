@@ -74,7 +74,7 @@ def _as_primal(x, call, forward):
 
 def _raise_nested(call):
     """torch.func raises for a nested tensor differentiated directly (with an internal
-    message); so do we, clearly (Note [Nested tensors under vmap], batching/nested.py)."""
+    message); so do we, clearly (Note [Nested tensors under vmap], batching/_nested.py)."""
     raise NotImplementedError(
         f"{call}: a differentiated input is a nested tensor; grad, vjp and jvp "
         "differentiate strided tensors only (torch.func raises too). Do: differentiate "

@@ -111,7 +111,7 @@ def _shape_repr(x):
 
 
 def _check_nested_input(x, d, i, call):
-    """Note [Nested tensors under vmap] (batching/nested.py): a nested tensor maps over its
+    """Note [Nested tensors under vmap] (batching/_nested.py): a nested tensor maps over its
     components (dim 0), and needs at least one."""
     if d not in (0, -x.dim()):
         raise ValueError(
@@ -198,8 +198,8 @@ def _vmap_call(
     chunked=False,
     pmap=None,
 ):
+    from functransforms.batching._nested import wrap_nested
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
-    from functransforms.batching.nested import wrap_nested
     from functransforms.batching.random import DifferentRandomnessMode, no_random_ops
 
     if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
@@ -233,7 +233,7 @@ def _vmap_call(
                 f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
                 "None as its in_dim."
             )
-        if x.is_nested:  # Note [Nested tensors under vmap] (batching/nested.py)
+        if x.is_nested:  # Note [Nested tensors under vmap] (batching/_nested.py)
             _check_nested_input(x, d, i, call or _call_repr(func, in_dims))
             d, nested = 0, True
         n = x.dim()
@@ -380,7 +380,7 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
             )
         if isinstance(o, BatchedTensor) and o._interp is interp:
             v, b = o._value, o._bdim
-            if v.is_nested and od != 0 and od is not None and od != -v.dim():
+            if v.is_nested and type(od) is int and od not in (0, -v.dim()):
                 raise ValueError(
                     f"{_call_repr(func, in_dims, out_dims)}: output {i} is a nested tensor (one "
                     f"component per example), and out_dims for it is {od!r}; a nested tensor "

@@ -1,6 +1,6 @@
 """vmap over nested tensors (strided and jagged layouts), against torch.func.
 
-Note [Nested tensors under vmap] (batching/nested.py). Where torch.func computes, ours returns
+Note [Nested tensors under vmap] (batching/_nested.py). Where torch.func computes, ours returns
 the same structure (nested or dense, layout, component shapes) and equal values; where it
 raises, ours raises a clear error or (views, dtype casts, chunk_size, compositions whose
 examples agree in shape) computes what a per-component loop computes.
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from functransforms.batching import nested as nested_mod
+from functransforms.batching import _nested as nested_mod
 
 import functransforms as ft
 from functransforms.errors import DataDependentError, FallbackWarning, InplaceError
