@@ -309,3 +309,14 @@ def test_transforms_inside_when_the_examples_agree_in_shape(layout):
     ref = loop(lambda t: torch.func.jvp(torch.tanh, (t,), (t.cos(),))[1], x)
     assert_same(ft.vmap(jv)(x), ref)
     assert_same(ft.vmap(ft.vmap(torch.sin))(x), loop(torch.sin, x))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_jit_runs_nested_inputs_eagerly(layout):
+    """make_fx cannot trace nested tensors: functransforms.jit runs the call as is."""
+    x = nt(layout)
+    f = ft.vmap(lambda t: (t.sin() * 2).sum(0))
+    g = ft.jit(f)
+    for _ in range(2):
+        assert_same(g(x), f(x))
+    assert_same(g(x), torch.func.vmap(lambda t: (t.sin() * 2).sum(0))(x))
