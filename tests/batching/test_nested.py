@@ -320,3 +320,16 @@ def test_jit_runs_nested_inputs_eagerly(layout):
     for _ in range(2):
         assert_same(g(x), f(x))
     assert_same(g(x), torch.func.vmap(lambda t: (t.sin() * 2).sum(0))(x))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_complex_conj_views_per_component(layout):
+    """torch.func raises for conj/real/view_as_real of a nested batch ("view ops"); the lazy
+    conjugate bit must survive the re-nesting (it is resolved, never dropped)."""
+    g = _g(5)
+    comps = [torch.randn(s, dtype=torch.complex128, generator=g) for s in ((2, 3), (4, 3))]
+    x = torch.nested.nested_tensor(comps, layout=layout)
+    for f in (lambda t: t.conj(), lambda t: t.conj() * 1j, lambda t: t.real, torch.view_as_real):
+        out = ft.vmap(f)(x)
+        for o, c in zip(out.unbind(), comps):
+            assert torch.equal(o.resolve_conj(), f(c).resolve_conj())
