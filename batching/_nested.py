@@ -42,13 +42,16 @@ import warnings
 
 import torch
 
+from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._core import SLOW_METADATA, TransformTensor, _innermost
-from functransforms.errors import DataDependentError, FallbackWarning, InplaceError
+from functransforms._ops import draws_random
+from functransforms.errors import DataDependentError, FallbackWarning, InplaceError, raise_random
 
 from ._tensor import BatchedTensor, _mk
 
-_from_list = torch._nested_tensor_from_tensor_list
+_from_list = _compat.nested_tensor_from_tensor_list
+OpOverload = _compat.OpOverload
 _WARNED: set = set()
 
 # Python values a function may return per component without reading the data; the loop
@@ -57,10 +60,12 @@ _DATA_READS = frozenset(
     "item __bool__ __nonzero__ equal allclose is_nonzero is_same_size data_ptr untyped_storage "
     "storage _local_scalar_dense".split()
 )
-# methods about the wrapper object itself, not its values: the ordinary BatchedTensor path
-_ABOUT_THE_WRAPPER = frozenset(
+# the ordinary BatchedTensor path: methods about the wrapper object itself, not its values,
+# and ``__iter__``, torch's Python code that iterates over ``x.unbind(0)`` (which reaches the
+# loop as an op: equal-length examples iterate, ragged ones raise)
+_OWN_PATH = frozenset(
     "__hash__ __repr__ __format__ __reduce_ex__ __deepcopy__ __setstate__ __dir__ data "
-    "requires_grad_ _describe".split()
+    "requires_grad_ _describe __iter__".split()
 )
 _INPLACE_DUNDERS = frozenset(
     "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ "
@@ -70,7 +75,7 @@ _INPLACE_DUNDERS = frozenset(
 
 def _name(func):
     """``sin``, ``Tensor.T`` (a property's getter), or an ATen overload's ``aten::sin``."""
-    if isinstance(func, torch._ops.OpOverload):
+    if isinstance(func, OpOverload):
         return func._schema.name + ("" if not func._overloadname else "." + func._overloadname)
     owner = getattr(func, "__self__", None)
     if getattr(func, "__name__", None) == "__get__" and owner is not None:
@@ -79,7 +84,7 @@ def _name(func):
 
 
 def _writes(func, name, kwargs):
-    if isinstance(func, torch._ops.OpOverload):
+    if isinstance(func, OpOverload):
         return func._schema.is_mutable
     if kwargs.get("out") is not None or name in _INPLACE_DUNDERS:
         return True
@@ -104,7 +109,7 @@ class NestedBatchedTensor(BatchedTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
-        if name in _ABOUT_THE_WRAPPER:
+        if name in _OWN_PATH:
             return super().__torch_function__(func, types, args, kwargs)
         interp = _innermost(args, kwargs)
         nested = _nested_leaves(args, kwargs)
@@ -217,6 +222,12 @@ def nested_call(interp, func, name, args, kwargs):
             "examples, which vmap maps as one component each; that is not supported (torch.func "
             "raises too). Expected: out-of-place code. Do: `y = x + z` instead of `x += z`."
         )
+    if (
+        interp.randomness == "error"
+        and isinstance(func, OpOverload)
+        and draws_random(func, args, kwargs)
+    ):
+        raise_random(interp, func)  # at __torch_function__ the random ops' own key raises
     if name in _DATA_READS:
         raise DataDependentError(
             f"{interp.call}: {name} reads a batched (nested) tensor as a Python value, which "

@@ -174,6 +174,7 @@ RAISES = {  # name: (call, exception, match)
     "bool": (lambda x: ft.vmap(lambda t: t if t.sum() > 0 else -t)(x), DataDependentError, "bool"),
     "item": (lambda x: ft.vmap(lambda t: t.sum().item())(x), DataDependentError, "item"),
     "unbind_ragged": (lambda x: ft.vmap(lambda t: t.unbind())(x), RuntimeError, r"\[2, 4\]"),
+    "iterate_ragged": (lambda x: ft.vmap(lambda t: sum(t))(x), RuntimeError, r"\[2, 4\]"),
     "vmap(grad)": (
         lambda x: ft.vmap(ft.grad(lambda t: t.sin().sum()))(x),
         RuntimeError,
@@ -256,6 +257,7 @@ BEYOND = {
     "detach": lambda t: t.detach(),
     "flatten_then_sum": lambda t: t.flatten().sum(),
     "size_of_regular_dim_in_reshape": lambda t: t.reshape(-1, t.size(-1)).sum(0),
+    "iterate_columns": lambda t: sum(col * i for i, col in enumerate(t.T)),
 }
 
 
