@@ -51,11 +51,11 @@ from functransforms.errors import DataDependentError, FallbackWarning, InplaceEr
 from ._tensor import BatchedTensor, _mk
 
 _from_list = _compat.nested_tensor_from_tensor_list
-OpOverload = _compat.OpOverload
+_OpOverload = _compat.OpOverload
 _WARNED: set = set()
 
-# Python values a function may return per component without reading the data; the loop
-# returns them when every component agrees (they are the examples' common metadata)
+# functions that read values out as Python data: they raise, as for any batched tensor (other
+# Python values, such as x.numel(), are the examples' metadata: returned when they agree)
 _DATA_READS = frozenset(
     "item __bool__ __nonzero__ equal allclose is_nonzero is_same_size data_ptr untyped_storage "
     "storage _local_scalar_dense".split()
@@ -65,7 +65,7 @@ _DATA_READS = frozenset(
 # loop as an op: equal-length examples iterate, ragged ones raise)
 _OWN_PATH = frozenset(
     "__hash__ __repr__ __format__ __reduce_ex__ __deepcopy__ __setstate__ __dir__ data "
-    "requires_grad_ _describe __iter__".split()
+    "__iter__".split()
 )
 _INPLACE_DUNDERS = frozenset(
     "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ "
@@ -75,7 +75,7 @@ _INPLACE_DUNDERS = frozenset(
 
 def _name(func):
     """``sin``, ``Tensor.T`` (a property's getter), or an ATen overload's ``aten::sin``."""
-    if isinstance(func, OpOverload):
+    if isinstance(func, _OpOverload):
         return func._schema.name + ("" if not func._overloadname else "." + func._overloadname)
     owner = getattr(func, "__self__", None)
     if getattr(func, "__name__", None) == "__get__" and owner is not None:
@@ -84,7 +84,7 @@ def _name(func):
 
 
 def _writes(func, name, kwargs):
-    if isinstance(func, OpOverload):
+    if isinstance(func, _OpOverload):
         return func._schema.is_mutable
     if kwargs.get("out") is not None or name in _INPLACE_DUNDERS:
         return True
@@ -224,11 +224,11 @@ def nested_call(interp, func, name, args, kwargs):
         )
     if (
         interp.randomness == "error"
-        and isinstance(func, OpOverload)
+        and isinstance(func, _OpOverload)
         and draws_random(func, args, kwargs)
     ):
         raise_random(interp, func)  # at __torch_function__ the random ops' own key raises
-    if name in _DATA_READS:
+    if name.rpartition("::")[2].partition(".")[0] in _DATA_READS:  # also aten::item
         raise DataDependentError(
             f"{interp.call}: {name} reads a batched (nested) tensor as a Python value, which "
             "has one answer per example. Expected: tensor code without data-dependent Python "
