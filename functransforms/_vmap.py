@@ -303,7 +303,9 @@ def _vmap_call(
         mode = None
     with interp:
         wrapped = [
-            x if d is None else (wrap_nested if x.is_nested else wrap_batched)(x, d, interp)
+            x
+            if d is None
+            else (wrap_nested if nested and x.is_nested else wrap_batched)(x, d, interp)
             for x, d in zip(flat_args, norm_dims)
         ]
         if mode is None:
