@@ -335,3 +335,36 @@ def test_complex_conj_views_per_component(layout):
         out = ft.vmap(f)(x)
         for o, c in zip(out.unbind(), comps):
             assert torch.equal(o.resolve_conj(), f(c).resolve_conj())
+
+
+def _mlp():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4)
+    )
+    return m.double()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ragged_sequences_through_a_module(layout):
+    """A workload: variable-length sequences through an MLP with attention pooling, the
+    parameters unbatched (functional_call)."""
+    model = _mlp()
+    params = dict(model.named_parameters())
+    g = _g(11)
+    x = torch.nested.nested_tensor(
+        [torch.randn(n, 8, dtype=DT, generator=g) for n in (3, 5, 2)], layout=layout
+    )
+
+    def pool(t, p):  # [n, 8] -> [4]
+        h = torch.func.functional_call(model, p, (t,))
+        return (h.softmax(0) * h).sum(0)
+
+    ref = torch.func.vmap(pool, in_dims=(0, None))(x, params)
+    assert_same(ft.vmap(pool, in_dims=(0, None))(x, params), ref)
+
+    def attend(t, p):  # [n, 8] -> [4]; torch.func raises (h.T is a view op)
+        h = torch.func.functional_call(model, p, (t,))
+        return ((h @ h.T / 2.0).softmax(-1) @ h).mean(0)
+
+    assert_same(ft.vmap(attend, in_dims=(0, None))(x, params), loop(lambda t: attend(t, params), x))
