@@ -11,9 +11,12 @@ import warnings
 import pytest
 import torch
 from functransforms.batching import _nested as nested_mod
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functransforms as ft
 from functransforms.errors import DataDependentError, FallbackWarning, InplaceError
+from functransforms.testing import check_vmap
 
 DT = torch.float64
 LAYOUTS = [pytest.param(torch.strided, id="strided"), pytest.param(torch.jagged, id="jagged")]
@@ -368,3 +371,41 @@ def test_ragged_sequences_through_a_module(layout):
         return ((h @ h.T / 2.0).softmax(-1) @ h).mean(0)
 
     assert_same(ft.vmap(attend, in_dims=(0, None))(x, params), loop(lambda t: attend(t, params), x))
+
+
+_PROPERTY_OPS = {
+    "exp_sum": lambda t, v: (t.exp() * v).sum(0),
+    "softmax_matmul": lambda t, v: t.softmax(-1) @ v,
+    "norm_rows": lambda t, v: t / t.norm(dim=-1, keepdim=True),
+    "cumsum_max": lambda t, v: tuple(t.cumsum(0).max(0)),
+    "where": lambda t, v: torch.where(t > 0, t, v),
+}
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    op=st.sampled_from(sorted(_PROPERTY_OPS)),
+    jagged=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_vmap_is_the_loop_over_components(lengths, op, jagged, seed):
+    g = _g(seed)
+    layout = torch.jagged if jagged else torch.strided
+    x = torch.nested.nested_tensor(
+        [torch.randn(n, 3, dtype=DT, generator=g) for n in lengths], layout=layout
+    )
+    v = torch.randn(3, dtype=DT, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_vmap(_PROPERTY_OPS[op], (x, v), in_dims=(0, None), atol=0, rtol=0)
+
+
+def test_check_vmap_compares_nested_outputs(monkeypatch):
+    import functransforms._vmap as vmap_mod
+
+    real = vmap_mod.vmap
+    off = lambda f, *a, **k: lambda *xs: real(lambda *ys: f(*ys) * 1.5, *a, **k)(*xs)  # noqa: E731
+    monkeypatch.setattr(vmap_mod, "vmap", off)
+    with pytest.raises(AssertionError, match="example 0"):
+        check_vmap(torch.sin, (nt(torch.jagged),))
