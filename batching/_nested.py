@@ -91,10 +91,10 @@ def _writes(func, name, kwargs):
     return name.endswith("_") and not name.endswith("__")
 
 
-def _component_metadata(value, what):
+def _component_metadata(parts, what):
     """Per dim: the components' common value of ``what(component)`` (``shape`` or ``stride``),
     or None where they differ."""
-    values = [tuple(what(c)) for c in value.unbind()]
+    values = [tuple(what(c)) for c in parts]
     first = values[0]
     return tuple(
         first[d] if all(v[d] == first[d] for v in values) else None for d in range(len(first))
@@ -131,10 +131,10 @@ class NestedBatchedTensor(BatchedTensor):
 
     # -- metadata: where the components agree ---------------------------------------------
     def _common_shape(self, what):
-        shape = _component_metadata(self._value, lambda c: c.shape)
+        shape = _component_metadata(self._parts, lambda c: c.shape)
         ragged = [d for d, s in enumerate(shape) if s is None]
         if ragged:
-            sizes = [tuple(c.shape) for c in self._value.unbind()]
+            sizes = [tuple(c.shape) for c in self._parts]
             raise RuntimeError(
                 f"{self._interp.call}: {what} needs the shape of one example, but the examples "
                 f"of this nested tensor differ in size along dim(s) {ragged} (their shapes: "
@@ -153,7 +153,7 @@ class NestedBatchedTensor(BatchedTensor):
     def size(self, dim=None):
         if dim is None:
             return self._common_shape("x.size()")
-        shape = _component_metadata(self._value, lambda c: c.shape)
+        shape = _component_metadata(self._parts, lambda c: c.shape)
         d = dim + len(shape) if dim < 0 else dim
         if not 0 <= d < len(shape):
             raise IndexError(
@@ -166,7 +166,7 @@ class NestedBatchedTensor(BatchedTensor):
 
     def stride(self, dim=None):
         self._common_shape("x.stride()")
-        st = _component_metadata(self._value, lambda c: c.stride())
+        st = _component_metadata(self._parts, lambda c: c.stride())
         if None in st:
             raise RuntimeError(
                 f"{self._interp.call}: x.stride(): the components of this nested tensor have "
@@ -187,10 +187,14 @@ class NestedBatchedTensor(BatchedTensor):
 SLOW_METADATA.add(NestedBatchedTensor)
 
 
-def wrap_nested(value, bdim, interp):
+def wrap_nested(value, bdim, interp, parts=None):
     """The wrapper of nested tensor ``value`` at vmap level ``interp``. Its C++ sizes are the
-    components' largest, never read: every function on it is intercepted (the Note)."""
-    comps = value.unbind()
+    components' largest, never read: every function on it is intercepted (the Note).
+
+    ``parts``: the components as separate tensors, when the caller has them (the loop's
+    results), else ``value.unbind()``. Kept on the wrapper: unbinding a nested tensor costs
+    more than the per-component ops themselves."""
+    comps = tuple(parts) if parts is not None else value.unbind()
     ndim = value.dim() - 1
     shape = [max((c.shape[d] for c in comps), default=0) for d in range(ndim)]
     st, acc = [0] * ndim, 1
@@ -199,6 +203,7 @@ def wrap_nested(value, bdim, interp):
     r = _mk(NestedBatchedTensor, shape, st, dtype=value.dtype, device=value.device)
     assert bdim == 0, "a nested tensor maps over dim 0"
     r._value = value
+    r._parts = comps
     r._bdim = 0
     r._interp = interp
     return r
@@ -234,7 +239,8 @@ def nested_call(interp, func, name, args, kwargs):
             "has one answer per example. Expected: tensor code without data-dependent Python "
             "control flow. Do: use `torch.where(cond, a, b)` instead of `if`."
         )
-    leaves, spec = pt.tree_flatten((args, kwargs))
+    flat_call = not kwargs and not any(type(a) in (list, tuple, dict) for a in args)
+    leaves, spec = (args, None) if flat_call else pt.tree_flatten((args, kwargs))
     per_leaf = [_examples(x, interp) for x in leaves]
     rng = torch.random.get_rng_state() if interp.randomness == "same" else None
     results = []
@@ -242,8 +248,11 @@ def nested_call(interp, func, name, args, kwargs):
         if rng is not None:  # 'same': every component draws from the same generator state
             torch.random.set_rng_state(rng)
         flat = [x if ex is None else ex[i] for x, ex in zip(leaves, per_leaf)]
-        a_i, k_i = pt.tree_unflatten(spec, flat)
-        results.append(func(*a_i, **k_i))
+        if flat_call:
+            results.append(func(*flat))
+        else:
+            a_i, k_i = pt.tree_unflatten(spec, flat)
+            results.append(func(*a_i, **k_i))
     if name not in _WARNED and isinstance(results[0], (torch.Tensor, tuple, list)):
         _WARNED.add(name)  # metadata queries (x.size(-1), x.is_nested) are not worth one
         warnings.warn(
@@ -262,7 +271,7 @@ def _examples(x, interp):
     """The per-example values of ``x`` at level ``interp``, or None when it is not batched."""
     if isinstance(x, BatchedTensor) and x._interp is interp:
         if isinstance(x, NestedBatchedTensor):
-            return x._value.unbind()
+            return x._parts
         return x._value.unbind(x._bdim)
     return None
 
@@ -292,7 +301,9 @@ def _nest(interp, name, results):
                         "again is not supported (torch.func raises too). Do: pad the input "
                         "(`torch.nested.to_padded_tensor(x, 0.0)`) or loop over `x.unbind()`."
                     )
-        return wrap_nested(_from_list(results), 0, interp)
+        # fresh results are the components (views, e.g. t[0], would alias: unbind the copy)
+        fresh = all(r._base is None for r in results)
+        return wrap_nested(_from_list(results), 0, interp, results if fresh else None)
     if isinstance(first, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in first):
         if any(len(r) != len(first) for r in results):
             raise RuntimeError(
