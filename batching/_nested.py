@@ -45,7 +45,7 @@ import torch
 from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._core import SLOW_METADATA, TransformTensor, _innermost
-from functransforms._ops import draws_random
+from functransforms._ops import draws_random, op_name
 from functransforms.errors import DataDependentError, FallbackWarning, InplaceError, raise_random
 
 from ._tensor import BatchedTensor, _mk
@@ -74,9 +74,9 @@ _INPLACE_DUNDERS = frozenset(
 
 
 def _name(func):
-    """``sin``, ``Tensor.T`` (a property's getter), or an ATen overload's ``aten::sin``."""
+    """``sin``, ``T`` (a property's getter), or an ATen overload's ``aten.sin.default``."""
     if isinstance(func, _OpOverload):
-        return func._schema.name + ("" if not func._overloadname else "." + func._overloadname)
+        return op_name(func)
     owner = getattr(func, "__self__", None)
     if getattr(func, "__name__", None) == "__get__" and owner is not None:
         return getattr(owner, "__name__", repr(owner))
@@ -233,7 +233,8 @@ def nested_call(interp, func, name, args, kwargs):
         and draws_random(func, args, kwargs)
     ):
         raise_random(interp, func)  # at __torch_function__ the random ops' own key raises
-    if name.rpartition("::")[2].partition(".")[0] in _DATA_READS:  # also aten::item
+    base = func._schema.name.partition("::")[2] if isinstance(func, _OpOverload) else name
+    if base in _DATA_READS:
         raise DataDependentError(
             f"{interp.call}: {name} reads a batched (nested) tensor as a Python value, which "
             "has one answer per example. Expected: tensor code without data-dependent Python "

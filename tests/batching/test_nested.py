@@ -409,3 +409,26 @@ def test_check_vmap_compares_nested_outputs(monkeypatch):
     monkeypatch.setattr(vmap_mod, "vmap", off)
     with pytest.raises(AssertionError, match="example 0"):
         check_vmap(torch.sin, (nt(torch.jagged),))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_aten_ops_below_torch_function_take_the_same_loop(layout):
+    """With subclass torch functions disabled, ops reach the wrapper's __torch_dispatch__ as
+    ATen overloads (decomposed): they run per component as well (the safety net)."""
+    from functransforms import _compat
+
+    def f(t):
+        with _compat.DisableTorchFunctionSubclass():
+            return (t.sin() * 2).sum(-1)
+
+    x = nt(layout)
+    assert_same(ft.vmap(f)(x), torch.func.vmap(lambda t: (t.sin() * 2).sum(-1))(x))
+    with pytest.raises(RuntimeError, match="randomness"):
+        ft.vmap(lambda t: _draw_below_torch_function(t))(x)
+
+
+def _draw_below_torch_function(t):
+    from functransforms import _compat
+
+    with _compat.DisableTorchFunctionSubclass():
+        return torch.rand_like(t)
