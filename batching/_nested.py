@@ -49,6 +49,7 @@ from functransforms._ops import draws_random, op_name
 from functransforms.errors import DataDependentError, FallbackWarning, InplaceError, raise_random
 
 from ._tensor import BatchedTensor, _mk
+from .random import _drawing
 
 _from_list = _compat.nested_tensor_from_tensor_list
 _OpOverload = _compat.OpOverload
@@ -244,16 +245,22 @@ def nested_call(interp, func, name, args, kwargs):
     leaves, spec = (args, None) if flat_call else pt.tree_flatten((args, kwargs))
     per_leaf = [_examples(x, interp) for x in leaves]
     rng = torch.random.get_rng_state() if interp.randomness == "same" else None
+    # 'different': a call on one component draws for that example alone, so the draws inside
+    # (dropout's bernoulli_ into a fresh buffer) are left to torch, not batched again
+    drawing, _drawing.active = _drawing.active, interp.randomness == "different"
     results = []
-    for i in range(interp.batch_size):
-        if rng is not None:  # 'same': every component draws from the same generator state
-            torch.random.set_rng_state(rng)
-        flat = [x if ex is None else ex[i] for x, ex in zip(leaves, per_leaf)]
-        if flat_call:
-            results.append(func(*flat))
-        else:
-            a_i, k_i = pt.tree_unflatten(spec, flat)
-            results.append(func(*a_i, **k_i))
+    try:
+        for i in range(interp.batch_size):
+            if rng is not None:  # 'same': every component draws from the same generator state
+                torch.random.set_rng_state(rng)
+            flat = [x if ex is None else ex[i] for x, ex in zip(leaves, per_leaf)]
+            if flat_call:
+                results.append(func(*flat))
+            else:
+                a_i, k_i = pt.tree_unflatten(spec, flat)
+                results.append(func(*a_i, **k_i))
+    finally:
+        _drawing.active = drawing
     if name not in _WARNED and isinstance(results[0], (torch.Tensor, tuple, list)):
         _WARNED.add(name)  # metadata queries (x.size(-1), x.is_nested) are not worth one
         warnings.warn(

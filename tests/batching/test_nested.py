@@ -432,3 +432,17 @@ def _draw_below_torch_function(t):
 
     with _compat.DisableTorchFunctionSubclass():
         return torch.rand_like(t)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dropout_draws_per_component(layout):
+    """randomness='different': each component its own mask (torch.func 2.13's nested fallback
+    gives every component the same one: docs/torch_func_differences.md); 'same': one mask."""
+    x = torch.nested.nested_tensor([torch.ones(200, 3), torch.ones(200, 3)], layout=layout)
+    drop = lambda t: torch.nn.functional.dropout(t, 0.5)  # noqa: E731
+    a, b = ft.vmap(drop, randomness="different")(x).unbind()
+    assert not torch.equal(a, b) and set(a.unique().tolist()) == {0.0, 2.0}
+    a, b = ft.vmap(drop, randomness="same")(x).unbind()
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="randomness"):
+        ft.vmap(drop)(x)
