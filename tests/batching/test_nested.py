@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from functransforms.batching import _nested as nested_mod
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import functransforms as ft
@@ -382,7 +382,6 @@ _PROPERTY_OPS = {
 }
 
 
-@settings(max_examples=15, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
     op=st.sampled_from(sorted(_PROPERTY_OPS)),
