@@ -14,6 +14,7 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
     )
 
 from . import (  # noqa: F401  (registration)
+    _nested,  # noqa: F401  (NestedBatchedTensor, before the first transform call)
     collectives,
     convolution,
     elementwise,

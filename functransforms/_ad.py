@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import _pytree as pt
-from ._core import eager_under_compile, is_floating
+from ._core import TransformTensor, eager_under_compile, is_floating
 from ._typing import ArgNums, Func, PyTree, Randomness
 
 
@@ -53,6 +53,8 @@ def _as_primal(x, call, forward):
     of the default dtype, as in JAX (docs/torch_func_differences.md); integer and boolean
     tensors and other Python values raise, with torch.func's exception classes."""
     if isinstance(x, torch.Tensor):
+        if not isinstance(x, TransformTensor) and x.is_nested:
+            _raise_nested(call)
         if is_floating(x):
             return x
         err = ValueError if forward else RuntimeError
@@ -67,6 +69,17 @@ def _as_primal(x, call, forward):
         f"{call}: expected the differentiated inputs to be tensors (or Python floats); got a "
         f"{type(x).__name__} ({x!r}). Pass non-differentiated values through a closure or "
         "another argument."
+    )
+
+
+def _raise_nested(call):
+    """torch.func raises for a nested tensor differentiated directly (with an internal
+    message); so do we, clearly (Note [Nested tensors under vmap], batching/_nested.py)."""
+    raise NotImplementedError(
+        f"{call}: a differentiated input is a nested tensor; grad, vjp and jvp "
+        "differentiate strided tensors only (torch.func raises too). Do: differentiate "
+        "per component (`[ft.grad(f)(c) for c in x.unbind()]`), or pad it "
+        "(`torch.nested.to_padded_tensor(x, 0.0)`)."
     )
 
 

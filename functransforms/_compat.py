@@ -79,6 +79,7 @@ __all__ = [
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
     "set_conj",
+    "nested_tensor_from_tensor_list",
     "set_fwd_grad_enabled",
     "set_grad_enabled",
     "storage_use_count",
@@ -200,6 +201,11 @@ set_fwd_grad_enabled = _C._set_fwd_grad_enabled
 # The classes of ``torch.ops.aten.sin.default`` and ``torch.ops.aten.sin``.
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
+
+# -- nested tensors (checked on 2.13.0, 2.15.0) ---------------------------------------------------
+# What torch.func's nested fallback nests per-component results with (a strided nested tensor,
+# differentiable by torch's autograd): Note [Nested tensors under vmap] (batching/_nested.py).
+nested_tensor_from_tensor_list = torch._nested_tensor_from_tensor_list
 
 # -- classes we recognise (checked on 2.13.0, 2.15.0) ---------------------------------------------
 # An autograd.Function that does not override setup_context inherits this one.

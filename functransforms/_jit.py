@@ -669,7 +669,7 @@ class Jitted:
         if not kwargs and not self.dynamic:
             # Fast path: a flat tuple of plain tensors.
             for a in args:
-                if type(a) is not _Tensor:
+                if type(a) is not _Tensor or a.is_nested:
                     break
             else:
                 key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
@@ -709,7 +709,7 @@ class Jitted:
 
     def _signature(self, args, kwargs):
         """``(key, tensor leaves, rebuild)``; key None if a leaf is not hashable."""
-        if not kwargs and all(type(a) is _Tensor for a in args):
+        if not kwargs and all(type(a) is _Tensor and not a.is_nested for a in args):
             tensors = list(args)
             spec, consts = None, None
         else:
@@ -717,6 +717,8 @@ class Jitted:
             tensors, consts = [], []
             for x in leaves:
                 if isinstance(x, _Tensor):
+                    if x.is_nested:  # make_fx does not trace nested tensors: run f as is
+                        return None, None, None
                     tensors.append(x)
                     consts.append(_TENSOR)
                 else:

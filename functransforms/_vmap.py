@@ -104,6 +104,28 @@ def _call_repr(func, in_dims, out_dims=0):
     return s + ")(<inputs>)"
 
 
+def _shape_repr(x):
+    if x.is_nested:
+        return "nested " + str([tuple(c.shape) for c in x.unbind()])
+    return tuple(x.shape)
+
+
+def _check_nested_input(x, d, i, call):
+    """Note [Nested tensors under vmap] (batching/_nested.py): a nested tensor maps over its
+    components (dim 0), and needs at least one."""
+    if d not in (0, -x.dim()):
+        raise ValueError(
+            f"{call}: input {i} (flattened) is a nested tensor with in_dim={d}; vmap maps a "
+            "nested tensor over its components only. Expected in_dim=0 (as torch.func). Do: "
+            "pad it (`torch.nested.to_padded_tensor(x, 0.0)`) to map over another dim."
+        )
+    if x.size(0) == 0:
+        raise ValueError(
+            f"{call}: input {i} (flattened) is a nested tensor with no components; expected "
+            "at least one (an empty batch has no example to run)."
+        )
+
+
 def broadcast_prefix(prefix, tree, what, call):
     """Flatten ``prefix`` against ``tree``: one entry per leaf of ``tree``."""
     leaves, _ = pt.tree_flatten(tree)
@@ -176,6 +198,7 @@ def _vmap_call(
     chunked=False,
     pmap=None,
 ):
+    from functransforms.batching._nested import wrap_nested
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import DifferentRandomnessMode, no_random_ops
 
@@ -198,6 +221,7 @@ def _vmap_call(
         flat_dims = broadcast_prefix(in_dims, args, "in_dims", call)
 
     batch_size = None
+    nested = False
     norm_dims = []
     for i, (x, d) in enumerate(zip(flat_args, flat_dims)):
         if d is None:
@@ -209,13 +233,9 @@ def _vmap_call(
                 f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
                 "None as its in_dim."
             )
-        if x.is_nested:
-            raise NotImplementedError(
-                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) is a nested tensor; "
-                "vmap maps over strided tensors only. Do: map over its components "
-                "(`[f(t) for t in x.unbind()]`) or pad it first "
-                "(`torch.nested.to_padded_tensor(x, 0.0)`)."
-            )
+        if x.is_nested:  # Note [Nested tensors under vmap] (batching/_nested.py)
+            _check_nested_input(x, d, i, call or _call_repr(func, in_dims))
+            d, nested = 0, True
         n = x.dim()
         if not -n <= d < n:
             raise ValueError(
@@ -225,10 +245,10 @@ def _vmap_call(
         d %= n
         norm_dims.append(d)
         if batch_size is None:
-            batch_size = x.shape[d]
-        elif x.shape[d] != batch_size:
+            batch_size = x.size(d)
+        elif x.size(d) != batch_size:
             sizes = [
-                (j, tuple(a.shape), e)
+                (j, _shape_repr(a), e)
                 for j, (a, e) in enumerate(zip(flat_args, flat_dims))
                 if e is not None
             ]
@@ -253,7 +273,8 @@ def _vmap_call(
             "vmap(..., axis_size=n)."
         )
 
-    if chunk_size is not None and chunk_size < batch_size:
+    # nested inputs already run one component at a time: chunking changes nothing
+    if chunk_size is not None and chunk_size < batch_size and not nested:
         return _chunked(
             func,
             in_dims,
@@ -282,7 +303,10 @@ def _vmap_call(
         mode = None
     with interp:
         wrapped = [
-            x if d is None else wrap_batched(x, d, interp) for x, d in zip(flat_args, norm_dims)
+            x
+            if d is None
+            else (wrap_nested if nested and x.is_nested else wrap_batched)(x, d, interp)
+            for x, d in zip(flat_args, norm_dims)
         ]
         if mode is None:
             out = func(*pt.tree_unflatten(spec, wrapped), **kwargs)
@@ -309,14 +333,17 @@ def _as_views_of_inputs(out, flat_args):
     inputs = [
         x
         for x in flat_args
-        if type(x) is torch.Tensor and x.device.type != "meta" and x.untyped_storage().data_ptr()
+        if type(x) is torch.Tensor
+        and not x.is_nested
+        and x.device.type != "meta"
+        and x.untyped_storage().data_ptr()
     ]
     if not inputs:
         return out
     storages = {x.untyped_storage().data_ptr(): x for x in inputs}
 
     def view_of_input(o):
-        if type(o) is not torch.Tensor or o.requires_grad:
+        if type(o) is not torch.Tensor or o.requires_grad or o.is_nested:
             return o
         base = o._base  # a view registered on an intermediate (a fast path's) is rebuilt too
         if base is not None and any(base is x for x in inputs):
@@ -354,6 +381,14 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
                 "as it is."
             )
         if isinstance(o, BatchedTensor) and o._interp is interp:
+            v, b = o._value, o._bdim
+            if v.is_nested and type(od) is int and od not in (0, -v.dim()):
+                raise ValueError(
+                    f"{_call_repr(func, in_dims, out_dims)}: output {i} is a nested tensor (one "
+                    f"component per example), and out_dims for it is {od!r}; a nested tensor "
+                    "stacks its examples along dim 0 only. Expected out_dims=0 for it (as "
+                    "torch.func)."
+                )
             # Note [Lazy conj outputs]: a lazily conjugated wrapper (``t.conj()``, views of it:
             # Note [Conjugate views under vmap], batching/views.py) holds only the lazy view,
             # which vmap returns (is_conj(), a view of the input), as torch.func returns it.

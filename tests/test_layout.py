@@ -9,7 +9,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Modules of the two packages that hold machinery, not rules of one op family.
-INFRASTRUCTURE = {"__init__", "_registry", "_util", "_tensor", "_fastpath", "forward", "reverse"}
+INFRASTRUCTURE = {
+    "__init__",
+    "_registry",
+    "_util",
+    "_tensor",
+    "_fastpath",
+    "_nested",
+    "forward",
+    "reverse",
+}
 
 
 def _family_files(package):

@@ -217,7 +217,8 @@ def check_vmap(f, args, in_dims=0, out_dims=0, *, atol=1e-6, rtol=1e-5, randomne
 
     Args:
         f: a function of the positional ``args``.
-        args: a tuple of inputs (pytrees of tensors).
+        args: a tuple of inputs (pytrees of tensors). A nested tensor mapped at in_dim 0 gives
+            one example per component, and a nested output is compared component by component.
         in_dims, out_dims: as for :func:`functransforms.vmap` (None, negative dims, prefixes).
 
     Raises:
@@ -240,16 +241,23 @@ def check_vmap(f, args, in_dims=0, out_dims=0, *, atol=1e-6, rtol=1e-5, randomne
         if in_dims is None or isinstance(in_dims, int)
         else broadcast_prefix(in_dims, args, "in_dims", call)
     )
-    sizes = {x.shape[d] for x, d in zip(flat_args, flat_dims) if d is not None}
+    sizes = {x.size(d) for x, d in zip(flat_args, flat_dims) if d is not None}
     if len(sizes) != 1:
         raise ValueError(
             f"{call}: expected the mapped inputs to share one batch size; got {sorted(sizes)}."
         )
     (batch,) = sizes
     ours = vmap(f, in_dims, out_dims, randomness=randomness)(*args)
+    # a nested input maps over its components (Note [Nested tensors under vmap])
+    parts = [
+        x.unbind() if d is not None and x.is_nested else None for x, d in zip(flat_args, flat_dims)
+    ]
     per_example = []
     for i in range(batch):
-        xs = [x if d is None else x.select(d, i) for x, d in zip(flat_args, flat_dims)]
+        xs = [
+            x if d is None else x.select(d, i) if p is None else p[i]
+            for x, d, p in zip(flat_args, flat_dims, parts)
+        ]
         per_example.append(f(*pt.tree_unflatten(spec, xs)))
     flat_ours, out_spec = pt.tree_flatten(ours)
     flat_ods = (
@@ -259,6 +267,10 @@ def check_vmap(f, args, in_dims=0, out_dims=0, *, atol=1e-6, rtol=1e-5, randomne
     )
     loops = [pt.tree_leaves(p) for p in per_example]
     for j, (o, od) in enumerate(zip(flat_ours, flat_ods)):
+        if o.is_nested:  # one component per example: compared one by one
+            for i, (oc, lp) in enumerate(zip(o.unbind(), loops)):
+                _assert_example(oc, lp[j], atol, rtol, f"{call}: output {j}, example {i}")
+            continue
         if od is None:
             ref = loops[0][j]
         else:
@@ -275,3 +287,8 @@ def check_vmap(f, args, in_dims=0, out_dims=0, *, atol=1e-6, rtol=1e-5, randomne
                 f"{call}: output {j} (flattened) differs from the stacked loop (max abs error "
                 f"{err:.3g}).\nvmap: {o}\nloop: {ref}"
             )
+
+
+def _assert_example(o, ref, atol, rtol, what):
+    if o.shape != ref.shape or not torch.allclose(o, ref, atol=atol, rtol=rtol, equal_nan=True):
+        raise AssertionError(f"{what} differs from the loop.\nvmap: {o}\nloop: {ref}")

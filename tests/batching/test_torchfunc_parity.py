@@ -218,12 +218,6 @@ def test_multinomial_batched_probabilities(shape):
         ft.vmap(lambda p: torch.multinomial(p, 2), randomness="same")(p)
 
 
-def test_nested_tensor_input_is_a_clear_error():
-    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
-    with pytest.raises(NotImplementedError, match="nested tensor.*unbind"):
-        ft.vmap(torch.sin)(nt)
-
-
 # -- batching rules where torch.func has them (no per-example loop) ---------------------------
 
 
