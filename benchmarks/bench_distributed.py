@@ -62,16 +62,18 @@ def _interleaved(fns, rounds, clock=time.thread_time, sync=None):
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-def _mallopt():
+def _libc():
     try:
-        return ctypes.CDLL("libc.so.6").mallopt
+        return ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: the allocator's regime is not pinned
         return None
 
 
-REGIMES = {  # name -> (mmap threshold, trim threshold)
-    "freed buffers reused": (256 << 20, 512 << 20),
+# name -> (mmap threshold, trim threshold). Fresh pages first: once the heap holds free 1 MB
+# chunks, a lower threshold no longer forces new mappings.
+REGIMES = {
     "fresh pages per buffer": (128 << 10, 128 << 10),
+    "freed buffers reused": (256 << 20, 512 << 20),
 }
 
 
@@ -90,11 +92,12 @@ def bench_vmap_collectives(rounds):
 
     torch.testing.assert_close(ours(x), hand())
     rows = []
-    mallopt = _mallopt()
-    for regime, (mmap_at, trim_at) in REGIMES.items() if mallopt else [("default", None)]:
-        if mallopt:
-            mallopt(_M_MMAP_THRESHOLD, mmap_at)
-            mallopt(_M_TRIM_THRESHOLD, trim_at)
+    libc = _libc()
+    for regime, (mmap_at, trim_at) in REGIMES.items() if libc else [("default", None)]:
+        if libc:
+            libc.mallopt(_M_MMAP_THRESHOLD, mmap_at)
+            libc.mallopt(_M_TRIM_THRESHOLD, trim_at)
+            libc.malloc_trim(0)
         t = _interleaved({"ours": lambda: ours(x), "hand": hand}, rounds)
         label = f"(a) vmap normalise with pmean/psum, {GLOBAL_BATCH}x1024, allocator: {regime}"
         rows.append((label, t["ours"], t["hand"]))
@@ -192,7 +195,7 @@ def dp_sgd_worker(rounds):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
-    ap.add_argument("--procs", default="1,2,4", help="process counts for (b), e.g. 1,2,4")
+    ap.add_argument("--procs", default="1,2,4", help="process counts for (b); '' skips (b)")
     args = ap.parse_args(argv)
     rounds = 5 if args.quick else 15
     load = _load()
@@ -200,7 +203,7 @@ def main(argv=None):
     import bench_distributed as me  # spawned workers import the function by module name
 
     rows, walls = [], {}
-    for world in [int(n) for n in args.procs.split(",")]:
+    for world in [int(n) for n in args.procs.split(",") if n]:
         results = ft.distributed.launch(me.dp_sgd_worker, world, rounds, timeout=600)
         cpu = {k: statistics.mean(r[k, "cpu"] for r in results) for k in ("pmap", "hand")}
         wall = {k: max(r[k, "wall"] for r in results) for k in ("pmap", "hand")}
@@ -212,7 +215,8 @@ def main(argv=None):
 
     print(
         f"load average {load} at start, {_load()} at end; {os.cpu_count()} cores; torch "
-        f"{torch.__version__}; single-threaded processes; medians of interleaved rounds\n"
+        f"{torch.__version__}; functransforms from {os.path.dirname(ft.__file__)}; single-threaded "
+        "processes; medians of interleaved rounds\n"
     )
     print("| workload | ours | reference (hand-written) | ours / reference |")
     print("|---|---|---|---|")
