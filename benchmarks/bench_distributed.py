@@ -1,6 +1,6 @@
 """Named axes and pmap benchmark (issue 14).
 
-    python benchmarks/bench_distributed.py [--quick] [--procs 1,2,4]
+    python benchmarks/bench_distributed.py [--quick] [--procs 1,2,4] [--allocator default]
 
 (a) ``vmap`` of a per-example normalisation that uses ``pmean``/``psum`` over a batch of 256
     (x 1024 features), against the same computation hand-written on the batched tensor: ours /
@@ -9,8 +9,8 @@
     maps fresh pages for each (page faults: ~0.9 ms), and which one a process gets depends on
     its allocation history, so the ratio was bimodal (1.2-5.8) from one run to the next. Both
     regimes are measured, pinned with ``mallopt`` (where glibc is present). A third row isolates
-    what a collective adds: one vmapped ``psum`` against one vmapped ``sum`` (a small batch; the
-    vmap call's own cost subtracted from both).
+    what a collective costs: one call of ``psum`` against one of ``sum(0)`` under vmap (a
+    small batch; four calls in one vmapped function, minus the function without them).
 (b) one DP-SGD step (per-sample gradients of the MLP 784-128-128-10 of bench_core, clipped to
     norm 1, averaged over the global batch of 256) over 1, 2 and 4 local gloo processes, with
     ``pmap(vmap(grad))`` and with hand-written DDP-style code (``vmap(grad)`` locally, then one
@@ -18,6 +18,9 @@
     starting at a barrier. CPU time per process (``process_time``: the process's work, including
     gloo's threads, not the time it waits for a core) and wall time (the slowest process). With
     more processes than cores the wall times measure the scheduler; compare CPU times there.
+    The workers' allocator is pinned to reuse freed buffers (``--allocator``): by default each
+    process gets 0 to 15000 page faults a step at 4 processes (25 MB per-sample gradients, near
+    glibc's dynamic threshold), which moved a process's CPU time by up to 60%.
 Single-threaded processes. The ratios are the numbers to read; the load average is printed.
 """
 
@@ -92,12 +95,8 @@ def bench_vmap_collectives(rounds):
 
     torch.testing.assert_close(ours(x), hand())
     rows = []
-    libc = _libc()
-    for regime, (mmap_at, trim_at) in REGIMES.items() if libc else [("default", None)]:
-        if libc:
-            libc.mallopt(_M_MMAP_THRESHOLD, mmap_at)
-            libc.mallopt(_M_TRIM_THRESHOLD, trim_at)
-            libc.malloc_trim(0)
+    for regime in REGIMES if _libc() else ["default"]:
+        _pin_allocator(regime)
         t = _interleaved({"ours": lambda: ours(x), "hand": hand}, rounds)
         label = f"(a) vmap normalise with pmean/psum, {GLOBAL_BATCH}x1024, allocator: {regime}"
         rows.append((label, t["ours"], t["hand"]))
@@ -171,9 +170,22 @@ def dp_sgd_hand(p, xs, ys):
     return out
 
 
-def dp_sgd_worker(rounds):
+def _pin_allocator(regime):
+    """Pin glibc's allocator to ``regime`` (a key of REGIMES); False where it cannot be."""
+    libc = _libc()
+    if libc is None or regime not in REGIMES:
+        return False
+    mmap_at, trim_at = REGIMES[regime]
+    libc.mallopt(_M_MMAP_THRESHOLD, mmap_at)
+    libc.mallopt(_M_TRIM_THRESHOLD, trim_at)
+    libc.malloc_trim(0)
+    return True
+
+
+def dp_sgd_worker(rounds, allocator):
     """One process's medians: {(pmap|hand, cpu|wall): seconds}."""
     torch.set_num_threads(1)
+    _pin_allocator(allocator)
     rank, world = dist.get_rank(), dist.get_world_size()
     p = _params()
     xs, ys = _data()
@@ -196,6 +208,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     ap.add_argument("--procs", default="1,2,4", help="process counts for (b); '' skips (b)")
+    ap.add_argument(
+        "--allocator",
+        default="freed buffers reused",
+        choices=[*REGIMES, "default"],
+        help="glibc allocator regime of the (b) workers (default: reuse freed buffers)",
+    )
     args = ap.parse_args(argv)
     rounds = 5 if args.quick else 15
     load = _load()
@@ -204,11 +222,13 @@ def main(argv=None):
 
     rows, walls = [], {}
     for world in [int(n) for n in args.procs.split(",") if n]:
-        results = ft.distributed.launch(me.dp_sgd_worker, world, rounds, timeout=600)
+        results = ft.distributed.launch(
+            me.dp_sgd_worker, world, rounds, args.allocator, timeout=600
+        )
         cpu = {k: statistics.mean(r[k, "cpu"] for r in results) for k in ("pmap", "hand")}
         wall = {k: max(r[k, "wall"] for r in results) for k in ("pmap", "hand")}
         walls[world] = wall
-        name = f"(b) DP-SGD step, {world} gloo process{'es' if world > 1 else ''}"
+        name = f"(b) DP-SGD step, {world} gloo process{'es' if world > 1 else ''}, {args.allocator}"
         rows.append((f"{name}: CPU per process", cpu["pmap"], cpu["hand"]))
         rows.append((f"{name}: wall, slowest process", wall["pmap"], wall["hand"]))
     rows += bench_vmap_collectives(rounds * 20)  # last: it pins this process's allocator
