@@ -85,23 +85,24 @@ def normalise(t):  # t: [D], one example
 
 
 def bench_vmap_collectives(rounds):
-    """Rows of (a): (label, ours seconds, reference seconds)."""
-    torch.set_num_threads(1)
-    x = torch.randn(GLOBAL_BATCH, 1024)
-    ours = ft.vmap(normalise, axis_name="i")
+    """Rows of (a): (label, ours seconds, reference seconds). Each allocator regime runs in a
+    fresh process, pinned from its start by glibc's environment variables: pinned later, a
+    heap that already holds free 1 MB chunks keeps serving them."""
+    import json
+    import subprocess
 
-    def hand():
-        return (x - x.mean(0)) / x.abs().sum(0)
-
-    torch.testing.assert_close(ours(x), hand())
     rows = []
-    for regime in REGIMES if _libc() else ["default"]:
-        _pin_allocator(regime)
-        t = _interleaved({"ours": lambda: ours(x), "hand": hand}, rounds)
+    for regime, (mmap_at, trim_at) in REGIMES.items() if _libc() else [("default", (0, 0))]:
+        env = dict(os.environ)
+        if mmap_at:
+            env.update(MALLOC_MMAP_THRESHOLD_=str(mmap_at), MALLOC_TRIM_THRESHOLD_=str(trim_at))
+        child = [sys.executable, os.path.abspath(__file__), "--normalise-only", str(rounds)]
+        t = json.loads(subprocess.run(child, env=env, check=True, capture_output=True).stdout)
         label = f"(a) vmap normalise with pmean/psum, {GLOBAL_BATCH}x1024, allocator: {regime}"
         rows.append((label, t["ours"], t["hand"]))
 
     # the cost of one call: four calls in one vmapped function, minus the function without them
+    torch.set_num_threads(1)
     small = torch.randn(GLOBAL_BATCH, 16)
     fns = {
         "none": lambda t: t,
@@ -204,6 +205,21 @@ def dp_sgd_worker(rounds, allocator):
     return out
 
 
+def _normalise_only(rounds):
+    """(a)'s normalisation in this process (run by bench_vmap_collectives): prints the times."""
+    import json
+
+    torch.set_num_threads(1)
+    x = torch.randn(GLOBAL_BATCH, 1024)
+    ours = ft.vmap(normalise, axis_name="i")
+
+    def hand():
+        return (x - x.mean(0)) / x.abs().sum(0)
+
+    torch.testing.assert_close(ours(x), hand())
+    print(json.dumps(_interleaved({"ours": lambda: ours(x), "hand": hand}, rounds)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
@@ -214,7 +230,10 @@ def main(argv=None):
         choices=[*REGIMES, "default"],
         help="glibc allocator regime of the (b) workers (default: reuse freed buffers)",
     )
+    ap.add_argument("--normalise-only", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.normalise_only:
+        return _normalise_only(args.normalise_only)
     rounds = 5 if args.quick else 15
     load = _load()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -231,7 +250,7 @@ def main(argv=None):
         name = f"(b) DP-SGD step, {world} gloo process{'es' if world > 1 else ''}, {args.allocator}"
         rows.append((f"{name}: CPU per process", cpu["pmap"], cpu["hand"]))
         rows.append((f"{name}: wall, slowest process", wall["pmap"], wall["hand"]))
-    rows += bench_vmap_collectives(rounds * 20)  # last: it pins this process's allocator
+    rows += bench_vmap_collectives(rounds * 20)
 
     print(
         f"load average {load} at start, {_load()} at end; {os.cpu_count()} cores; torch "
