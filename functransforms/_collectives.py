@@ -109,7 +109,8 @@ def lift(x, interp):
 #     of the innermost wrapper among its arguments. When the operand is already a wrapper of the
 #     binding vmap (the common case: a per-example value), that interpreter is known here, and
 #     the round trip through the C++ dispatcher, the Python dispatch key and the routing costs
-#     more than the reduction on a small batch (~15 us of a ~25 us psum). So ``bind`` calls the
+#     more than the reduction on a small batch (two thirds of a vmapped psum: 23 -> 7 us a call,
+#     bench_distributed.py, now less than a vmapped ``sum(0)``). So ``bind`` calls the
 #     interpreter's ``process`` itself: the same method, rule and wrapping the dispatcher would
 #     reach. It keeps the dispatcher when something else may need to see the op: a dispatch
 #     mode is active (a user's mode, the determinism checker, randomness='different'), or we
@@ -144,7 +145,8 @@ def _routes_to(interp, values):
 #     pmap runs ``f`` as a vmap over this process's ``k`` examples (Note [pmap is vmap over
 #     this process's shard], functransforms/_pmap.py). In JAX's layout, ``pmap(vmap(f))``, each
 #     process holds one example (``k = 1``), and a level of size 1 only costs: every op of ``f``
-#     passes through one more wrapper and interpreter (3-5% of a DP-SGD step), for no batching.
+#     passes through one more wrapper and interpreter (2-30% of a DP-SGD step's CPU time, the
+#     most at 4 processes: docs/performance.md), for no batching.
 #     So for ``k = 1`` pmap pushes its interpreter (which binds the axis name and carries the
 #     group) but wraps nothing: ``f`` runs on the process's example itself, and a collective on
 #     the axis applies the same cross-process rule the level would have applied to the value

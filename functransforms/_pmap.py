@@ -7,7 +7,9 @@ Note [pmap is vmap over this process's shard]
     has ``k * world`` examples, ``axis_index`` counts from ``rank * k``, and each collective
     combines the local examples first and then the processes (Note [pmap's collectives]). So
     the code that runs under ``vmap`` on one process runs under ``pmap`` unchanged, and
-    ``vmap``/``grad``/``jvp`` compose with it as with any level.
+    ``vmap``/``grad``/``jvp`` compose with it as with any level. With one example per process
+    (``k = 1``) the level binds the axis but wraps nothing: Note [pmap without a level for its
+    shard] (functransforms/_collectives.py).
 
 Note [Replicated inputs of pmap]
     An unmapped input (``in_dims=None``) is the same on every process: one value, used by all
