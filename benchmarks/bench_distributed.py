@@ -198,11 +198,17 @@ def dp_sgd_worker(rounds, allocator):
     for k in hand:
         torch.testing.assert_close(ours[k][0], hand[k])
     fns = {"pmap": lambda: step(p, xs, ys), "hand": lambda: dp_sgd_hand(p, xs[0], ys[0])}
-    out = {}
-    for clock, name in ((time.process_time, "cpu"), (time.perf_counter, "wall")):
-        for k, t in _interleaved(fns, rounds, clock, dist.barrier).items():
-            out[k, name] = t
-    return out
+    for fn in fns.values():
+        fn()
+    times = {(k, clock): [] for k in fns for clock in ("cpu", "wall")}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            dist.barrier()
+            c0, w0 = time.process_time(), time.perf_counter()
+            fn()
+            times[k, "wall"].append(time.perf_counter() - w0)
+            times[k, "cpu"].append(time.process_time() - c0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _normalise_only(rounds):
