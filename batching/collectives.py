@@ -20,10 +20,16 @@ from ._util import to_front
 _DIM_PARAMS = {ops.all_gather: 1, ops.psum_scatter: 1, ops.all_to_all: 2, ops.ppermute: 0}
 
 
+# op -> its ``across`` rule: also applied by pmap without a level (Note [pmap without a level
+# for its shard], functransforms/_collectives.py)
+ACROSS: dict = {}
+
+
 def def_collective(op, named, across=None):
     """Register ``op``'s batching rule: ``named(x, bdim, batch_size, *params) -> (out, bdim)``
-    at the binding vmap, ``across(x, bdim, level, world, *params)`` at a binding pmap (Note
+    at the binding vmap, ``across(x, bdim, group, world, *params)`` at a binding pmap (Note
     [pmap's collectives] in functransforms/_collective_ops.py), the pass-through elsewhere."""
+    ACROSS[op] = across
 
     @register_vmap_rule(op)
     def rule(interp, args, bdims, kwargs):
@@ -162,11 +168,12 @@ def psum_many_vmap_rule(interp, args, bdims, kwargs):
     n = interp.batch_size
     local = [x * n if b is None else x.sum(b) for x, b in zip(xs, bs)]
     if getattr(interp, "group", None) is not None:
-        local = _all_reduce_by_dtype(local, interp.group)
+        local = all_reduce_by_dtype(local, interp.group)
     return tuple(local), (None,) * len(local)
 
 
-def _all_reduce_by_dtype(tensors, group):
+def all_reduce_by_dtype(tensors, group):
+    """``dist_psum`` of each tensor, as one all-reduce per dtype and device."""
     out = list(tensors)
     by_dtype = {}
     for i, t in enumerate(tensors):

@@ -17,7 +17,8 @@ import torch
 
 from . import _collective_ops as ops
 from . import _pytree as pt
-from ._core import TransformTensor, interpreter_stack
+from ._compat import len_torch_dispatch_stack as _modes
+from ._core import TransformTensor, below_torch_autograd, interpreter_stack
 from ._typing import PyTree
 from .errors import UnboundAxisError
 
@@ -102,10 +103,63 @@ def lift(x, interp):
     return x + wrap_batched(zeros, 0, interp)  # inner levels wrap x: they must see the add
 
 
+# Note [Collectives skip the dispatcher]
+#     A collective is an op so that every interpreter handles it through its registry (Note
+#     [Collectives are ops]); the dispatcher's only job is then to route it to the interpreter
+#     of the innermost wrapper among its arguments. When the operand is already a wrapper of the
+#     binding vmap (the common case: a per-example value), that interpreter is known here, and
+#     the round trip through the C++ dispatcher, the Python dispatch key and the routing costs
+#     more than the reduction on a small batch (two thirds of a vmapped psum: 23 -> 7 us a call,
+#     bench_distributed.py, now less than a vmapped ``sum(0)``). So ``bind`` calls the
+#     interpreter's ``process`` itself: the same method, rule and wrapping the dispatcher would
+#     reach. It keeps the dispatcher when something else may need to see the op: a dispatch
+#     mode is active (a user's mode, the determinism checker, randomness='different'), or we
+#     run below torch's autograd (inside a rule) where ``__torch_dispatch__`` would re-enable
+#     it (Note [Torch autograd through our transforms], functransforms/_core.py). A value of
+#     another level (a grad inside the vmap, a vmap inside it) or one not varying along the
+#     axis takes the dispatcher too: the levels in between must see the op.
 def bind(op, x, level, *params):
     """Apply collective ``op`` over the axis of ``level`` (used by the public functions and by
     the derivative rules, which rebind collectives on tangents and cotangents)."""
-    return op(lift(x, by_level(level)), level, *params)
+    return _bind(op, x, by_level(level), params)
+
+
+def _bind(op, x, interp, params):
+    if getattr(interp, "direct", False):  # Note [pmap without a level for its shard]
+        return _direct(op, x, interp, params)
+    if _routes_to(interp, (x,)):  # Note [Collectives skip the dispatcher]
+        return interp.process(op, (x, interp.level, *params), {})
+    return op(lift(x, interp), interp.level, *params)
+
+
+def _routes_to(interp, values):
+    """Whether the dispatcher would hand an op on ``values`` straight to ``interp`` with nothing
+    else to see it (Note [Collectives skip the dispatcher])."""
+    for v in values:
+        if not isinstance(v, TransformTensor) or v._interp is not interp:
+            return False
+    return not _modes() and not below_torch_autograd()
+
+
+# Note [pmap without a level for its shard]
+#     pmap runs ``f`` as a vmap over this process's ``k`` examples (Note [pmap is vmap over
+#     this process's shard], functransforms/_pmap.py). In JAX's layout, ``pmap(vmap(f))``, each
+#     process holds one example (``k = 1``), and a level of size 1 only costs: every op of ``f``
+#     passes through one more wrapper and interpreter (2-30% of a DP-SGD step's CPU time, the
+#     most at 4 processes: docs/performance.md), for no batching.
+#     So for ``k = 1`` pmap pushes its interpreter (which binds the axis name and carries the
+#     group) but wraps nothing: ``f`` runs on the process's example itself, and a collective on
+#     the axis applies the same cross-process rule the level would have applied to the value
+#     with a batch dim of size 1 in front (``batching/collectives.py``, ``ACROSS``), then drops
+#     that dim. The rule is made of ordinary ops and the ``dist_*`` ops, whose derivative and
+#     batching rules are the cross-process transposes and pass-throughs, so every composition
+#     (grad/jvp/vmap inside or outside pmap) differentiates and batches it as before. Every
+#     value is then unmapped along the pmap axis, which for one example per process is exact.
+def _direct(op, x, interp, params):
+    from functransforms.batching.collectives import ACROSS
+
+    out, bdim = ACROSS[op](x.unsqueeze(0), 0, interp.group, interp.world, *params)
+    return out if bdim is None else out.squeeze(bdim)
 
 
 def _tensor(x, call):
@@ -119,39 +173,57 @@ def _tensor(x, call):
 
 
 def _map(call, fn, x):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
     leaves, spec = pt.tree_flatten(x)
     return pt.tree_unflatten(spec, [fn(_tensor(leaf, call)) for leaf in leaves])
 
 
 # -- the public collectives --------------------------------------------------------------------
+def _bindings(axis_name, call):
+    """The interpreters binding ``axis_name`` (one name or a tuple), innermost first: a pmap's
+    collective then communicates the already-reduced value."""
+    if not isinstance(axis_name, (tuple, list)):
+        return (binding(axis_name, call),)
+    return sorted((binding(n, call) for n in axis_name), key=lambda i: -i.level)
+
+
 def _reduction(op, name):
     def collective(x: PyTree, axis_name: AxisName) -> PyTree:
         call = f"{name}(x, axis_name={axis_name!r})"
-        # innermost axis first: a pmap's collective then communicates the already-reduced value
-        levels = sorted((binding(n, call).level for n in _names(axis_name)), reverse=True)
+        interps = _bindings(axis_name, call)
+        if op in (ops.psum, ops.pmean) and getattr(interps[-1], "group", None) is not None:
+            return _reduce_across_processes(op, call, x, interps)
 
         def one(t):
-            for level in levels:
-                t = bind(op, t, level)
+            for interp in interps:
+                t = _bind(op, t, interp, ())
             return t
 
-        if op in (ops.psum, ops.pmean) and getattr(by_level(levels[-1]), "group", None):
-            return _reduce_across_processes(op, call, x, levels)
         return _map(call, one, x)
 
     collective.__name__ = collective.__qualname__ = name
     return collective
 
 
-def _reduce_across_processes(op, call, x, levels):
+def _reduce_across_processes(op, call, x, interps):
     """psum/pmean of a pytree whose outermost axis is a pmap's: the inner axes leaf by leaf,
     then every leaf in one collective (``psum_many``: one all-reduce per dtype)."""
     leaves, spec = pt.tree_flatten(x)
     leaves = [_tensor(leaf, call) for leaf in leaves]
-    for level in levels[:-1]:
-        leaves = [bind(op, t, level) for t in leaves]
-    interp = by_level(levels[-1])
-    summed = ops.psum_many([lift(t, interp) for t in leaves], interp.level) if leaves else []
+    for inner in interps[:-1]:
+        leaves = [_bind(op, t, inner, ()) for t in leaves]
+    interp = interps[-1]
+    if not leaves:
+        summed = []
+    elif getattr(interp, "direct", False):  # Note [pmap without a level for its shard]
+        from functransforms.batching.collectives import all_reduce_by_dtype
+
+        summed = all_reduce_by_dtype(leaves, interp.group)
+    elif _routes_to(interp, leaves):  # Note [Collectives skip the dispatcher]
+        summed = interp.process(ops.psum_many, (leaves, interp.level), {})
+    else:
+        summed = ops.psum_many([lift(t, interp) for t in leaves], interp.level)
     if op is ops.pmean:
         summed = [t / size_of(interp) for t in summed]
     return pt.tree_unflatten(spec, list(summed))
@@ -375,7 +447,10 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     for n in _names(axis_name):
         interp = binding(n, call)
         k = interp.batch_size  # under pmap: this process's examples are rank * k + [0, k)
-        here = wrap_batched(torch.arange(k) + getattr(interp, "rank", 0) * k, 0, interp)
+        if getattr(interp, "direct", False):  # Note [pmap without a level for its shard]
+            here = torch.tensor(interp.rank)
+        else:
+            here = wrap_batched(torch.arange(k) + getattr(interp, "rank", 0) * k, 0, interp)
         index = here if index is None else index * size_of(interp) + here
     return index
 

@@ -7,7 +7,9 @@ Note [pmap is vmap over this process's shard]
     has ``k * world`` examples, ``axis_index`` counts from ``rank * k``, and each collective
     combines the local examples first and then the processes (Note [pmap's collectives]). So
     the code that runs under ``vmap`` on one process runs under ``pmap`` unchanged, and
-    ``vmap``/``grad``/``jvp`` compose with it as with any level.
+    ``vmap``/``grad``/``jvp`` compose with it as with any level. With one example per process
+    (``k = 1``) the level binds the axis but wraps nothing: Note [pmap without a level for its
+    shard] (functransforms/_collectives.py).
 
 Note [Replicated inputs of pmap]
     An unmapped input (``in_dims=None``) is the same on every process: one value, used by all
@@ -30,7 +32,7 @@ import torch
 
 from . import _collective_ops as ops
 from . import _pytree as pt
-from ._core import TransformTensor
+from ._core import TransformTensor, eager_under_compile
 from ._typing import Dims, Func
 
 
@@ -85,8 +87,11 @@ def pmap(
             ops.dist_replicate(x, key) if d is None and isinstance(x, TransformTensor) else x
             for x, d in zip(flat, dims)
         ]
-        args = pt.tree_unflatten(spec, flat)
         try:
+            if type(out_dims) is int and _one_per_process(flat, dims):
+                binding = (axis_name, key, world, rank)
+                return _direct(f, call, flat, dims, spec, kwargs, in_dims, out_dims, binding)
+            args = pt.tree_unflatten(spec, flat)
             return _vmap_call(
                 f,
                 in_dims,
@@ -102,6 +107,41 @@ def pmap(
             ops.finish_shard_check(key)
 
     return pmapped
+
+
+def _one_per_process(flat, dims):
+    """True when every mapped input holds one example (JAX's layout: Note [pmap without a level
+    for its shard] in functransforms/_collectives.py); anything else, including inputs vmap
+    would reject, takes the vmap path (and its errors)."""
+    mapped = False
+    for x, d in zip(flat, dims):
+        if d is None:
+            continue
+        if type(d) is not int or not isinstance(x, torch.Tensor) or x.is_nested:
+            return False
+        n = x.dim()
+        if not -n <= d < n or x.shape[d] != 1:
+            return False
+        mapped = True
+    return mapped
+
+
+@eager_under_compile
+def _direct(f, call, flat, dims, spec, kwargs, in_dims, out_dims, binding):
+    """pmap with one example per process: the axis is bound, nothing is wrapped (Note [pmap
+    without a level for its shard])."""
+    from functransforms.batching._tensor import BatchedTensor, VmapInterpreter
+    from functransforms.batching.random import no_random_ops
+
+    from ._vmap import _unwrap_outputs
+
+    interp = VmapInterpreter(1, "error", call)
+    interp.axis_name, interp.group, interp.world, interp.rank = binding
+    interp.chunked, interp.direct = False, True
+    args = pt.tree_unflatten(spec, [x if d is None else x.select(d, 0) for x, d in zip(flat, dims)])
+    with interp, no_random_ops():
+        out = f(*args, **kwargs)
+    return _unwrap_outputs(out, out_dims, interp, 1, f, in_dims, BatchedTensor)
 
 
 def _group(group, call):

@@ -7,12 +7,12 @@ import torch.distributed as dist
 
 import functransforms as ft
 
-K = 2  # examples per process
+K = 2  # examples per process (1: pmap without a level for its shard, JAX's layout)
 
 
-def global_data(world, seed=0):
+def global_data(world, seed=0, k=K):
     g = torch.Generator().manual_seed(seed)
-    n = world * K
+    n = world * k
     return {
         "x": torch.randn(n, 2 * n, dtype=torch.float64, generator=g),
         "t": torch.randn(n, 2 * n, dtype=torch.float64, generator=g),
@@ -25,6 +25,7 @@ def global_data(world, seed=0):
 def values(n):
     """Per-example functions of a [2n] example whose outputs use every collective."""
     ring = [(i, (i + 1) % n) for i in range(n)]
+    partial = [(0, n - 1), (n - 1, 1)] if n > 2 else [(1, 0)]
     return {
         "psum": lambda t: ft.psum(t, "d"),
         "pmean": lambda t: t - ft.pmean(t, "d"),
@@ -37,7 +38,7 @@ def values(n):
         "all_to_all": lambda t: ft.all_to_all(t.reshape(n, 2), "d", 0, 1),
         "all_to_all_tiled": lambda t: ft.all_to_all(t.reshape(2 * n, 1), "d", 0, 1, tiled=True),
         "ppermute": lambda t: ft.ppermute(t, "d", ring),
-        "ppermute_partial": lambda t: ft.ppermute(t, "d", [(0, n - 1), (n - 1, 1)]),
+        "ppermute_partial": lambda t: ft.ppermute(t, "d", partial),
         "axis_index": lambda t: t * ft.axis_index("d") + ft.axis_size("d"),
     }
 
@@ -81,17 +82,18 @@ def replicated_loss(w, t):
     return (t[:2] @ w).sin().sum() * ft.pmean(t, "d").sum()
 
 
-def shard(x):
+def shard(x, k=K):
     r = dist.get_rank()
-    return x[r * K : (r + 1) * K]
+    return x[r * k : (r + 1) * k]
 
 
-def run_all(seed):
-    """Every pmap check of this process; returns {name: this process's result}."""
+def run_all(seed, k=K):
+    """Every pmap check of this process (``k`` examples each); returns {name: this process's
+    result}."""
     world = dist.get_world_size()
-    n = world * K
-    data = global_data(world, seed)
-    x, t, w = shard(data["x"]), shard(data["t"]), data["w"]
+    n = world * k
+    data = global_data(world, seed, k)
+    x, t, w = shard(data["x"], k), shard(data["t"], k), data["w"]
     out = {}
     for name, f in values(n).items():
         out["value/" + name] = ft.pmap(f, "d")(x)
@@ -108,9 +110,13 @@ def run_all(seed):
     xs = data["xs"].reshape(world, -1, 3)[r : r + 1]
     ys = data["ys"].reshape(world, -1, 2)[r : r + 1]
     out["dp_sgd"] = ft.pmap(dp_sgd_step, "devices", in_dims=(None, 0, 0))(w, xs, ys)
+    # with one example per process, f sees the example itself (no wrapper of a pmap level)
+    wrapped = ft.pmap(lambda t: torch.tensor(type(t) is not torch.Tensor), "d")(x)
+    out["wrapped"] = (k, bool(wrapped.all()))
     # errors raised the same way on every process
     try:
-        ft.pmap(lambda t: ft.psum(t, "d"), "d")(x[: 1 + dist.get_rank() % 2])
+        # 1 example on even ranks, 2 on odd ones
+        ft.pmap(lambda t: ft.psum(t, "d"), "d")(x[:1].expand(1 + dist.get_rank() % 2, -1))
     except ValueError as e:
         out["error/mismatch"] = str(e)
     try:

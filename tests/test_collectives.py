@@ -7,6 +7,7 @@ import torch
 import torch.func as tf
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functransforms as ft
 from functransforms.errors import UnboundAxisError
@@ -74,6 +75,30 @@ def test_value_with_in_dim_1(name):
     x = rand(N, N, 3)
     got = ft.vmap(collective, in_dims=1, axis_name="i")(x.movedim(0, 1))
     torch.testing.assert_close(got, reference(x))
+
+
+class _RecordsOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.namespaces = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.namespaces.add(func.namespace)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dispatch_modes_see_the_collective_ops(name):
+    """Note [Collectives skip the dispatcher]: without a mode the binding vmap's rule is called
+    directly; with one the op goes through the dispatcher, where the mode sees it. Same values."""
+    collective, reference = CASES[name]
+    x = rand(N, N, 3)
+    mode = _RecordsOps()
+    with mode:
+        got = ft.vmap(collective, axis_name="i")(x)
+    torch.testing.assert_close(got, reference(x))
+    if name != "axis_index":  # not an op: a batched arange
+        assert "functransforms" in mode.namespaces
 
 
 def test_all_to_all_untiled_matches_jax_shapes():

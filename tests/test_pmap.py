@@ -15,10 +15,10 @@ from functransforms.distributed import WorkerError, launch
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 
-def single_process(world, seed=0):
+def single_process(world, seed=0, k=workers.K):
     """What the workers compute, in one process: vmap with the same axis name."""
-    n = world * workers.K
-    data = workers.global_data(world, seed)
+    n = world * k
+    data = workers.global_data(world, seed, k)
     x, t, w = data["x"], data["t"], data["w"]
     out = {}
     for name, f in workers.values(n).items():
@@ -38,10 +38,16 @@ def single_process(world, seed=0):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2procs", "4procs"])
+# k = 1 example per process runs pmap without a level of its own (Note [pmap without a level
+# for its shard], functransforms/_collectives.py); k = 2 runs it as a vmap over the shard
+@pytest.fixture(
+    scope="module",
+    params=[(2, 2), (4, 2), (2, 1), (4, 1)],
+    ids=["2procs", "4procs", "2procs-1each", "4procs-1each"],
+)
 def runs(request):
-    world = request.param
-    return world, launch(workers.run_all, world, 0, timeout=120), single_process(world)
+    world, k = request.param
+    return world, launch(workers.run_all, world, 0, k, timeout=120), single_process(world, 0, k)
 
 
 def test_every_result_matches_single_process(runs):
@@ -56,6 +62,11 @@ def test_every_result_matches_single_process(runs):
                 torch.testing.assert_close(g, ref.expand_as(g), msg=name)
         else:
             torch.testing.assert_close(torch.cat(got), ref, msg=name)
+
+
+def test_one_example_per_process_runs_without_a_level(runs):
+    for k, wrapped in (r["wrapped"] for r in runs[1]):
+        assert wrapped == (k > 1)
 
 
 def test_errors_are_raised_on_every_process(runs):
