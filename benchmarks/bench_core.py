@@ -225,8 +225,53 @@ def case_cnn(B=64):
         ours_fn=make(ft),
         theirs_fn=make(tf),
         args=(params, xs, ys),
-        hand=None,
+        hand=lambda: cnn_per_sample_grads(params, xs, ys),
     )
+
+
+def cnn_per_sample_grads(p, x, y):
+    """SimpleCNN's per-sample gradients by explicit batched backprop (public torch ops): each
+    convolution's per-sample weight gradient is one grouped weight gradient
+    (``torch.nn.grad.conv2d_weight`` with the batch folded into the channels, groups=B; 2.6x
+    faster here than a batched matmul with the unfolded input, im2col). Most of the time of
+    every implementation is writing fc1's per-sample gradient, [B, 128, 9216] floats: 302 MB
+    at B=64, a fresh buffer per call (faulting its pages in costs ~7x the multiply)."""
+    B = x.shape[0]
+    w1, w2, w3, w4 = (p[f"{n}.weight"] for n in ("conv1", "conv2", "fc1", "fc2"))
+    h1 = F.conv2d(x, w1, p["conv1.bias"])  # [B, 32, 26, 26]
+    a1 = torch.relu(h1)
+    h2 = F.conv2d(a1, w2, p["conv2.bias"])  # [B, 64, 24, 24]
+    a2 = torch.relu(h2)
+    pooled, idx = F.max_pool2d(a2, 2, return_indices=True)  # [B, 64, 12, 12]
+    f = pooled.flatten(1)  # [B, 9216]
+    h3 = torch.addmm(p["fc1.bias"], f, w3.T)
+    a3 = torch.relu(h3)
+    z = torch.addmm(p["fc2.bias"], a3, w4.T)
+    gz = torch.softmax(z, 1)  # d(-log_softmax(z)[y]) / dz = softmax(z) - onehot(y)
+    gz[torch.arange(B, device=z.device), y] -= 1
+    gh3 = torch.where(h3 > 0, gz @ w4, 0.0)
+    gf = gh3 @ w3
+    gp = F.max_unpool2d(gf.view(pooled.shape), idx, 2, output_size=a2.shape[-2:])
+    gh2 = torch.where(h2 > 0, gp, 0.0)
+    gh1 = torch.where(h1 > 0, F.conv_transpose2d(gh2, w2), 0.0)
+
+    def per_sample_weight_grad(inp, w, g):  # batch folded into channels, one group each
+        fold = lambda t: t.reshape(1, -1, *t.shape[2:])  # noqa: E731
+        gw = torch.nn.grad.conv2d_weight(
+            fold(inp), (B * w.shape[0], *w.shape[1:]), fold(g), groups=B
+        )
+        return gw.view(B, *w.shape)
+
+    return {
+        "conv1.weight": per_sample_weight_grad(x, w1, gh1),
+        "conv1.bias": gh1.sum((2, 3)),
+        "conv2.weight": per_sample_weight_grad(a1, w2, gh2),
+        "conv2.bias": gh2.sum((2, 3)),
+        "fc1.weight": gh3[:, :, None] * f[:, None, :],
+        "fc1.bias": gh3,
+        "fc2.weight": gz[:, :, None] * a3[:, None, :],
+        "fc2.bias": gz,
+    }
 
 
 def case_jac(mode):
