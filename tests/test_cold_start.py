@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import functransforms as ft
@@ -61,3 +62,41 @@ def test_registered_entry_is_the_class_dispatch():
     for cls in TransformTensor.__subclasses__():
         rule = find_torch_dispatch_rule(torch.ops.aten.sin.default, cls)
         assert rule is cls.__torch_dispatch__.__func__
+
+
+def test_import_leaves_the_rarely_used_parts_unloaded():
+    # Note [Lazy parts of the package] (functransforms/__init__.py): import functransforms
+    # loads no jit, process launching, determinism audit/checker/table, nor torch's module
+    # that defines the linear_cross_entropy custom ops; each loads at first use
+    lazy = (
+        "functransforms._jit",
+        "functransforms.distributed",
+        "functransforms.deterministic._audit",
+        "functransforms.deterministic._check",
+        "functransforms.deterministic._table",
+        "torch.nn.modules.linear_cross_entropy",
+    )
+    code = (
+        "import functransforms as ft\n"
+        f"print(*[m in sys.modules for m in {lazy!r}])\n"
+        "d = ft.deterministic\n"
+        "print(callable(ft.jit), ft.distributed.__name__, callable(d.audit), len(d.TABLE) > 0,\n"
+        "      'jit' in dir(ft), 'audit' in dir(d))\n"
+        "from functransforms import jit\n"
+        "from functransforms.deterministic import check_deterministic, TABLE\n"
+        "print(jit is ft.jit, TABLE is ft.deterministic.TABLE)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert out[0].split() == ["False"] * len(lazy)
+    assert out[1].split() == ["True", "functransforms.distributed", "True", "True", "True", "True"]
+    assert out[2].split() == ["True", "True"]
+    with pytest.raises(AttributeError, match="no attribute 'not_there'"):
+        ft.not_there  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'not_there'"):
+        ft.deterministic.not_there  # noqa: B018
