@@ -266,8 +266,9 @@ def _lce_vmap_rule(interp, args, bdims, kwargs):
     return outs, (0, 0, 0, 0)
 
 
-VMAP_RULES.register_when_defined(_LCE_NAMES[0], _lce_vmap_rule)
-VMAP_RULES.register_when_defined(_LCE_NAMES[1], _lce_no_reduction_vmap_rule)
+_LCE_MODULE = "torch.nn.modules.linear_cross_entropy"
+VMAP_RULES.register_when_defined(_LCE_NAMES[0], _lce_vmap_rule, _LCE_MODULE)
+VMAP_RULES.register_when_defined(_LCE_NAMES[1], _lce_no_reduction_vmap_rule, _LCE_MODULE)
 
 
 # Note [Batching ctc_loss]

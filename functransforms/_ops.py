@@ -182,20 +182,34 @@ class Registry(dict):
 
         return deco
 
-    def register_when_defined(self, qualname, rule):
-        """Register ``rule`` for the op ``qualname`` (``"ns::name.overload"``) when it first
-        reaches a transform (its record is made) or ``lookup`` is asked for it: for custom ops
-        that a torch module defines when it is imported (``torch.nn.modules
-        .linear_cross_entropy``), so registering their rule does not import the module at
-        ``import functransforms`` (Note [Lazy parts of the package]). Until then the op cannot
-        have been called, so nothing can miss the rule."""
+    def register_when_defined(self, qualname, rule, module):
+        """Register ``rule`` for the op ``qualname`` (``"ns::name.overload"``), which importing
+        ``module`` defines, when it first reaches a transform (its record is made) or
+        ``lookup`` is asked for it: for custom ops that a torch module defines when it is
+        imported (``torch.nn.modules.linear_cross_entropy``), so registering their rule does
+        not import the module at ``import functransforms`` (Note [Lazy parts of the package]).
+        Until then the op cannot have been called, so nothing can miss the rule.
+        ``define_pending()`` imports the modules and registers them all (docs/coverage.md)."""
         if qualname in self._by_name or any(_qualname(op) == qualname for op in self):
             raise ValueError(f"{self.decorator}: {qualname} already has {self.what}")
         op = _defined_op(qualname)
         if op is not None:  # already defined: an ordinary registration
             self.register(op)(rule)
         else:
-            self._by_name[qualname] = rule
+            self._by_name[qualname] = rule, module
+
+    def define_pending(self):
+        """Import the modules of the rules registered by name, and register those rules."""
+        import importlib
+
+        for qualname, (rule, module) in list(self._by_name.items()):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                continue
+            op = _defined_op(qualname)
+            if op is not None and self._by_name.pop(qualname, None) is not None:
+                self.register(op)(rule)
 
     def derive_with(self, derive):
         """Decorator: ``derive(func) -> rule or None`` gives a rule to ops registered without
@@ -209,7 +223,7 @@ class Registry(dict):
         hold it)."""
         rule = self.get(op)
         if rule is None and self._by_name:
-            rule = self._by_name.pop(_qualname(op), None)
+            rule, _ = self._by_name.pop(_qualname(op), (None, None))
             if rule is not None:
                 dict.__setitem__(self, op, rule)  # a registered rule from now on
         if rule is None and self._derive is not None:
