@@ -100,3 +100,30 @@ def test_import_leaves_the_rarely_used_parts_unloaded():
         ft.not_there  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'not_there'"):
         ft.deterministic.not_there  # noqa: B018
+
+
+def test_randomness_check_under_a_mode_needs_no_jit():
+    # batching/random.py asks whether jit is tracing only if jit was loaded: under another
+    # dispatch mode a draw counts as recorded, not drawn (as before), and jit stays unloaded
+    code = (
+        "import functransforms as ft\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "class M(TorchDispatchMode):\n"
+        "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+        "        return func(*args, **(kwargs or {}))\n"
+        "try:\n"
+        "    with M():\n"
+        "        ft.vmap(lambda x: x + torch.rand(()), randomness='error')(torch.ones(2))\n"
+        "    print('no error')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__)\n"
+        "print('functransforms._jit' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == ["no", "error", "False"]
