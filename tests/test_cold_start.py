@@ -127,3 +127,19 @@ def test_randomness_check_under_a_mode_needs_no_jit():
         check=True,
     ).stdout.split()
     assert out == ["no", "error", "False"]
+
+
+def test_ops_torch_defines_after_the_first_call_enter_through_registered_rules():
+    # linear_cross_entropy's chunked ops are defined when F.linear_cross_entropy first runs,
+    # after the first transform call registered the wrappers' rules: they were registered by
+    # name, so their first call on a wrapper does not import torch.distributed.tensor either
+    code = (
+        "import functransforms as ft\n"
+        "import torch.nn.functional as F\n"
+        "ft.grad(lambda x: x.sin().sum())(torch.randn(3))\n"
+        "opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)\n"
+        "W = torch.randn(5, 3)\n"
+        "f = lambda x, t: F.linear_cross_entropy(x, W, t, options=opts)\n"
+        "ft.vmap(f)(torch.randn(3, 4, 3), torch.randint(0, 5, (3, 4)))"
+    )
+    assert _fresh(code) == ["False", "False"]
