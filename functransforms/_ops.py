@@ -278,8 +278,9 @@ class Registry(dict):
             self._refresh(op)
 
 
-def _qualname(op) -> str:
-    return f"{op._schema.name}.{op._overloadname}"
+def _qualname(op) -> str | None:
+    schema = getattr(op, "_schema", None)  # registries may also hold non-ATen keys
+    return None if schema is None else f"{schema.name}.{op._overloadname}"
 
 
 def _defined_op(qualname):
