@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import register_vmap_rule
+from ._registry import VMAP_RULES, register_vmap_rule
 from ._util import expand_front, flat_batch, merge_dims, pad_to, split_dim, to_front, wrap_dim
 from .reductions import def_dim
 
@@ -204,19 +204,19 @@ def _lce_rows(interp, args, bdims, acc_dtype, ignore_index):
     return (x, W, t, b), z, wt, safe_t, wt * (torch.logsumexp(z, -1) - z_t)
 
 
-def _lce_ops():
-    """The two ops, or None on a torch without them (they register on import)."""
-    try:
-        import torch.nn.modules.linear_cross_entropy  # noqa: F401
-    except ImportError:
-        return None
-    ns = torch.ops.torch_nn
-    if not hasattr(ns, "_linear_cross_entropy_batch_chunked_no_reduction"):
-        return None
-    return (
-        ns._linear_cross_entropy_batch_chunked.default,
-        ns._linear_cross_entropy_batch_chunked_no_reduction.default,
-    )
+# torch defines the two ops when F.linear_cross_entropy first imports their module (~7 ms, ~750
+# objects): the rules are registered by name, for when the ops exist (Registry
+# .register_when_defined), so importing functransforms does not import it.
+_LCE_NAMES = (
+    "torch_nn::_linear_cross_entropy_batch_chunked.default",
+    "torch_nn::_linear_cross_entropy_batch_chunked_no_reduction.default",
+)
+
+
+def _lce(i):
+    """The op ``_LCE_NAMES[i]`` (defined by now: its rule is running)."""
+    name = _LCE_NAMES[i].partition("::")[2].partition(".")[0]
+    return getattr(torch.ops.torch_nn, name).default
 
 
 def _lce_no_reduction_vmap_rule(interp, args, bdims, kwargs):
@@ -224,7 +224,7 @@ def _lce_no_reduction_vmap_rule(interp, args, bdims, kwargs):
     if bdims[1] is None and bdims[3] is None and bdims[4] is None:
         B = interp.batch_size
         xf, tf = expand_front(x, bdims[0], B), expand_front(t, bdims[2], B)
-        out = _LCE[1](merge_dims(xf, 0), W, merge_dims(tf, 0), b, w, *args[5:], **kwargs)
+        out = _lce(1)(merge_dims(xf, 0), W, merge_dims(tf, 0), b, w, *args[5:], **kwargs)
         return split_dim(out, 0, B), 0
     vals, _, _, _, loss = _lce_rows(interp, args, bdims, acc_dtype, ignore_index)
     return loss.to(vals[0].dtype), 0
@@ -266,10 +266,9 @@ def _lce_vmap_rule(interp, args, bdims, kwargs):
     return outs, (0, 0, 0, 0)
 
 
-_LCE = _lce_ops()
-if _LCE is not None:
-    register_vmap_rule(_LCE[0])(_lce_vmap_rule)
-    register_vmap_rule(_LCE[1])(_lce_no_reduction_vmap_rule)
+_LCE_MODULE = "torch.nn.modules.linear_cross_entropy"
+VMAP_RULES.register_when_defined(_LCE_NAMES[0], _lce_vmap_rule, _LCE_MODULE)
+VMAP_RULES.register_when_defined(_LCE_NAMES[1], _lce_no_reduction_vmap_rule, _LCE_MODULE)
 
 
 # Note [Batching ctc_loss]

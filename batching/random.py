@@ -14,6 +14,7 @@ Note [Batching random ops]
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -55,9 +56,9 @@ _dispatch_modes = _compat.len_torch_dispatch_stack
 
 
 def _jit_tracing():
-    from functransforms._jit import _tracing
-
-    return _tracing.active
+    # jit loads on first use (Note [Lazy parts of the package]): not loaded, nothing traces
+    jit = sys.modules.get("functransforms._jit")
+    return jit is not None and jit._tracing.active
 
 
 def _dropout_p_position(op):

@@ -15,7 +15,6 @@ from . import (  # noqa: E402, F401  (registers the rules)
     autodiff,
     batching,
     deterministic,  # noqa: E402, F401
-    distributed,
 )
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._autograd_function import install as _install_autograd_function  # noqa: E402
@@ -33,13 +32,35 @@ from ._collectives import (
 )
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
-from ._jit import jit
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
 from ._pmap import pmap
 from ._rearrange import rearrange
 from ._vmap import vmap
 
 _install_autograd_function()  # Note [autograd.Function under transforms]
+
+# Note [Lazy parts of the package]: what no rule needs loads at first use (PEP 562), so
+# ``import functransforms`` stays cheap (cold start, docs/performance.md): ``jit`` (make_fx's
+# machinery is imported by its first trace anyway) and ``distributed`` (process launching).
+# After the first access the name is a plain module attribute.
+_LAZY = {"jit": "._jit", "distributed": ".distributed"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(module, __name__)
+    value = mod if name == "distributed" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "all_gather",

@@ -159,12 +159,16 @@ dispatch_tls_set_dispatch_key_included = _C._dispatch_tls_set_dispatch_key_inclu
 # ``torch.distributed.tensor`` (and sympy, ~1 s) at the first subclass op of the process. We
 # fill the table directly by qualified name: ``register_torch_dispatch`` would build an
 # ``OpOverload`` per op (~10x the cost).
-def register_subclass_dispatch_rules(classes, rule_of, packets) -> int:
+def register_subclass_dispatch_rules(classes, rule_of, packets, exact=()) -> int:
     """Register ``rule_of(cls)`` as the ``__torch_dispatch__`` rule of each class in
     ``classes`` for every overload of the ops named in ``packets`` (``"aten::sin"``; with its
     in-place variant ``"aten::sin_"``), except ``out=`` overloads and backend-specific
     families that never meet a transform. Other ops keep torch's default path: correct, only
-    the first of them in a process pays the import. Returns how many ops were registered."""
+    the first of them in a process pays the import. ``exact`` names overloads
+    (``"ns::name.overload"``) to register even before they are defined (custom ops a torch
+    module defines on its lazy import; the table is keyed by name, and an entry made before the
+    op exists differs only in its effect, which torch derives from script-object arguments:
+    the callers' ops have none). Returns how many ops were registered."""
     from torch._library.simple_registry import singleton
 
     wanted = set(packets)
@@ -180,6 +184,13 @@ def register_subclass_dispatch_rules(classes, rule_of, packets) -> int:
         table = singleton.find(name).torch_dispatch_rules._data
         for cls, rule in rules:
             table.setdefault(cls, rule)  # a rule someone registered first wins
+        count += 1
+    for name in exact:
+        if name.endswith(".default"):  # the table's key of a default overload has no suffix
+            name = name[: -len(".default")]
+        table = singleton.find(name).torch_dispatch_rules._data
+        for cls, rule in rules:
+            table.setdefault(cls, rule)
         count += 1
     return count
 

@@ -136,8 +136,10 @@ def _install_entry():
             todo.append(sub)
     packets = {op.__qualname__.partition(".")[0] for r in _ops._REGISTRIES.values() for op in r}
     packets.update(f"{ns}::{name}" for name in _ALSO_ENTERING.split() for ns in ("aten", "prims"))
+    # ops whose rules wait for torch to define them (Registry.register_when_defined)
+    exact = [name for r in _ops._REGISTRIES.values() for name in r._by_name]
     _compat.register_subclass_dispatch_rules(
-        classes, lambda c: c.__torch_dispatch__.__func__, packets
+        classes, lambda c: c.__torch_dispatch__.__func__, packets, exact
     )
 
 

@@ -168,6 +168,7 @@ class Registry(dict):
         self.decorator = f"register_{kind}_rule"
         self.what = what  # for the duplicate error
         self._derive = None
+        self._by_name = {}  # "ns::name.overload" -> rule, for ops not defined yet
 
     def register(self, *ops):
         """Decorator: register ``rule`` for each op in ``ops``; an op registered twice raises."""
@@ -181,6 +182,35 @@ class Registry(dict):
 
         return deco
 
+    def register_when_defined(self, qualname, rule, module):
+        """Register ``rule`` for the op ``qualname`` (``"ns::name.overload"``), which importing
+        ``module`` defines, when it first reaches a transform (its record is made) or
+        ``lookup`` is asked for it: for custom ops that a torch module defines when it is
+        imported (``torch.nn.modules.linear_cross_entropy``), so registering their rule does
+        not import the module at ``import functransforms`` (Note [Lazy parts of the package]).
+        Until then the op cannot have been called, so nothing can miss the rule.
+        ``define_pending()`` imports the modules and registers them all (docs/coverage.md)."""
+        if qualname in self._by_name or any(_qualname(op) == qualname for op in self):
+            raise ValueError(f"{self.decorator}: {qualname} already has {self.what}")
+        op = _defined_op(qualname)
+        if op is not None:  # already defined: an ordinary registration
+            self.register(op)(rule)
+        else:
+            self._by_name[qualname] = rule, module
+
+    def define_pending(self):
+        """Import the modules of the rules registered by name, and register those rules."""
+        import importlib
+
+        for qualname, (rule, module) in list(self._by_name.items()):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                continue
+            op = _defined_op(qualname)
+            if op is not None and self._by_name.pop(qualname, None) is not None:
+                self.register(op)(rule)
+
     def derive_with(self, derive):
         """Decorator: ``derive(func) -> rule or None`` gives a rule to ops registered without
         one (vmap: one shared rule for every op tagged pointwise). Returns ``derive``."""
@@ -192,6 +222,10 @@ class Registry(dict):
         """The registered rule of ``op``, else the derived one, else None (uncached: records
         hold it)."""
         rule = self.get(op)
+        if rule is None and self._by_name:
+            rule, _ = self._by_name.pop(_qualname(op), (None, None))
+            if rule is not None:
+                dict.__setitem__(self, op, rule)  # a registered rule from now on
         if rule is None and self._derive is not None:
             rule = self._derive(op)
         return rule
@@ -242,6 +276,21 @@ class Registry(dict):
     def _refresh_all(self):
         for op in list(_FACTS):
             self._refresh(op)
+
+
+def _qualname(op) -> str | None:
+    schema = getattr(op, "_schema", None)  # registries may also hold non-ATen keys
+    return None if schema is None else f"{schema.name}.{op._overloadname}"
+
+
+def _defined_op(qualname):
+    """The ``OpOverload`` named ``"ns::name.overload"``, or None if no such op is defined (yet)."""
+    ns, _, rest = qualname.partition("::")
+    name, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def make_registry(kind, *, slot=None, what="a rule") -> Registry:

@@ -126,6 +126,8 @@ def render() -> str:
     from functransforms.autodiff import JVP_RULES, VJP_RULES
     from functransforms.batching import VMAP_RULES
 
+    for registry in (VMAP_RULES, JVP_RULES, VJP_RULES):
+        registry.define_pending()  # rules of ops torch defines on a lazy import
     ops = set(VMAP_RULES) | set(JVP_RULES) | set(VJP_RULES)
     rows = sorted(ops, key=str)
     counts = {"vmap": {}, "jvp": {}, "vjp": {}}

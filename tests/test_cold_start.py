@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import functransforms as ft
@@ -61,3 +62,84 @@ def test_registered_entry_is_the_class_dispatch():
     for cls in TransformTensor.__subclasses__():
         rule = find_torch_dispatch_rule(torch.ops.aten.sin.default, cls)
         assert rule is cls.__torch_dispatch__.__func__
+
+
+def test_import_leaves_the_rarely_used_parts_unloaded():
+    # Note [Lazy parts of the package] (functransforms/__init__.py): import functransforms
+    # loads no jit, process launching, determinism audit/checker/table, nor torch's module
+    # that defines the linear_cross_entropy custom ops; each loads at first use
+    lazy = (
+        "functransforms._jit",
+        "functransforms.distributed",
+        "functransforms.deterministic._audit",
+        "functransforms.deterministic._check",
+        "functransforms.deterministic._table",
+        "torch.nn.modules.linear_cross_entropy",
+    )
+    code = (
+        "import functransforms as ft\n"
+        f"print(*[m in sys.modules for m in {lazy!r}])\n"
+        "d = ft.deterministic\n"
+        "print(callable(ft.jit), ft.distributed.__name__, callable(d.audit), len(d.TABLE) > 0,\n"
+        "      'jit' in dir(ft), 'audit' in dir(d))\n"
+        "from functransforms import jit\n"
+        "from functransforms.deterministic import check_deterministic, TABLE\n"
+        "print(jit is ft.jit, TABLE is ft.deterministic.TABLE)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert out[0].split() == ["False"] * len(lazy)
+    assert out[1].split() == ["True", "functransforms.distributed", "True", "True", "True", "True"]
+    assert out[2].split() == ["True", "True"]
+    with pytest.raises(AttributeError, match="no attribute 'not_there'"):
+        ft.not_there  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'not_there'"):
+        ft.deterministic.not_there  # noqa: B018
+
+
+def test_randomness_check_under_a_mode_needs_no_jit():
+    # batching/random.py asks whether jit is tracing only if jit was loaded: under another
+    # dispatch mode a draw counts as recorded, not drawn (as before), and jit stays unloaded
+    code = (
+        "import functransforms as ft\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "class M(TorchDispatchMode):\n"
+        "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+        "        return func(*args, **(kwargs or {}))\n"
+        "try:\n"
+        "    with M():\n"
+        "        ft.vmap(lambda x: x + torch.rand(()), randomness='error')(torch.ones(2))\n"
+        "    print('no error')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__)\n"
+        "print('functransforms._jit' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == ["no", "error", "False"]
+
+
+def test_ops_torch_defines_after_the_first_call_enter_through_registered_rules():
+    # linear_cross_entropy's chunked ops are defined when F.linear_cross_entropy first runs,
+    # after the first transform call registered the wrappers' rules: they were registered by
+    # name, so their first call on a wrapper does not import torch.distributed.tensor either
+    code = (
+        "import functransforms as ft\n"
+        "import torch.nn.functional as F\n"
+        "ft.grad(lambda x: x.sin().sum())(torch.randn(3))\n"
+        "opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)\n"
+        "W = torch.randn(5, 3)\n"
+        "f = lambda x, t: F.linear_cross_entropy(x, W, t, options=opts)\n"
+        "ft.vmap(f)(torch.randn(3, 4, 3), torch.randint(0, 5, (3, 4)))"
+    )
+    assert _fresh(code) == ["False", "False"]

@@ -109,3 +109,76 @@ def test_custom_functions_reach_the_innermost_interpreter(monkeypatch, interp_cl
     out = transform(f, x)
     assert seen == [(interp_cls, f)]
     torch.testing.assert_close(out, transform(torch.sin, x))
+
+
+def test_a_rule_registered_by_name_is_used_once_the_op_is_defined(monkeypatch):
+    # Registry.register_when_defined (Note [Lazy parts of the package]): a custom op that a
+    # module defines later gets its rule when it first reaches a transform
+    name = "ft_test_lazy::twice"
+    calls = []
+
+    def twice_vmap_rule(interp, args, bdims, kwargs):
+        calls.append(bdims)
+        return op(args[0]), bdims[0]
+
+    monkeypatch.setattr(VMAP_RULES, "_by_name", {})  # only this test's rules
+    VMAP_RULES.register_when_defined(f"{name}.default", twice_vmap_rule, "unused")
+    with pytest.raises(ValueError, match="already has"):
+        VMAP_RULES.register_when_defined(f"{name}.default", twice_vmap_rule, "unused")
+
+    @torch.library.custom_op(name, mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op = torch.ops.ft_test_lazy.twice.default
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)  # not the per-example loop
+            out = ft.vmap(twice)(torch.arange(6.0).reshape(3, 2))
+        torch.testing.assert_close(out, torch.arange(6.0).reshape(3, 2) * 2)
+        assert calls == [[0]]
+        assert VMAP_RULES[op] is twice_vmap_rule and facts(op).vmap_rule is twice_vmap_rule
+    finally:
+        dict.pop(VMAP_RULES, op, None)  # a rule like any other: test_registering_twice_raises
+
+
+def test_a_rule_registered_by_name_for_a_defined_op_registers_at_once(monkeypatch):
+    monkeypatch.setattr(VMAP_RULES, "_by_name", {})  # only this test's rules
+    with pytest.raises(ValueError, match="already has"):  # mm has a rule: a duplicate
+        VMAP_RULES.register_when_defined("aten::mm.default", lambda *a: None, "torch")
+    op = aten._pdist_forward.default
+    assert op not in VMAP_RULES
+
+    def rule(*a):
+        return None
+
+    VMAP_RULES.register_when_defined("aten::_pdist_forward.default", rule, "torch")
+    try:
+        assert VMAP_RULES[op] is rule and "aten::_pdist_forward.default" not in VMAP_RULES._by_name
+    finally:
+        del VMAP_RULES[op]
+    assert facts(op).vmap_rule is None
+
+
+def test_define_pending_imports_the_module_and_registers(monkeypatch, tmp_path):
+    # docs/coverage.md lists every op with a rule, also those torch defines lazily
+    (tmp_path / "ft_lazy_op_mod.py").write_text(
+        "import torch\n"
+        "@torch.library.custom_op('ft_test_lazy::thrice', mutates_args=())\n"
+        "def thrice(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x * 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(VMAP_RULES, "_by_name", {})  # only this test's rules
+
+    def rule(*a):
+        return None
+
+    VMAP_RULES.register_when_defined("ft_test_lazy::thrice.default", rule, "ft_lazy_op_mod")
+    VMAP_RULES.define_pending()
+    op = torch.ops.ft_test_lazy.thrice.default
+    try:
+        assert VMAP_RULES[op] is rule
+        assert "ft_test_lazy::thrice.default" not in VMAP_RULES._by_name
+    finally:
+        del VMAP_RULES[op]

@@ -13,11 +13,40 @@ from __future__ import annotations
 
 import contextlib
 
-from ._audit import AuditReport, Finding, audit
-from ._check import DeterminismReport, Divergence, check_deterministic
 from ._ops import _flags, active, check_level
-from ._table import ENTRIES as TABLE
-from ._threads import ThreadsMode
+
+# Note [Lazy parts of the package]: the rules import this package for ``_ops`` (the mode flag
+# and ``det_call``) at ``import functransforms``; the audit, the checker and the table (~1.4k
+# objects, ~3 ms) load at first use, so a process that never audits does not pay for them
+# (cold start, docs/performance.md). ``from functransforms.deterministic import audit`` works.
+_LAZY = {
+    "AuditReport": "._audit",
+    "Finding": "._audit",
+    "audit": "._audit",
+    "DeterminismReport": "._check",
+    "Divergence": "._check",
+    "check_deterministic": "._check",
+    "TABLE": "._table",
+    "ThreadsMode": "._threads",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(
+        importlib.import_module(module, __name__), "ENTRIES" if name == "TABLE" else name
+    )
+    globals()[name] = value  # later reads skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AuditReport",
@@ -54,6 +83,8 @@ def enable(level: str = "default") -> None:
     disable()
     _flags.level = level
     if level == "threads":
+        from ._threads import ThreadsMode
+
         m = ThreadsMode()
         m.__enter__()
         _global_modes.append(m)
@@ -83,6 +114,8 @@ def enabled(level: str = "default"):
     _flags.level = level if prev != "threads" else prev
     try:
         if level == "threads" and prev != "threads":
+            from ._threads import ThreadsMode
+
             with ThreadsMode():
                 yield
         else:

@@ -240,3 +240,27 @@ def test_batch_norm_eval_with_unbatched_running_stats(op):
     with pytest.raises(InplaceError, match="training mode updates running_mean"):
         ft.vmap(lambda x: f(x, w, b, training=True))(x)
     assert torch.equal(rm, before)
+
+
+def test_linear_cross_entropy_rules_are_registered_when_torch_defines_the_ops():
+    # Note [Lazy parts of the package]: importing functransforms does not import torch's
+    # module that defines the chunked ops; once defined, vmap finds our rules (no loop)
+    from functransforms.batching import VMAP_RULES
+
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+    x, W, t = torch.randn(3, 4, 3), torch.randn(5, 3), torch.randint(0, 5, (3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for reduction in ("mean", "none"):
+            ft.vmap(
+                lambda x, t, r=reduction: Fn.linear_cross_entropy(
+                    x, W, t, reduction=r, options=options
+                )
+            )(x, t)
+    ns = torch.ops.torch_nn
+    for op in (
+        ns._linear_cross_entropy_batch_chunked.default,
+        ns._linear_cross_entropy_batch_chunked_no_reduction.default,
+    ):
+        assert op in VMAP_RULES
+    assert not VMAP_RULES._by_name
