@@ -307,6 +307,7 @@ def _swap(a, b):
     a.__class__, b.__class__ = b.__class__, a.__class__
     a.__dict__, b.__dict__ = b.__dict__, a.__dict__
     _compat.swap_tensor_impl(a, b)
+    _compat.swap_proxy_slots(a, b)  # under make_fx (ft.jit): the tracer keys by object
 
 
 def _give_back(obj, holder):
@@ -322,6 +323,7 @@ def _give_back(obj, holder):
             holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
         )
     _swap(obj, alias)
+    _compat.swap_proxy_slots(obj, holder, share=True)  # a traced obj reads the holder's node
 
 
 def _restore(obj, holder):
