@@ -1,0 +1,333 @@
+"""ft.functionalize against torch.func.functionalize: outputs, writes into inputs, aliasing of
+outputs, traced graphs without mutations (and without views), compositions, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.func as tf
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import functransforms as ft
+from functransforms.errors import InplaceError
+
+torch.set_default_dtype(torch.float64)
+
+
+# -- functions with mutations ------------------------------------------------------------------
+def add_inplace(x):
+    x.add_(1)
+    return x * 2
+
+
+def through_view(x):
+    x.view(-1)[1:3].mul_(3)
+    x.t()[0].sub_(1)
+    return x.sum(0)
+
+
+def setitem(x, y):
+    x[0] = y[1]
+    x[1:3, 1] += y[0, 0]  # explicit ends: torch.func.vmap fails on `1:` here (torch 2.13)
+    out = x.new_zeros(2, 3)
+    out[1] = x[0]
+    return out, x + 1
+
+
+def local_buffer(x):
+    buf = torch.zeros(3)
+    buf.copy_(x)
+    buf[1] = 0
+    return buf * 2
+
+
+def several_outputs(x, y):
+    y.mul_(2)
+    return {"s": (x + y).sum(), "pair": [x.sin(), y.clone()]}
+
+
+def out_arg(x, y):
+    z = torch.empty(3)
+    torch.mul(x, y, out=z)
+    torch.add(y[1:], 1, out=x[1:])
+    return z
+
+
+def shape_inplace(x):
+    y = x.clone()
+    y.unsqueeze_(0)
+    y.t_()
+    return y
+
+
+def dtype_inplace(x):
+    x.mul_(torch.ones(3, dtype=torch.float64))  # eager keeps x's float32
+    return x
+
+
+def unmutated(x):
+    return x.view(-1), x, x[0]
+
+
+CASES = [
+    (add_inplace, lambda: (torch.randn(3),)),
+    (through_view, lambda: (torch.randn(2, 2),)),
+    (setitem, lambda: (torch.randn(3, 3), torch.randn(2, 3))),
+    (local_buffer, lambda: (torch.randn(3),)),
+    (several_outputs, lambda: (torch.randn(3), torch.randn(3))),
+    (out_arg, lambda: (torch.randn(3), torch.randn(3))),
+    (shape_inplace, lambda: (torch.randn(3),)),
+    (dtype_inplace, lambda: (torch.randn(3, dtype=torch.float32),)),
+    (unmutated, lambda: (torch.randn(2, 2),)),
+]
+IDS = [f.__name__ for f, _ in CASES]
+
+
+def _clone(args):
+    return tuple(a.clone() for a in args)
+
+
+def _assert_same(ours, theirs):
+    ours_flat, theirs_flat = ft._pytree.tree_flatten(ours), ft._pytree.tree_flatten(theirs)
+    assert ours_flat[1] == theirs_flat[1]
+    for a, b in zip(ours_flat[0], theirs_flat[0]):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("remove", ["mutations", "mutations_and_views"])
+@pytest.mark.parametrize("f, make", CASES, ids=IDS)
+def test_values_and_input_writes_match_torch_func(f, make, remove):
+    torch.manual_seed(0)
+    args = make()
+    ours_in, theirs_in, eager_in = _clone(args), _clone(args), _clone(args)
+    ours = ft.functionalize(f, remove=remove)(*ours_in)
+    theirs = tf.functionalize(f, remove=remove)(*theirs_in)
+    _assert_same(ours, theirs)
+    _assert_same(ours_in, theirs_in)  # the inputs received the same writes
+    _assert_same(ours, f(*eager_in))
+    _assert_same(ours_in, eager_in)
+
+
+def test_outputs_alias_inputs_as_torch_func():
+    """An unmutated input comes back as itself, and its views share its memory; a mutated
+    input's outputs are new tensors (the input receives a copy), as in torch.func."""
+    for fn in (ft.functionalize, tf.functionalize):
+        x = torch.randn(2, 2)
+        flat, same, row = fn(unmutated)(x)
+        assert same is x
+        assert flat.data_ptr() == x.data_ptr() and row.data_ptr() == x.data_ptr()
+
+        def mutated(x):
+            x.add_(1)
+            return x.view(-1), x
+
+        x = torch.randn(2, 2)
+        before = x.clone()
+        flat, same = fn(mutated)(x)
+        assert same is not x and same.data_ptr() != x.data_ptr()
+        assert flat.data_ptr() != x.data_ptr()
+        torch.testing.assert_close(x, before + 1)
+
+
+def test_untouched_inputs_get_no_write():
+    x, y = torch.randn(3), torch.randn(3)
+    x_version, y_version = x._version, y._version
+    ft.functionalize(several_outputs)(x, y)
+    assert x._version == x_version  # x was only read
+    assert y._version == y_version + 1  # one copy_ back into y
+
+
+# -- traced graphs -------------------------------------------------------------------------------
+def _mutating_nodes(gm):
+    """In-place nodes other than a final copy_ into a graph input."""
+    bad = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not hasattr(node.target, "_schema"):
+            continue
+        if node.target._schema.is_mutable:
+            final_copy = (
+                node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder"
+            )
+            if not final_copy:
+                bad.append(str(node.target))
+    return bad
+
+
+def _view_nodes(gm):
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and hasattr(n.target, "_schema")
+        and any(r.alias_info is not None for r in n.target._schema.returns)
+        and not n.target._schema.is_mutable
+    ]
+
+
+@pytest.mark.parametrize("f, make", CASES, ids=IDS)
+def test_make_fx_graph_has_no_mutations(f, make):
+    torch.manual_seed(0)
+    args = make()
+    gm = make_fx(ft.functionalize(f))(*_clone(args))
+    assert _mutating_nodes(gm) == []
+    ref_in, gm_in = _clone(args), _clone(args)
+    _assert_same(gm(*gm_in), f(*ref_in))
+    _assert_same(gm_in, ref_in)
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    theirs = make_fx(tf.functionalize(f))(*_clone(args))
+    assert len(copies) == len(
+        [n for n in theirs.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    )
+
+
+@pytest.mark.parametrize("f, make", CASES, ids=IDS)
+def test_make_fx_mutations_and_views_has_no_views(f, make):
+    torch.manual_seed(0)
+    args = make()
+    gm = make_fx(ft.functionalize(f, remove="mutations_and_views"))(*_clone(args))
+    assert _mutating_nodes(gm) == []
+    assert _view_nodes(gm) == []
+    if _view_nodes(make_fx(ft.functionalize(f))(*_clone(args))):  # they became *_copy ops
+        assert any("_copy." in str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    ref_in, gm_in = _clone(args), _clone(args)
+    _assert_same(gm(*gm_in), f(*ref_in))
+    _assert_same(gm_in, ref_in)
+
+
+def test_views_stay_views_with_remove_mutations():
+    gm = make_fx(ft.functionalize(through_view))(torch.randn(2, 2))
+    assert _view_nodes(gm)  # only mutations_and_views removes them
+
+
+# -- compositions ----------------------------------------------------------------------------------
+def write_batched_into_fresh(x):
+    buf = torch.zeros(3)
+    buf.copy_(x)
+    y = x.new_zeros(2, 3)
+    y[0] = x
+    y[1, 1:3] = x[:2] * 2
+    return buf.sin(), (y * y).sum()
+
+
+def test_vmap_of_functionalize_writes_into_fresh_buffers():
+    xs = torch.randn(4, 3)
+    with pytest.raises(InplaceError):
+        ft.vmap(write_batched_into_fresh)(xs)  # plain vmap refuses, as torch.func.vmap
+    ours = ft.vmap(ft.functionalize(write_batched_into_fresh))(xs)
+    theirs = tf.vmap(tf.functionalize(write_batched_into_fresh))(xs)
+    _assert_same(ours, theirs)
+
+
+def test_vmap_of_functionalize_writes_into_batched_input():
+    xs, ys = torch.randn(4, 3, 3), torch.randn(4, 2, 3)
+    ours_in, theirs_in = (xs.clone(), ys.clone()), (xs.clone(), ys.clone())
+    ours = ft.vmap(ft.functionalize(setitem))(*ours_in)
+    theirs = tf.vmap(tf.functionalize(setitem))(*theirs_in)
+    _assert_same(ours, theirs)
+    _assert_same(ours_in, theirs_in)
+
+
+def test_functionalize_of_vmap():
+    def f(x):
+        x = x.clone()
+        x[1:] *= x[:2]
+        x.sin_()
+        return x
+
+    xs = torch.randn(4, 3)
+    _assert_same(ft.functionalize(ft.vmap(f))(xs), tf.functionalize(tf.vmap(f))(xs))
+    xs_ours, xs_theirs = xs.clone(), xs.clone()
+    _assert_same(
+        ft.functionalize(ft.vmap(add_inplace))(xs_ours),
+        tf.functionalize(tf.vmap(add_inplace))(xs_theirs),
+    )
+    _assert_same(xs_ours, xs_theirs)
+
+
+def _scalar(x):
+    buf, s = write_batched_into_fresh(x)
+    return s + buf.sum()
+
+
+def test_grad_and_functionalize_compose():
+    x = torch.randn(3)
+    # torch.func.grad(torch.func.functionalize(f)) raises (no derivative for aten::copy)
+    expected = tf.grad(_scalar)(x)
+    torch.testing.assert_close(ft.grad(ft.functionalize(_scalar))(x), expected)
+    torch.testing.assert_close(ft.functionalize(ft.grad(_scalar))(x), expected)
+    xs = torch.randn(4, 3)
+    torch.testing.assert_close(
+        ft.vmap(ft.grad(ft.functionalize(_scalar)))(xs),
+        torch.stack([tf.grad(_scalar)(x) for x in xs]),  # torch.func.vmap refuses the write
+    )
+
+
+def test_jit_of_functionalize_replays_right_values():
+    jitted = ft.jit(ft.functionalize(_scalar))
+    jitted_vmap = ft.jit(ft.vmap(ft.functionalize(_scalar)))
+    for _ in range(3):  # the first call traces, the next ones replay the graph
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), _scalar(x))
+        torch.testing.assert_close(jitted_vmap(x[None])[0], _scalar(x))
+    x, x_ref = torch.randn(3), None
+    jit_add = ft.jit(ft.functionalize(add_inplace))
+    for _ in range(2):
+        x = torch.randn(3)
+        x_ref = x.clone()
+        out = jit_add(x)
+        torch.testing.assert_close(out, (x_ref + 1) * 2)
+        torch.testing.assert_close(x, x_ref + 1)  # the replayed graph writes the input too
+
+
+def test_jit_of_grad_with_a_local_buffer_replays_right_values():
+    """Promotion under tracing (Note [Writing into a plain tensor]): the tracer keys tensors by
+    Python object, so the promoted buffer must carry its trace record over the impl swap."""
+
+    def f(x):
+        buf = torch.zeros(3)
+        buf.copy_(x)
+        return (buf * buf).sum()
+
+    jitted = ft.jit(ft.grad(f))
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), 2 * x)
+
+
+def test_kwargs_and_non_tensor_arguments():
+    def f(x, n, *, scale):
+        x.mul_(scale)
+        return x * n
+
+    x_ours, x_theirs = torch.randn(3), None
+    x_theirs = x_ours.clone()
+    _assert_same(
+        ft.functionalize(f)(x_ours, 3, scale=2.0), tf.functionalize(f)(x_theirs, 3, scale=2.0)
+    )
+    _assert_same(x_ours, x_theirs)
+
+
+# -- errors --------------------------------------------------------------------------------------
+def test_bad_remove_names_the_call_and_the_choices():
+    with pytest.raises(RuntimeError, match=r"functionalize\(add_inplace, remove='views'\)") as e:
+        ft.functionalize(add_inplace, remove="views")
+    assert "'mutations'" in str(e.value) and "'mutations_and_views'" in str(e.value)
+    with pytest.raises(RuntimeError):
+        tf.functionalize(add_inplace, remove="views")  # torch.func raises the same class
+
+
+def test_inplace_broadcast_raises_as_eager():
+    def f(x):
+        x.add_(torch.ones(2, 3))
+        return x
+
+    with pytest.raises(RuntimeError):
+        f(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="shape"):
+        ft.functionalize(f)(torch.zeros(3))
+
+
+def test_signature_and_export():
+    assert "functionalize" in ft.__all__
+    assert ft.functionalize(add_inplace).__wrapped__ is add_inplace
