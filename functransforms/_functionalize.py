@@ -310,6 +310,32 @@ def _run(func, args, kwargs, call, copy_views):
             o._primal if isinstance(o, FunctionalizeTensor) and o._interp is interp else o
             for o in flat_out
         ]
+        # views of inputs that were not written: made again below, on the inputs themselves
+        unwritten = {id(w): x for x, _, w in given if w._primal is x}
+        redo = {
+            i: (unwritten[id(o._base)], o._chain)
+            for i, o in enumerate(flat_out)
+            if not copy_views
+            and isinstance(o, FunctionalizeTensor)
+            and o._base is not None
+            and id(o._base) in unwritten
+            and all(_plain_step(step) for step in o._chain)
+        }
         del flat_out
     _write_back(given, call)
+    for i, (x, chain) in redo.items():
+        # As torch.func: an output that is a view of an input nothing wrote is a real view of
+        # it, with ``_base`` and torch autograd's view tracking (the one made inside the level
+        # shares the memory but ran below autograd's view bookkeeping).
+        for step in chain:
+            x = step.replay(x)
+        outs[i] = x
     return pt.tree_unflatten(out_spec, outs)
+
+
+def _plain_step(step):
+    """A view step that can be replayed on a plain tensor (no wrapper among its arguments)."""
+    rest = getattr(step, "rest", ())
+    return not any(
+        isinstance(a, TransformTensor) for a in pt.tree_leaves((rest, getattr(step, "kwargs", {})))
+    )

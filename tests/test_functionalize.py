@@ -117,6 +117,10 @@ def test_outputs_alias_inputs_as_torch_func():
         flat, same, row = fn(unmutated)(x)
         assert same is x
         assert flat.data_ptr() == x.data_ptr() and row.data_ptr() == x.data_ptr()
+        assert flat._base is x and row._base is x  # real views: torch autograd tracks them
+        flat, same, row = fn(unmutated, remove="mutations_and_views")(x)
+        assert same is x  # an input returned as is stays itself ...
+        assert flat.data_ptr() != x.data_ptr() and row.data_ptr() != x.data_ptr()  # ... views copy
 
         def mutated(x):
             x.add_(1)
