@@ -26,7 +26,7 @@ Note [functionalize as a level]
 
 from __future__ import annotations
 
-import sys
+import weakref
 from typing import Any
 
 import torch
@@ -116,6 +116,7 @@ def _make_interpreter():
         name = "functionalize"
         rule_kind = "functionalize"
         decorator = "a functional variant (the op's name without the trailing underscore)"
+        tracked_value = "a value computed from the function's inputs"  # for InplaceError
 
         def __init__(self, call, copy_views):
             super().__init__()
@@ -216,13 +217,27 @@ def _make_interpreter():
             return _wrap(primal, self)
 
         def _demote(self):
-            # a promoted buffer nothing refers to any more (a local of f) needs no write-back:
-            # under make_fx or ft.jit that copy_ would be an in-place op left in the graph
-            # (refcount 4: the list entry, the holder's _target, this loop and the argument)
-            self._promoted = [
-                e for e in self._promoted if not (e[2] and sys.getrefcount(e[0]) <= 4)
-            ]
-            if self._promoted:
+            """Note [Writing into a plain tensor], except for promoted buffers nothing refers
+            to any more (locals of ``f``): their write-back would be an in-place op left in a
+            traced graph (make_fx, ft.jit), into a tensor no one reads. Liveness is asked of
+            the garbage collector: drop our own references, keep what survives."""
+            entries, self._promoted = self._promoted, None
+            weak = []
+            for obj, holder, is_root in entries:
+                weak.append((weakref.ref(obj), holder, is_root))
+                del holder.__dict__["_target"]  # the holder's reference to obj
+            del entries, obj  # ours: reference counting frees the dead ones here
+            alive = []
+            for ref, holder, is_root in weak:
+                obj = ref()
+                if obj is not None:
+                    holder.__dict__["_target"] = obj
+                    alive.append((obj, holder, is_root))
+                else:
+                    holder.__class__ = torch.Tensor  # a plain tensor again, about to be freed
+            del weak, obj
+            if alive:
+                self._promoted = alive
                 super()._demote()
 
     return FunctionalizeInterpreter

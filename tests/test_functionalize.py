@@ -335,3 +335,29 @@ def test_inplace_broadcast_raises_as_eager():
 def test_signature_and_export():
     assert "functionalize" in ft.__all__
     assert ft.functionalize(add_inplace).__wrapped__ is add_inplace
+
+
+def test_write_into_a_plain_buffer_with_live_views_raises():
+    """Promotion refuses a buffer whose memory a live view shares (Note [Writing into a plain
+    tensor]): a clear error, not a write the view would miss."""
+
+    def f(x):
+        buf = torch.zeros(3)
+        view = buf[1:]
+        buf.copy_(x)
+        return buf.sum() + view.sum()
+
+    with pytest.raises(InplaceError, match=r"functionalize\(f\).*computed from the function"):
+        ft.functionalize(f)(torch.ones(3))
+
+
+def test_write_into_a_captured_tensor_lands_after_the_call():
+    g = torch.zeros(3)
+
+    def f(x):
+        g.add_(x)
+        return x * 2
+
+    torch.testing.assert_close(ft.functionalize(f)(torch.ones(3)), torch.full((3,), 2.0))
+    assert type(g) is torch.Tensor  # torch.func raises here (an internal assert)
+    torch.testing.assert_close(g, torch.ones(3))
