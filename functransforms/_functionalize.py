@@ -107,6 +107,27 @@ def _out_functional(func):
     return c
 
 
+_COPY = torch.ops.aten.copy.default
+
+
+def _torch_autograd_through(src):
+    """Whether torch's autograd records this op on ``src`` (Note [Torch autograd through our
+    transforms]): a plain tensor that requires grad, with grad mode on."""
+    return (
+        isinstance(src, torch.Tensor)
+        and not isinstance(src, TransformTensor)
+        and src.requires_grad
+        and torch.is_grad_enabled()
+    )
+
+
+def _copy_differentiably(dst, src, non_blocking=False):
+    """``aten.copy(dst, src)`` (what ``dst.copy_(src)`` becomes here) as ops torch's autograd
+    differentiates: torch registers no derivative for ``aten.copy``, so ``y[1] = w`` inside
+    ``functionalize`` would break ``loss.backward()`` (it does in torch.func)."""
+    return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
+
+
 def _make_interpreter():
     # autodiff/_util.py imports the autodiff package, which imports this module's siblings:
     # resolved at the first call, as _ad.py does
@@ -164,9 +185,11 @@ def _make_interpreter():
                     copy(*self._unwrap(args), **{k: self._unwrap(v) for k, v in kwargs.items()})
                 )
             else:
-                out = self._wrap_out(
-                    func(*self._unwrap(args), **{k: self._unwrap(v) for k, v in kwargs.items()})
-                )
+                values = self._unwrap(args)
+                kw = {k: self._unwrap(v) for k, v in kwargs.items()}
+                if func is _COPY and _torch_autograd_through(values[1]):
+                    func = _copy_differentiably
+                out = self._wrap_out(func(*values, **kw))
             if f.view:
                 self._note_views(func, args, kwargs, out)
             return out

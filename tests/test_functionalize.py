@@ -361,3 +361,59 @@ def test_write_into_a_captured_tensor_lands_after_the_call():
     torch.testing.assert_close(ft.functionalize(f)(torch.ones(3)), torch.full((3,), 2.0))
     assert type(g) is torch.Tensor  # torch.func raises here (an internal assert)
     torch.testing.assert_close(g, torch.ones(3))
+
+
+def test_torch_autograd_through_functionalize():
+    """loss.backward() through writes of parameters into buffers: torch has no derivative for
+    aten.copy (torch.func raises); ours runs the copy as differentiable ops."""
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x):
+        y = x.clone()
+        y[1] = w[0] * 3
+        y.mul_(w)
+        buf = torch.zeros(2)
+        buf.copy_(w[1:])
+        return y.sum() + (buf * buf).sum()
+
+    x = torch.randn(3)
+    (ours,) = torch.autograd.grad(ft.functionalize(f)(x), w)
+    (eager,) = torch.autograd.grad(f(x), w)
+    torch.testing.assert_close(ours, eager)
+    with pytest.raises(RuntimeError, match="copy"):
+        tf.functionalize(f)(x).backward()
+
+
+@pytest.mark.parametrize("remove", ["mutations", "mutations_and_views"])
+def test_many_view_ops_and_writes_through_them(remove):
+    def f(x, z):
+        a = x.unbind(0)[1] + x.split(1, 1)[0].sum() + x.chunk(2, 0)[1].sum()
+        b = x.diagonal().sum() + x[None].expand(2, 3, 3).sum() + x.narrow(0, 1, 2).sum()
+        c = x.unfold(0, 2, 1).sum() + x.as_strided((2,), (1,)).sum() + x.movedim(0, 1)[0]
+        d = z.real.sum() + z.imag.sum() + torch.view_as_real(z).sum()
+        x.diagonal().add_(1)
+        x[None].squeeze(0)[0, 1:3] = 7
+        z.imag.mul_(2)
+        return a + b + c + d, x.T.contiguous(), z.conj().resolve_conj()
+
+    torch.manual_seed(0)
+    args = (torch.randn(3, 3), torch.randn(3, dtype=torch.complex128))
+    ours_in, theirs_in, eager_in = _clone(args), _clone(args), _clone(args)
+    _assert_same(ft.functionalize(f, remove=remove)(*ours_in), f(*eager_in))
+    _assert_same(ours_in, eager_in)
+    _assert_same(tf.functionalize(f, remove=remove)(*theirs_in), f(*_clone(args)))
+    gm = make_fx(ft.functionalize(f, remove=remove))(*_clone(args))
+    assert _mutating_nodes(gm) == []
+    if remove == "mutations_and_views":
+        assert _view_nodes(gm) == []
+
+
+def test_integer_inputs_and_nesting():
+    def f(i):
+        i += 1
+        i[0] = 5
+        return i * 2
+
+    ours, eager = torch.arange(3), torch.arange(3)
+    torch.testing.assert_close(ft.functionalize(ft.functionalize(f))(ours), f(eager))
+    torch.testing.assert_close(ours, eager)
