@@ -417,3 +417,34 @@ def test_integer_inputs_and_nesting():
     ours, eager = torch.arange(3), torch.arange(3)
     torch.testing.assert_close(ft.functionalize(ft.functionalize(f))(ours), f(eager))
     torch.testing.assert_close(ours, eager)
+
+
+def test_make_fx_of_vmap_of_functionalize_has_no_mutations():
+    xs = torch.randn(4, 3)
+    gm = make_fx(ft.vmap(ft.functionalize(write_batched_into_fresh)))(xs)
+    assert _mutating_nodes(gm) == []
+    ys = torch.randn(4, 3)
+    _assert_same(gm(ys), ft.vmap(ft.functionalize(write_batched_into_fresh))(ys))
+
+
+def test_module_with_running_statistics():
+    """BatchNorm in training mode updates its buffers in place: applied after the call, as
+    torch.func's functionalize does, and torch autograd sees through it."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    eager = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    theirs = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    eager.load_state_dict(ours.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(ft.functionalize(ours)(x), tf.functionalize(theirs)(x))
+    _assert_same(dict(ours.named_buffers()), dict(theirs.named_buffers()))
+    eager(x)  # the same two updates of the running statistics
+    out, ref = ft.functionalize(ours)(x), eager(x)
+    torch.testing.assert_close(out, ref)
+    for name, b in ours.named_buffers():
+        assert type(b) is torch.Tensor
+        torch.testing.assert_close(b, dict(eager.named_buffers())[name])
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(ours[0].weight.grad, eager[0].weight.grad)
