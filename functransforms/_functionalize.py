@@ -211,9 +211,12 @@ def _make_interpreter():
             return target
 
         def process_custom(self, custom_fn, args):
-            """Note [Custom rules across levels]: a custom function is run as written (its
-            derivative and batching rules belong to the other transforms)."""
-            return custom_fn.fn(*args)
+            """Note [Custom rules across levels]: this level changes no value, so the custom
+            function is called again on the values (its rules belong to the levels below: an
+            outer grad uses its custom vjp) and the results are wrapped."""
+            flat, spec = pt.tree_flatten(args)
+            out = custom_fn(*pt.tree_unflatten(spec, [self._unwrap(a) for a in flat]))
+            return pt.tree_map(lambda o: _wrap(o, self) if isinstance(o, torch.Tensor) else o, out)
 
         def _rebind(self, w, value):
             if isinstance(value, FunctionalizeTensor) and value._interp is self:

@@ -509,3 +509,38 @@ def test_random_writes_through_views_match_eager(steps):
     gm_in, eager_in = _clone(args), _clone(args)
     _assert_same(gm(*gm_in), f(*eager_in))
     _assert_same(gm_in, eager_in)
+
+
+def test_custom_rules_pass_through_to_outer_levels():
+    """A custom function's rules belong to the other transforms: grad(functionalize(f)) uses
+    the custom vjp (torch.func's functionalize raises NYI for an autograd.Function)."""
+
+    @ft.custom_vjp
+    def sin10(x):
+        return x.sin()
+
+    sin10.defvjp(lambda x: (x.sin(), x), lambda x, g: (g * 10,))
+
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * x * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    def f(x):
+        y = x.clone()
+        y.mul_(2)
+        return sin10(y).sum() + Cube.apply(y).sum()
+
+    x = torch.randn(3)
+    expected = torch.full((3,), 2 * 10.0 + 2 * 3.0)  # chain rule through y = 2x
+    torch.testing.assert_close(ft.grad(ft.functionalize(f))(x), expected)
+    torch.testing.assert_close(ft.functionalize(ft.grad(f))(x), expected)
+    torch.testing.assert_close(ft.functionalize(f)(x), f(x))
