@@ -110,6 +110,12 @@ def _out_functional(func):
 _COPY = torch.ops.aten.copy.default
 
 
+def _clone_all(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    return type(out)(_clone_all(o) for o in out)
+
+
 def _torch_autograd_through(src):
     """Whether torch's autograd records this op on ``src`` (Note [Torch autograd through our
     transforms]): a plain tensor that requires grad, with grad mode on."""
@@ -181,9 +187,14 @@ def _make_interpreter():
                         "Do: use remove='mutations', or write the function with .clone() "
                         "after this view."
                     )
-                out = self._wrap_out(
-                    copy(*self._unwrap(args), **{k: self._unwrap(v) for k, v in kwargs.items()})
-                )
+                values = self._unwrap(args)
+                kw = {k: self._unwrap(v) for k, v in kwargs.items()}
+                if any(isinstance(v, TransformTensor) for v in pt.tree_leaves((values, kw))):
+                    # an outer level (vmap, grad, jvp) holds the values: the view and a clone,
+                    # which its rules cover (the *_copy ops have no rules of their own)
+                    out = self._wrap_out(_clone_all(func(*values, **kw)))
+                else:
+                    out = self._wrap_out(copy(*values, **kw))
             else:
                 values = self._unwrap(args)
                 kw = {k: self._unwrap(v) for k, v in kwargs.items()}

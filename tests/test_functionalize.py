@@ -3,6 +3,8 @@ outputs, traced graphs without mutations (and without views), compositions, erro
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.func as tf
@@ -544,3 +546,28 @@ def test_custom_rules_pass_through_to_outer_levels():
     torch.testing.assert_close(ft.grad(ft.functionalize(f))(x), expected)
     torch.testing.assert_close(ft.functionalize(ft.grad(f))(x), expected)
     torch.testing.assert_close(ft.functionalize(f)(x), f(x))
+
+
+def _many_views(x):
+    y = x.t()[0] + x.view(-1)[:2] + x.diagonal() + x.unsqueeze(0).expand(3, 2, 2).sum(0)[1]
+    y = y + x.unbind(0)[1] + x.split(1)[0][0] + x.permute(1, 0)[1]
+    x = x.clone()
+    x[0].mul_(y)
+    return (y * y).sum() + x.sum()
+
+
+def test_mutations_and_views_under_outer_transforms():
+    """Under grad/jvp/vmap the *_copy ops run as the view and a clone (the outer levels have
+    rules for those): no MissingRuleError, no per-example fallback, torch.func's values."""
+    from functransforms.errors import FallbackWarning
+
+    f = ft.functionalize(_many_views, remove="mutations_and_views")
+    x, xs = torch.randn(2, 2), torch.randn(3, 2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        g, t, v = ft.grad(f)(x), ft.jvp(f, (x,), (x,))[1], ft.vmap(f)(xs)
+    theirs = tf.functionalize(_many_views, remove="mutations_and_views")
+    torch.testing.assert_close(g, tf.grad(theirs)(x))
+    torch.testing.assert_close(t, tf.jvp(theirs, (x,), (x,))[1])
+    # torch.func.vmap has no batching rule for split_copy: compared with a loop
+    torch.testing.assert_close(v, torch.stack([_many_views(x) for x in xs]))
