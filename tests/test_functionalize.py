@@ -571,3 +571,37 @@ def test_mutations_and_views_under_outer_transforms():
     torch.testing.assert_close(t, tf.jvp(theirs, (x,), (x,))[1])
     # torch.func.vmap has no batching rule for split_copy: compared with a loop
     torch.testing.assert_close(v, torch.stack([_many_views(x) for x in xs]))
+
+
+@pytest.mark.parametrize("transform", ["functionalize", "jvp", "vjp", "grad"])
+def test_inplace_keeps_the_target_dtype(transform):
+    """`x32.mul_(y64)` stays float32 in eager; the functional form promotes to float64. Every
+    level that runs in-place ops out of place (autodiff/_util.py) casts back, and raises where
+    eager refuses the cast (complex into real)."""
+    y = torch.full((3,), 2.0, dtype=torch.float64)
+
+    def f(x):
+        x = x.clone()
+        x.mul_(y)
+        return x
+
+    def g(x):
+        x = x.clone()
+        x.mul_(torch.ones(3, dtype=torch.complex64))
+        return x
+
+    run = {
+        "functionalize": lambda h, x: ft.functionalize(h)(x),
+        "jvp": lambda h, x: ft.jvp(h, (x,), (x,))[1],
+        "vjp": lambda h, x: ft.vjp(h, x)[1](torch.ones_like(x))[0],
+        "grad": lambda h, x: ft.grad(lambda x: h(x).sum())(x),
+    }[transform]
+    x = torch.randn(3, dtype=torch.float32)
+    out = run(f, x)
+    assert out.dtype == torch.float32
+    expected = {"functionalize": 2 * x, "jvp": 2 * x}.get(transform, torch.full((3,), 2.0))
+    torch.testing.assert_close(out, expected.float())
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        g(x)
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        run(g, x)
