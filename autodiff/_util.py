@@ -307,6 +307,7 @@ def _swap(a, b):
     a.__class__, b.__class__ = b.__class__, a.__class__
     a.__dict__, b.__dict__ = b.__dict__, a.__dict__
     _compat.swap_tensor_impl(a, b)
+    _compat.swap_proxy_slots(a, b)  # under make_fx (ft.jit): the tracer keys by object
 
 
 def _give_back(obj, holder):
@@ -322,6 +323,7 @@ def _give_back(obj, holder):
             holder.untyped_storage(), holder.storage_offset(), holder.shape, holder.stride()
         )
     _swap(obj, alias)
+    _compat.swap_proxy_slots(obj, holder, share=True)  # a traced obj reads the holder's node
 
 
 def _restore(obj, holder):
@@ -417,6 +419,8 @@ class InplaceMixin:
                 self_._chain = new._chain  # still a view of the same root, one step further
             return self_
         new = self.process(functional, positional_with_defaults(func, args), kwargs)
+        if isinstance(new, torch.Tensor):
+            new = self._in_dtype_of(func, self_, new)
         base = self_._base
         if base is None and (
             self_._views is None or not any(r() is not None for r in self_._views)
@@ -439,6 +443,20 @@ class InplaceMixin:
         if base is not None:
             self._rebind(self_, new)
         return self_
+
+    def _in_dtype_of(self, func, self_, new):
+        """``new`` in the target's dtype: an in-place op keeps it (``x32.mul_(y64)`` stays
+        float32) where its functional form promotes; a cast eager refuses raises as eager."""
+        with plain_metadata():  # Note [Reading a wrapper's metadata]
+            dtype, target = new.dtype, self_.dtype
+        if dtype == target:
+            return new
+        if not torch.can_cast(dtype, target):
+            raise RuntimeError(
+                f"{self.call}: {op_name(func)}: result type {dtype} can't be cast to the "
+                f"desired output type {target} of the in-place op (as in eager torch)."
+            )
+        return new.to(target)
 
     def _scatter(self, root, chain, v):
         """The new value of ``root`` after writing ``v`` into its view ``chain``."""

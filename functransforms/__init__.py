@@ -32,6 +32,7 @@ from ._collectives import (
 )
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
 from ._extras import checkpoint, debug_unwrap, linear_transpose
+from ._functionalize import functionalize
 from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
 from ._pmap import pmap
 from ._rearrange import rearrange
@@ -85,6 +86,7 @@ __all__ = [
     "sequential_vmap",
     "stop_gradient",
     "functional_call",
+    "functionalize",
     "grad",
     "grad_and_value",
     "hessian",

@@ -32,6 +32,7 @@ Note [Supported torch versions]
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 import torch.utils._pytree as torch_pytree  # checked on 2.13.0, 2.15.0; arg_tree_leaves, tree_map
@@ -83,6 +84,7 @@ __all__ = [
     "set_fwd_grad_enabled",
     "set_grad_enabled",
     "storage_use_count",
+    "swap_proxy_slots",
     "swap_tensor_impl",
     "tensor_requires_grad",
     "torch_pytree",
@@ -122,6 +124,32 @@ TensorBase = _C.TensorBase
 # Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
 # a transformed function writes into: Note [Writing into plain tensors]).
 swap_tensor_impl = _C._swap_tensor_impl
+
+
+def swap_proxy_slots(a, b, *, share=False):
+    """Under ``make_fx`` (``ft.jit``): after ``swap_tensor_impl(a, b)``, exchange what the
+    tracer knows about the two Python objects too (its tracker is keyed by object, not by
+    impl), else an op on a promoted buffer is recorded on the buffer's old value. With
+    ``share``, ``a`` takes ``b``'s record and ``b`` keeps it (a tensor given its memory back
+    aliases the holder). Checked on 2.13.0, 2.15.0 (``tracer.tensor_tracker``)."""
+    proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
+    mode = proxy_tensor.get_proxy_mode() if proxy_tensor is not None else None
+    if mode is None:
+        return
+    tracker = mode.tracer.tensor_tracker
+    pa, pb = tracker.get(a), tracker.get(b)
+    if share:
+        if pb is not None:
+            tracker[a] = pb
+        return
+    for t, p in ((a, pb), (b, pa)):
+        if p is None:
+            if t in tracker:
+                del tracker[t]
+        else:
+            tracker[t] = p
+
+
 # the C-level flag, below any Python property a subclass defines (GradTensor.requires_grad)
 tensor_requires_grad = _C.TensorBase.requires_grad.__get__
 # How many TensorImpls share a storage (a buffer aliased elsewhere is not promoted).

@@ -151,10 +151,11 @@ def raise_inplace_into_conj(interp, func):
 
 
 def raise_inplace_untracked(interp, func, why):
-    """jvp/grad: a value with derivatives is written into a plain tensor that cannot be
+    """jvp/grad/functionalize: a tracked value is written into a plain tensor that cannot be
     promoted (Note [Writing into a plain tensor]); ``why`` says which condition refused."""
+    what = getattr(interp, "tracked_value", "a value that carries derivatives")
     raise InplaceError(
-        f"{interp.call}: {op_name(func)} writes a value that carries derivatives in place into a "
+        f"{interp.call}: {op_name(func)} writes {what} in place into a "
         f"tensor that the transform does not track, and {why}. Do: build the result out "
         "of place (torch.stack / torch.cat / torch.where / index_put), or create the "
         "buffer inside the transformed function."

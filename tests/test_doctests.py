@@ -41,6 +41,7 @@ def test_public_api_matches_torch_func_names():
         "jacfwd",
         "hessian",
         "functional_call",
+        "functionalize",
         "stack_module_state",
     ):
         assert callable(getattr(functransforms, name))
