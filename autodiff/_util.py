@@ -341,6 +341,9 @@ class InplaceMixin:
     wrapper of this level holding a constant)."""
 
     _replaying = False
+    # references to a write target held by an op this level is itself carrying out (the
+    # out= op whose result functionalize copies into its target): not a kernel reading it later
+    _caller_holds = 0
     _promoted = None
     _fresh = None  # plain buffers made at this level by *_like ops (Note [Buffers held by kernels])
 
@@ -491,7 +494,9 @@ class InplaceMixin:
                 known = 1 if root is target else 2
                 if _compat.storage_use_count(root.untyped_storage()._cdata) != known + 1:
                     why = "other tensors share its memory (views or aliases of it are alive)"
-                elif root._use_count() > (3 if root is target else 2):
+                elif root._use_count() > (
+                    (3 if root is target else 2) + _compat.proxy_tracing() + self._caller_holds
+                ):
                     # Note [Buffers held by kernels]: a buffer whose TensorImpl is referenced
                     # from C++ beyond its Python object and this op's arguments: a composite
                     # kernel made it and keeps computing with it in C++, where a promoted

@@ -85,6 +85,7 @@ __all__ = [
     "set_grad_enabled",
     "storage_use_count",
     "swap_proxy_slots",
+    "proxy_tracing",
     "swap_tensor_impl",
     "tensor_requires_grad",
     "torch_pytree",
@@ -124,6 +125,13 @@ TensorBase = _C.TensorBase
 # Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
 # a transformed function writes into: Note [Writing into plain tensors]).
 swap_tensor_impl = _C._swap_tensor_impl
+
+
+def proxy_tracing() -> bool:
+    """Whether make_fx (``ft.jit``) is tracing: its tracer holds one more reference to each
+    tensor it has seen. Checked on 2.13.0, 2.15.0."""
+    proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
+    return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
 
 
 def swap_proxy_slots(a, b, *, share=False):

@@ -218,7 +218,13 @@ def _make_interpreter():
             result = self.process(functional, args, kwargs)
             if result.shape != target.shape:  # out= resizes its target, as torch does
                 torch.ops.aten.resize_.default(target, result.shape)
-            torch.ops.aten.copy_.default(target, result)
+            # the out= op's own frame holds its target twice (the dispatcher's stack and torch's
+            # Python argument parser): references that will not read it again
+            self._caller_holds = 2
+            try:
+                torch.ops.aten.copy_.default(target, result)
+            finally:
+                self._caller_holds = 0
             return target
 
         def process_custom(self, custom_fn, args):

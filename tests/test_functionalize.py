@@ -15,7 +15,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import functransforms as ft
 from functransforms.errors import InplaceError
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64():
+    """float64 for this module only (a module-level set_default_dtype leaked into every test
+    that ran after it in the same process)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 # -- functions with mutations ------------------------------------------------------------------
