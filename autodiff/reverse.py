@@ -36,6 +36,7 @@ from functransforms._core import (
     eager_under_compile,
     is_floating,
     metadata,
+    redispatch,
 )
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
@@ -190,7 +191,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
         if f.inplace or f.inplace_view:
             return self._inplace(func, f, args, kwargs)
         if not _grad_enabled():  # Note [Grad mode]: no_grad inside the function: a constant
-            return func(*unwrap_level(self, args, _entry_of)[0], **kwargs)
+            return redispatch(func, unwrap_level(self, args, _entry_of)[0], kwargs)
         rule = f.vjp_rule  # Note [One record per op]
         if rule is None:
             d = composite_implicit(func) or decomposition(func)
@@ -200,12 +201,14 @@ class GradInterpreter(InplaceMixin, Interpreter):
         # the value: the op itself, or what computes it in its place (VJP_FORWARD: the lazy
         # conj/neg views, Note [No lazy conjugate inside wrappers]; kernels that need the conj
         # keys, def_linalg(forward=) in autodiff/linalg.py)
-        run = f.vjp_forward or func
+        # Note [Direct route to the inner level]: the op itself goes on with its arguments as
+        # __torch_dispatch__ received them
+        run = f.vjp_forward
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
-                out = run(*primals, **kwargs)
+                out = run(*primals, **kwargs) if run else redispatch(func, primals, kwargs)
         else:
-            out = run(*primals, **kwargs)
+            out = run(*primals, **kwargs) if run else redispatch(func, primals, kwargs)
         if rule is None:
             if not any_floating(out):
                 return out
