@@ -157,6 +157,18 @@ def _tensor_index(index):
 
 
 def wrap_batched(value, bdim, interp):
+    if type(value) is torch.Tensor and not (value.is_conj() or value.is_neg()):
+        # the common case, on the per-op path: a plain value (an op's result), no lazy bits
+        shape, st = value.shape, value.stride()
+        if bdim == 0:
+            shape, st = shape[1:], st[1:]
+        else:
+            shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
+        r = _mk(BatchedTensor, shape, st, dtype=value.dtype, device=value.device)
+        r._value = value
+        r._bdim = bdim
+        r._interp = interp
+        return r
     shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
     lazy = None
     if value.is_conj() or value.is_neg():

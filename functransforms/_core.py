@@ -487,15 +487,24 @@ def eager_under_compile(fn):
 #     nothing for metadata queries, so the answers are the same. Plain tensors are read directly
 #     (entering the guard costs ~0.5 us, more than their four queries). Only queries go under
 #     the guard, never ops: ops on a BatchedTensor may take the fast path.
+#     Under the guard the queries call torch's C accessors directly (``TensorBase.shape`` ...):
+#     BatchedTensor shadows the attributes with Python ones that enter the guard themselves
+#     (Note [Metadata reads without __torch_function__]), and four nested guards cost 1 us more
+#     than one.
 SLOW_METADATA: set = set()  # wrapper classes with a Python __torch_function__ (BatchedTensor)
 plain_metadata = _compat.DisableTorchFunctionSubclass
+_shape = _compat.TensorBase.shape.__get__
+_stride = _compat.TensorBase.stride
+_dtype = _compat.TensorBase.dtype.__get__
+_device = _compat.TensorBase.device.__get__
+_is_conj = _compat.TensorBase.is_conj
 
 
 def metadata(t):
     """``(shape, stride, dtype, device)`` of tensor ``t`` (Note [Reading a wrapper's metadata])."""
     if type(t) in SLOW_METADATA:
         with plain_metadata():
-            return t.shape, t.stride(), t.dtype, t.device
+            return _shape(t), _stride(t), _dtype(t), _device(t)
     return t.shape, t.stride(), t.dtype, t.device
 
 
@@ -503,8 +512,16 @@ def dtype_conj(t):
     """``(dtype, is_conj)`` of tensor ``t`` (Note [Reading a wrapper's metadata])."""
     if type(t) in SLOW_METADATA:
         with plain_metadata():
-            return t.dtype, t.is_conj()
+            return _dtype(t), _is_conj(t)
     return t.dtype, t.is_conj()
+
+
+def dtype_of(t):
+    """``t.dtype`` (Note [Reading a wrapper's metadata])."""
+    if type(t) in SLOW_METADATA:
+        with plain_metadata():
+            return _dtype(t)
+    return t.dtype
 
 
 def is_floating(t) -> bool:
