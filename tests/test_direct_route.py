@@ -105,3 +105,45 @@ def test_grad_of_grad_and_no_grad_inside():
     got = ft.vmap(ft.grad(lambda v: ft.grad(f)(v).sum()))(xs)
     ref = torch.func.vmap(torch.func.grad(lambda v: torch.func.grad(f)(v).sum()))(xs)
     torch.testing.assert_close(got, ref)
+
+
+# Note [Pointwise pullbacks on physical values] (autodiff/reverse.py)
+def _unary_chain(v):
+    y = torch.relu(torch.tanh(torch.sin(v) * 1.5))  # relu and tanh keep only their outputs
+    y = torch.nn.functional.gelu(y + 0.1)  # gelu keeps only its input
+    return (torch.sqrt(y + 1.0) * torch.sigmoid(v)).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_physical_pullbacks_agree(dtype, monkeypatch):
+    import functransforms.autodiff.reverse as reverse
+
+    ran = []
+    orig = reverse._physical_pullback
+
+    def spy(rule, ct, node):
+        out = orig(rule, ct, node)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(reverse, "_physical_pullback", spy)
+    f = _unary_chain if dtype == torch.float64 else (lambda v: torch.sin(v).abs().sum())
+    x = torch.randn(5, 4, dtype=dtype)
+    got = ft.vmap(ft.grad(f))(x)
+    torch.testing.assert_close(got, torch.func.vmap(torch.func.grad(f))(x))
+    if dtype.is_complex:
+        assert not any(ran)  # lazy conjugates: through the wrappers
+    else:
+        assert ran and all(ran)
+
+
+def test_physical_pullbacks_step_aside():
+    """Another level inside, a batch dim elsewhere, a plain input: the usual pullback."""
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    f = ft.vmap(ft.vmap(ft.grad(_unary_chain)), in_dims=1)
+    ref = torch.func.vmap(torch.func.vmap(torch.func.grad(_unary_chain)), in_dims=1)
+    torch.testing.assert_close(f(x), ref(x))
+    w = torch.randn(4, dtype=torch.float64)
+    g = ft.vmap(ft.grad(lambda w, v: _unary_chain(v * w)), in_dims=(None, 1))
+    rg = torch.func.vmap(torch.func.grad(lambda w, v: _unary_chain(v * w)), in_dims=(None, 1))
+    torch.testing.assert_close(g(w, x[0].T), rg(w, x[0].T))
