@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from functransforms import _compat
-from functransforms._core import SLOW_METADATA, TransformTensor, plain_metadata
+from functransforms._core import TransformTensor, dtype_of
 from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import (
     missing_rule,
@@ -32,11 +32,7 @@ def unbroadcast(ct, shape):
 
 def match_dtype(ct, x):
     """A cotangent for ``x`` has x's dtype: the real part for a real ``x`` (docs/complex.md)."""
-    if type(ct) in SLOW_METADATA or type(x) in SLOW_METADATA:
-        with plain_metadata():  # Note [Reading a wrapper's metadata]
-            ct_dtype, x_dtype = ct.dtype, x.dtype
-    else:
-        ct_dtype, x_dtype = ct.dtype, x.dtype
+    ct_dtype, x_dtype = dtype_of(ct), dtype_of(x)  # Note [Reading a wrapper's metadata]
     if ct_dtype == x_dtype:
         return ct
     if ct_dtype.is_complex and not x_dtype.is_complex:

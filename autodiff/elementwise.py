@@ -9,7 +9,7 @@ import torch
 
 from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import conj_if_complex, unbroadcast
-from .reverse import NONDIFFERENTIABLE
+from .reverse import NONDIFFERENTIABLE, PHYSICAL_PULLBACKS
 
 aten = torch.ops.aten
 
@@ -81,6 +81,7 @@ def def_unary(op, deriv):
             unary_pb_vjp_rule.keeps = deriv.keeps
         register_jvp_rule(op)(unary_pb_jvp_rule)
         register_vjp_rule(op)(unary_pb_vjp_rule)
+        PHYSICAL_PULLBACKS.add(unary_pb_vjp_rule)  # Note [Pointwise pullbacks on physical values]
         return
 
     def unary_jvp_rule(primals, tangents, kwargs):
@@ -95,6 +96,7 @@ def def_unary(op, deriv):
 
     register_jvp_rule(op)(unary_jvp_rule)
     register_vjp_rule(op)(unary_vjp_rule)
+    PHYSICAL_PULLBACKS.add(unary_vjp_rule)  # Note [Pointwise pullbacks on physical values]
 
 
 def _partial(d):

@@ -32,10 +32,12 @@ from functransforms._ad import vjp
 from functransforms._core import (
     Interpreter,
     TransformTensor,
+    below_torch_autograd,
     dtype_conj,
     eager_under_compile,
     is_floating,
     metadata,
+    redispatch,
 )
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
@@ -190,7 +192,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
         if f.inplace or f.inplace_view:
             return self._inplace(func, f, args, kwargs)
         if not _grad_enabled():  # Note [Grad mode]: no_grad inside the function: a constant
-            return func(*unwrap_level(self, args, _entry_of)[0], **kwargs)
+            return redispatch(func, unwrap_level(self, args, _entry_of)[0], kwargs)
         rule = f.vjp_rule  # Note [One record per op]
         if rule is None:
             d = composite_implicit(func) or decomposition(func)
@@ -200,12 +202,14 @@ class GradInterpreter(InplaceMixin, Interpreter):
         # the value: the op itself, or what computes it in its place (VJP_FORWARD: the lazy
         # conj/neg views, Note [No lazy conjugate inside wrappers]; kernels that need the conj
         # keys, def_linalg(forward=) in autodiff/linalg.py)
-        run = f.vjp_forward or func
+        # Note [Direct route to the inner level]: the op itself goes on with its arguments as
+        # __torch_dispatch__ received them
+        run = f.vjp_forward
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
-                out = run(*primals, **kwargs)
+                out = run(*primals, **kwargs) if run else redispatch(func, primals, kwargs)
         else:
-            out = run(*primals, **kwargs)
+            out = run(*primals, **kwargs) if run else redispatch(func, primals, kwargs)
         if rule is None:
             if not any_floating(out):
                 return out
@@ -356,6 +360,73 @@ def _prune(primals, out, keeps):
     return primals, out if reads_out else _standin(out)
 
 
+# Note [Pointwise pullbacks on physical values]
+#     Under ``vmap(grad(f))`` the backward sweep runs each pullback on BatchedTensors: the vjp of
+#     ``sin`` is ``ct * cos(x)``, two ops, each through the vmap fast path with a wrapper of its
+#     own (~6 us each, most of an op's backward). A pullback of a unary pointwise op (def_unary,
+#     autodiff/elementwise.py, registered in ``PHYSICAL_PULLBACKS``) is itself pointwise in its
+#     tensor arguments, so when the cotangent, the input and the output are BatchedTensors of
+#     one live level with the same batch dim and the same physical shape (and plain values
+#     inside), it is run once on the physical values and its result wrapped once: per example
+#     the same elementwise formula on the same numbers. Anything else (other tensor
+#     arguments, another level inside, complex values, whose lazy conjugates rules resolve
+#     through the wrappers, a sweep run below torch's autograd, a result of another shape)
+#     runs the pullback as usual. The values a rule does not read (Note [What a vjp rule keeps])
+#     are meta stand-ins, passed as they are.
+PHYSICAL_PULLBACKS: set = set()
+_batched = []  # (BatchedTensor, wrap_batched), imported at first use (batching imports autodiff)
+
+
+def _physical(a, interp, bdim, shape):
+    """The physical value of ``a`` if it may enter the pullback as one, a stand-in as it is,
+    else None."""
+    cls = _batched[0][0]
+    if type(a) is cls:
+        v = a._value
+        if (
+            a._interp is interp
+            and a._bdim == bdim
+            and type(v) is torch.Tensor
+            and v.shape == shape
+            and not v.is_complex()
+        ):
+            return v
+        return None
+    return a if type(a) is torch.Tensor and a.is_meta else None
+
+
+def _physical_pullback(rule, ct, node):
+    """Note [Pointwise pullbacks on physical values]: the input cotangents, or None."""
+    if not _batched:
+        from functransforms.batching._tensor import BatchedTensor, wrap_batched
+
+        _batched.append((BatchedTensor, wrap_batched))
+    cls, wrap = _batched[0]
+    if type(ct) is not cls:
+        return None
+    interp, bdim, v = ct._interp, ct._bdim, ct._value
+    if type(v) is not torch.Tensor or not interp.alive or v.is_complex() or below_torch_autograd():
+        return None
+    shape = v.shape
+    primals = []
+    for p in node.primals:
+        if isinstance(p, torch.Tensor):
+            p = _physical(p, interp, bdim, shape)
+            if p is None:
+                return None
+        elif type(p) is list or type(p) is tuple:
+            return None
+        primals.append(p)
+    out = _physical(node.out, interp, bdim, shape)
+    if out is None or any(isinstance(k, torch.Tensor) for k in node.kwargs.values()):
+        return None
+    cts = rule(v, primals, node.kwargs, out, node.needs)
+    first = cts[0]
+    if type(first) is not torch.Tensor or first.shape != shape:
+        return None  # not the elementwise result expected: run the rule on the wrappers
+    return (wrap(first, bdim, interp),) + tuple(cts[1:])
+
+
 @eager_under_compile  # Note [torch.compile around our transforms]
 def backward(roots, leaves):
     """The cotangents of ``leaves`` given ``roots``: a list of (node, idx, cotangent).
@@ -384,7 +455,12 @@ def backward(roots, leaves):
             ct = cts[0]
         else:
             ct = tuple(cts)
-        input_cts = node.rule(ct, node.primals, node.kwargs, out, node.needs)
+        rule = node.rule
+        input_cts = None
+        if rule in PHYSICAL_PULLBACKS:  # Note [Pointwise pullbacks on physical values]
+            input_cts = _physical_pullback(rule, ct, node)
+        if input_cts is None:
+            input_cts = rule(ct, node.primals, node.kwargs, out, node.needs)
         for i, inp in enumerate(node.inputs):
             if inp is None:
                 continue

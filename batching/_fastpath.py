@@ -230,8 +230,8 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
 
 # Note [Shaped fast path]
 #     The same shortcut for the non-pointwise functions that dominate attention blocks and
-#     MLP heads: ``transpose``, ``matmul``/``@``, the dim reductions ``sum``/``mean``/``amax``/
-#     ``amin``, ``softmax``/``log_softmax``, ``scaled_dot_product_attention``, ``reshape``/
+#     MLP heads: ``transpose``, ``matmul``/``@``, ``mm``, the dim reductions ``sum``/``mean``/
+#     ``amax``/``amin``, ``softmax``/``log_softmax``, ``scaled_dot_product_attention``, ``reshape``/
 #     ``view`` and ``unsqueeze`` (the last three with the batch dim in front). Each handler
 #     maps the logical dims onto the physical value (the batch dim stays where it is, or goes
 #     in front for matmul and sdpa) and returns None, for the ordinary path, on anything it
@@ -360,6 +360,30 @@ def _matmul(func, args, kwargs, batched_cls, wrap):
     return wrap(func(v, plain) if ba else func(plain, v), 0, w._interp)
 
 
+def _mm(func, args, kwargs, batched_cls, wrap):
+    """``mm`` of two logical matrices of one dtype (anything else: the ordinary path, for its
+    error), as one ``matmul`` of the physical values, batch dims in front."""
+    if kwargs or len(args) != 2:
+        return None
+    a, b = args
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype:
+        return None
+    ba, bb = type(a) is batched_cls, type(b) is batched_cls
+    if (a.dim() != 2 or b.dim() != 2) or (ba and bb and a._interp is not b._interp):
+        return None
+    if not ba and type(a) is not torch.Tensor or not bb and type(b) is not torch.Tensor:
+        return None
+    va = _live_value(a, batched_cls) if ba else a
+    vb = _live_value(b, batched_cls) if bb else b
+    if va is None or vb is None:
+        return None
+    if (not ba and va.requires_grad or not bb and vb.requires_grad) and below_torch_autograd():
+        return None  # Note [Fast path below torch's autograd]
+    va = va if not ba or a._bdim == 0 else va.movedim(a._bdim, 0)
+    vb = vb if not bb or b._bdim == 0 else vb.movedim(b._bdim, 0)
+    return wrap(torch.matmul(va, vb), 0, (a if ba else b)._interp)
+
+
 _SDPA_KWARGS = frozenset(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
 
 
@@ -454,6 +478,8 @@ def _shaped_table():
         table[getattr(torch.Tensor, name)] = _softmax
     for fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
         table[fn] = _matmul
+    for fn in (torch.mm, torch.Tensor.mm):
+        table[fn] = _mm
     table[F.scaled_dot_product_attention] = _sdpa
     for fn in (torch.reshape, torch.Tensor.reshape, torch.Tensor.view):
         table[fn] = _reshape

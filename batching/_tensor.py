@@ -8,7 +8,14 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import SLOW_METADATA, Interpreter, TransformTensor, is_floating, metadata
+from functransforms._core import (
+    SLOW_METADATA,
+    Interpreter,
+    TransformTensor,
+    below_torch_autograd,
+    is_floating,
+    metadata,
+)
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import draws_random, facts, op_name
@@ -29,6 +36,9 @@ from ._fastpath import POINTWISE_FUNCS, SHAPED_FUNCS, ensure_table, pointwise_fa
 from ._registry import WRITES_CHECKED_BY_RULE
 
 _no_torch_function = _compat.disabled_torch_function_impl
+_torch_requires_grad = _compat.tensor_requires_grad  # not a wrapper's property
+_NUMBERS = frozenset((int, float, bool, complex))
+_Tensor = torch.Tensor
 _DATA_GET = torch.Tensor.data.__get__
 
 
@@ -74,6 +84,32 @@ class BatchedTensor(TransformTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         inplace_at = POINTWISE_FUNCS.get(func)
         if inplace_at is not None:  # Note [Pointwise fast path]
+            # its commonest case first, inline: one plain value and at most a Python number
+            if inplace_at < 0 and not kwargs and type(args[0]) is cls:
+                n = len(args)
+                if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
+                    a = args[0]
+                    v, interp = a._value, a._interp
+                    if (
+                        type(v) is _Tensor
+                        and interp.alive
+                        and not (_torch_requires_grad(v) and below_torch_autograd())
+                    ):
+                        out = func(v) if n == 1 else func(v, args[1])
+                        if type(out) is _Tensor and not (out.is_conj() or out.is_neg()):
+                            bdim = a._bdim
+                            shape, st = out.shape, out.stride()
+                            if bdim == 0:
+                                shape, st = shape[1:], st[1:]
+                            else:
+                                shape = shape[:bdim] + shape[bdim + 1 :]
+                                st = st[:bdim] + st[bdim + 1 :]
+                            r = _mk(BatchedTensor, shape, st, dtype=out.dtype, device=out.device)
+                            r._value = out
+                            r._bdim = bdim
+                            r._interp = interp
+                            return r
+                        return wrap_batched(out, a._bdim, interp) if type(out) is _Tensor else out
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
@@ -158,6 +194,18 @@ def _tensor_index(index):
 
 
 def wrap_batched(value, bdim, interp):
+    if type(value) is torch.Tensor and not (value.is_conj() or value.is_neg()):
+        # the common case, on the per-op path: a plain value (an op's result), no lazy bits
+        shape, st = value.shape, value.stride()
+        if bdim == 0:
+            shape, st = shape[1:], st[1:]
+        else:
+            shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
+        r = _mk(BatchedTensor, shape, st, dtype=value.dtype, device=value.device)
+        r._value = value
+        r._bdim = bdim
+        r._interp = interp
+        return r
     shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
     if value.is_conj() or value.is_neg():
         # Note [Conjugate views]: inside __torch_dispatch__ the dispatcher no longer resolves

@@ -17,10 +17,22 @@ def _fronts(args, bdims):
     return (a if ba is None else to_front(a, ba)), (b if bb is None else to_front(b, bb)), ba, bb
 
 
-@register_vmap_rule(aten.mm.default, aten.bmm.default)
-def mm_vmap_rule(interp, args, bdims, kwargs):
-    a, b, ba, bb = _fronts(args, bdims)
-    return torch.matmul(a, b), 0
+def _product_rule(rank, what):
+    """mm (``rank`` 2) and bmm (3): torch checks the ranks in the kernel, which a wrapper never
+    reaches, and matmul would broadcast a vector or a batch instead of raising."""
+
+    def mm_vmap_rule(interp, args, bdims, kwargs):
+        a, b, ba, bb = _fronts(args, bdims)
+        for x, bx, name in ((a, ba, "self"), (b, bb, "mat2")):
+            if x.dim() - (bx is not None) != rank:
+                raise RuntimeError(f"{name} must be a {what}")
+        return torch.matmul(a, b), 0
+
+    return mm_vmap_rule
+
+
+mm_vmap_rule = register_vmap_rule(aten.mm.default)(_product_rule(2, "matrix"))
+bmm_vmap_rule = register_vmap_rule(aten.bmm.default)(_product_rule(3, "3D tensor"))
 
 
 @register_vmap_rule(aten.mv.default)
@@ -68,7 +80,7 @@ def def_add_product(op, product_rule, out_rank):
 
 def_add_product(aten.addmm.default, mm_vmap_rule, 2)
 def_add_product(aten.addmv.default, mv_vmap_rule, 1)
-def_add_product(aten.baddbmm.default, mm_vmap_rule, 3)
+def_add_product(aten.baddbmm.default, bmm_vmap_rule, 3)
 
 
 def _bmm_sum_vmap_rule(interp, args, bdims, kwargs):

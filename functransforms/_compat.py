@@ -76,6 +76,7 @@ __all__ = [
     "has_internal_overlap",
     "is_fake_tensor",
     "is_fwd_grad_enabled",
+    "is_torch_function_mode_enabled",
     "register_subclass_dispatch_rules",
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
@@ -107,6 +108,7 @@ make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 # torch-function layer, so every op reaches ``__torch_dispatch__`` (what torch's own wrapper
 # subclasses do).
 disabled_torch_function_impl = _C._disabled_torch_function_impl
+is_torch_function_mode_enabled = _C._is_torch_function_mode_enabled
 # Dispatch off inside a block, for metadata work on a wrapper (``as_strided_`` of a wrapper,
 # storage positions) that must not re-enter the interpreters.
 DisableTorchDispatch = _C._DisableTorchDispatch

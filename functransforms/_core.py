@@ -23,6 +23,7 @@ import threading
 import torch
 
 from . import _compat
+from ._ops import facts
 from .errors import EscapedTracerError
 
 
@@ -128,7 +129,9 @@ def _install_entry():
     global _entry_pending
     from . import _compat, _ops
 
+    global _ABOVE_PYTHON
     _entry_pending = False
+    _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
     classes, todo = [], [TransformTensor]
     while todo:
         for sub in todo.pop().__subclasses__():
@@ -162,11 +165,7 @@ class TransformTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        interp = _innermost(args, kwargs)
-        if _grad_enabled() and _torch_autograd_wanted(interp, args, kwargs):
-            with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS):
-                return interp.process(func, args, kwargs or {})
-        return interp.process(func, args, kwargs or {})
+        return _route(_innermost(args, kwargs), func, args, kwargs or {})
 
     def _inner_requires_grad(self) -> bool:  # pragma: no cover - every wrapper class overrides
         """Whether a tensor this wrapper holds (value, primal, tangent) requires grad in torch's
@@ -273,6 +272,124 @@ _excluded = _compat.dispatch_tls_is_dispatch_key_excluded
 _ADINPLACE = _compat.ADInplaceOrView
 
 
+def _route(interp, func, args, kwargs):
+    """``interp.process`` of an op, with torch's autograd re-enabled when it must record
+    (Note [Torch autograd through our transforms]): the body of ``__torch_dispatch__``."""
+    if _grad_enabled() and _torch_autograd_wanted(interp, args, kwargs):
+        with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS):
+            return interp.process(func, args, kwargs)
+    return interp.process(func, args, kwargs)
+
+
+# Note [Direct route to the inner level]
+#     An interpreter's rule hands an op down to the next level by calling it again on what it
+#     unwrapped: under ``vmap(grad(f))`` the grad level runs ``aten.sin(x)`` with ``x`` a
+#     BatchedTensor. Through torch, that call costs a trip through the op's Python
+#     ``__call__``, BatchedTensor's ``__torch_function__``, the C++ dispatcher (boxing the
+#     arguments, the Python fallback, the per-op rule table) and back into
+#     ``__torch_dispatch__``, only to land in ``_route`` with the same arguments: ~5 us of an
+#     op's ~45 under vmap(grad). ``redispatch`` calls ``_route`` directly when the dispatcher
+#     provably would, and nothing else would see the call:
+#       * the arguments are in the dispatcher's normal form, because they came out of a
+#         ``__torch_dispatch__`` (positional as the schema says, lists not tuples, defaults
+#         dropped) with only wrappers replaced by what they hold; callers guarantee this;
+#       * every dispatch key above Python is excluded in the thread-local state, exactly the
+#         set the Python fallback excludes around ``__torch_dispatch__`` (``_ABOVE_PYTHON``,
+#         read from torch at the first transform call), and Python itself is not: so no
+#         autograd kernel (recording, or decomposing a CompositeImplicit op), no autocast,
+#         functionalization, conj/neg fallback or functorch layer runs before the Python key.
+#         Inside a rule this holds; after ``_ForceKeys`` re-enabled torch's autograd, or
+#         ``_lazy_conj_enabled`` the conjugate keys, it does not, and the op goes through torch;
+#       * no TorchDispatchMode is on the stack (a jit trace, the determinism checker, a user's
+#         mode would handle the op at the Python key first) and no TorchFunctionMode is
+#         enabled (it would see the OpOverload call first);
+#       * every tensor argument is a plain tensor or one of our wrappers (another subclass's
+#         ``__torch_dispatch__`` could be called first; BatchedTensor's ``__torch_function__``
+#         passes OpOverloads through unchanged).
+#     The result is what ``__torch_dispatch__`` returns, with the container the dispatcher
+#     would give back (a list for ``Tensor[]``, a tuple for several returns). Anything else
+#     takes the ordinary call. tests/test_direct_route.py checks both routes agree.
+_ABOVE_PYTHON = None  # raw DispatchKeySet of the keys the Python fallback excludes
+_PYTHON_BIT = _compat.DispatchKeySet(_compat.DispatchKey.Python).raw_repr()
+_dispatch_modes = _compat.len_torch_dispatch_stack
+_function_modes = _compat.is_torch_function_mode_enabled
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _probe_above_python():
+    """The exclude set torch's Python fallback installs around ``__torch_dispatch__``, read
+    once from inside one (with a clean thread-local state, so the caller's does not leak in)."""
+    seen = []
+    plain = torch.empty(0)
+
+    class _Probe(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            seen.append(_tls_exclude().raw_repr())
+            return plain
+
+    # its own rule for alias, so that torch's default subclass path (and the import it
+    # makes, Note [Entering through registered rules]) is not taken
+    _compat.register_subclass_dispatch_rules(
+        [_Probe], lambda c: c.__torch_dispatch__.__func__, {"aten::alias"}
+    )
+    probe = _compat.make_wrapper_subclass(_Probe, (0,))
+    with _compat.disable_current_modes(), _compat.DisableTorchFunction():
+        empty = _compat.DispatchKeySet(_compat.DispatchKey.Undefined)
+        with _ForceKeys(empty, empty):
+            torch.ops.aten.alias.default(probe)
+    return seen[0] & ~_PYTHON_BIT
+
+
+def redispatch(func, args, kwargs):
+    """``func(*args, **kwargs)`` for ``args``/``kwargs`` in the dispatcher's normal form (a
+    ``__torch_dispatch__``'s arguments with this level's wrappers unwrapped), straight to the
+    innermost interpreter when torch would route it there (Note [Direct route to the inner
+    level])."""
+    interp = None
+    level = -1
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if isinstance(a, TransformTensor):
+                i = a._interp
+                if i.level > level:
+                    interp, level = i, i.level
+            elif type(a) not in _PLAIN_TYPES:
+                return func(*args, **kwargs)
+        elif type(a) is list:
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    if isinstance(b, TransformTensor):
+                        i = b._interp
+                        if i.level > level:
+                            interp, level = i, i.level
+                    elif type(b) not in _PLAIN_TYPES:
+                        return func(*args, **kwargs)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, TransformTensor):
+                    i = a._interp
+                    if i.level > level:
+                        interp, level = i, i.level
+                elif type(a) not in _PLAIN_TYPES:
+                    return func(*args, **kwargs)
+            elif type(a) is list or type(a) is tuple:
+                return func(*args, **kwargs)
+    if interp is None or not interp.alive or _dispatch_modes() or _function_modes():
+        return func(*args, **kwargs)
+    excluded = _tls_exclude().raw_repr()
+    if excluded & _PYTHON_BIT or excluded & _ABOVE_PYTHON != _ABOVE_PYTHON:
+        return func(*args, **kwargs)
+    out = _route(interp, func, args, kwargs)
+    shape = facts(func).returns
+    if shape == 1:  # Tensor[]
+        return out if type(out) is list else list(out)
+    if shape == 2:  # several returns
+        return out if type(out) is tuple else tuple(out)
+    return out
+
+
 def below_torch_autograd() -> bool:
     """True inside a dispatch handler (or a rule) where torch's autograd does not record."""
     return _excluded(_ADINPLACE)
@@ -372,15 +489,24 @@ def eager_under_compile(fn):
 #     nothing for metadata queries, so the answers are the same. Plain tensors are read directly
 #     (entering the guard costs ~0.5 us, more than their four queries). Only queries go under
 #     the guard, never ops: ops on a BatchedTensor may take the fast path.
+#     Under the guard the queries call torch's C accessors directly (``TensorBase.shape`` ...):
+#     BatchedTensor shadows the attributes with Python ones that enter the guard themselves
+#     (Note [Metadata reads without __torch_function__]), and four nested guards cost 1 us more
+#     than one.
 SLOW_METADATA: set = set()  # wrapper classes with a Python __torch_function__ (BatchedTensor)
 plain_metadata = _compat.DisableTorchFunctionSubclass
+_shape = _compat.TensorBase.shape.__get__
+_stride = _compat.TensorBase.stride
+_dtype = _compat.TensorBase.dtype.__get__
+_device = _compat.TensorBase.device.__get__
+_is_conj = _compat.TensorBase.is_conj
 
 
 def metadata(t):
     """``(shape, stride, dtype, device)`` of tensor ``t`` (Note [Reading a wrapper's metadata])."""
     if type(t) in SLOW_METADATA:
         with plain_metadata():
-            return t.shape, t.stride(), t.dtype, t.device
+            return _shape(t), _stride(t), _dtype(t), _device(t)
     return t.shape, t.stride(), t.dtype, t.device
 
 
@@ -388,8 +514,16 @@ def dtype_conj(t):
     """``(dtype, is_conj)`` of tensor ``t`` (Note [Reading a wrapper's metadata])."""
     if type(t) in SLOW_METADATA:
         with plain_metadata():
-            return t.dtype, t.is_conj()
+            return _dtype(t), _is_conj(t)
     return t.dtype, t.is_conj()
+
+
+def dtype_of(t):
+    """``t.dtype`` (Note [Reading a wrapper's metadata])."""
+    if type(t) in SLOW_METADATA:
+        with plain_metadata():
+            return _dtype(t)
+    return t.dtype
 
 
 def is_floating(t) -> bool:

@@ -39,6 +39,7 @@ class OpFacts:
         "vjp_rule",
         "vjp_forward",
         "dropout_p_at",
+        "returns",
     )
 
     def __init__(self, func):
@@ -55,6 +56,10 @@ class OpFacts:
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
         )
         self.random = torch.Tag.nondeterministic_seeded in tags
+        # the container the dispatcher hands back (Note [Direct route to the inner level],
+        # _core.py): 1 a list (one ``Tensor[]`` return), 2 a tuple (several returns), else 0
+        rets = schema.returns
+        self.returns = 2 if len(rets) > 1 else int(len(rets) == 1 and "[]" in str(rets[0].type))
         # attention kernels carry the random tag but draw only when dropout_p > 0
         self.dropout_p_at = next(
             (i for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), None

@@ -98,7 +98,7 @@ def test_matmul_same_answer_as_the_dispatch_path(shapes, bdim, batched, monkeypa
         (bdim % a.dim()) if "a" in batched else None,
         (bdim % b.dim()) if "b" in batched else None,
     )
-    for fn in (torch.matmul, lambda x, y: x @ y, torch.Tensor.matmul):
+    for fn in (torch.matmul, lambda x, y: x @ y, torch.Tensor.matmul, torch.mm, torch.Tensor.mm):
         try:
             ref = torch.func.vmap(fn, in_dims=in_dims)(a, b)
         except RuntimeError:
