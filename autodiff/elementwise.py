@@ -279,15 +279,17 @@ def _softplus_deriv2(x, beta=1, threshold=20):
 
 
 def _elu_derivs(s, alpha, scale, input_scale, is_result):
-    """(d, d2) of elu at x (``is_result`` False) or as functions of its output (True)."""
-    pos = s > 0
+    """(d, d2) of elu at x (``is_result`` False) or as functions of its output (True). At the
+    kink s = 0, d takes the negative branch but d2 the positive one (0): torch's
+    elu_double_backward masks with ``s < 0`` where elu_backward tests ``s <= 0``."""
+    pos, neg_side = s > 0, s < 0
     if is_result:
         d = torch.where(pos, torch.full_like(s, scale), input_scale * (s + alpha * scale))
-        return d, torch.where(pos, torch.zeros_like(s), torch.full_like(s, input_scale))
+        return d, torch.where(neg_side, torch.full_like(s, input_scale), torch.zeros_like(s))
     neg = alpha * scale * input_scale * torch.exp(s * input_scale)
     return (
         torch.where(pos, torch.full_like(s, scale), neg),
-        torch.where(pos, torch.zeros_like(s), neg * input_scale),
+        torch.where(neg_side, neg * input_scale, torch.zeros_like(s)),
     )
 
 
@@ -354,6 +356,30 @@ def_backward_kernel(
 def_backward_kernel(
     aten.logit_backward.default, lambda x, eps=None: _logit_deriv(x, None, eps), _logit_deriv2
 )
+
+
+# log_sigmoid_forward -> (out, buffer), only out differentiable. Without these rules it ran
+# through torch's decomposition min(x, 0) - log1p(exp(-|x|)), whose second derivative at x = 0
+# is 0 (|x|'s), not -1/4; torch's formula is its kernel log_sigmoid_backward(g, x, buffer).
+def_backward_kernel(
+    aten.log_sigmoid_backward.default,
+    lambda x, buffer: torch.sigmoid(-x),
+    lambda x, buffer: -torch.sigmoid(x) * torch.sigmoid(-x),
+)
+
+
+@register_jvp_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_jvp_rule(primals, tangents, kwargs):
+    x, t = primals[0], tangents[0]
+    out, buffer = aten.log_sigmoid_forward.default(x)
+    tangent = None if t is None else (aten.log_sigmoid_backward(t, x, buffer), None)
+    return (out, buffer), tangent
+
+
+@register_vjp_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_vjp_rule(cts, primals, kwargs, out, needs):
+    ct = cts[0]
+    return (None if ct is None else aten.log_sigmoid_backward(ct, primals[0], out[1]),)
 
 
 def _mish_pullback(g, x, o):
@@ -492,6 +518,13 @@ for _op, _dx, _dy in (
         # d/dx x log y = log y, also at x = 0; torch zeroes it only where log y is not finite
         pullback(lambda g, x, y, o: torch.xlogy(g, y).masked_fill((x == 0) & (y <= 0), 0.0)),
         pullback(lambda g, x, y, o: g * x / y),
+    ),
+    (  # as xlogy: torch zeroes d/dx only where log1p y is not finite
+        aten.special_xlog1py.default,
+        pullback(
+            lambda g, x, y, o: torch.special.xlog1py(g, y).masked_fill((x == 0) & (y <= -1), 0.0)
+        ),
+        pullback(lambda g, x, y, o: g * x / (y + 1)),
     ),
     (aten.fmod.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.trunc(x / y)),
     (
@@ -649,3 +682,51 @@ def polar_vjp_rule(ct, primals, kwargs, out, needs):
     g_r = unbroadcast((c * torch.polar(torch.ones_like(r), a)).real, r.shape) if needs[0] else None
     g_a = unbroadcast((c * out * 1j).real, a.shape) if needs[1] else None
     return g_r, g_a
+
+
+# -- prelu: torch's formulas, whose masks differ at x = 0 ------------------------------------
+# torch's jvp of _prelu_kernel takes slope 1 at x = 0 (x >= 0), its vjp (_prelu_kernel_backward)
+# slope weight (x > 0), and the derivatives of that backward mask with x >= 0 again. torch.func
+# returns these one-sided choices, so we follow each formula (derivatives.yaml).
+def _zeros_if_none(t, like):
+    return torch.zeros_like(like) if t is None else t
+
+
+@register_jvp_rule(aten._prelu_kernel.default)
+def prelu_kernel_jvp_rule(primals, tangents, kwargs):
+    x, w = primals
+    out = aten._prelu_kernel.default(x, w)
+    tx, tw = tangents
+    if tx is None and tw is None:
+        return out, None
+    tx, tw = _zeros_if_none(tx, x), _zeros_if_none(tw, w)
+    return out, torch.where(x >= 0, tx, w * tx + tw * x).expand(out.shape)
+
+
+@register_vjp_rule(aten._prelu_kernel.default)
+def prelu_kernel_vjp_rule(ct, primals, kwargs, out, needs):
+    x, w = primals
+    gx, gw = aten._prelu_kernel_backward.default(ct, x, w)
+    return (gx if needs[0] else None, unbroadcast(gw, w.shape) if needs[1] else None)
+
+
+@register_jvp_rule(aten._prelu_kernel_backward.default)
+def prelu_kernel_backward_jvp_rule(primals, tangents, kwargs):
+    g, x, w = primals
+    out = aten._prelu_kernel_backward.default(g, x, w)
+    tg, tx, tw = (_zeros_if_none(t, p) for t, p in zip(tangents, primals))
+    nonneg = x >= 0
+    t0 = torch.where(nonneg, tg, tg * w + g * tw).expand(out[0].shape)
+    t1 = torch.where(nonneg, torch.zeros_like(out[1]), g * tx + tg * x).expand(out[1].shape)
+    return out, (t0, t1)
+
+
+@register_vjp_rule(aten._prelu_kernel_backward.default)
+def prelu_kernel_backward_vjp_rule(cts, primals, kwargs, out, needs):
+    g, x, w = primals
+    c0, c1 = (_zeros_if_none(c, o) for c, o in zip(cts, out))
+    nonneg, zero = x >= 0, torch.zeros((), dtype=x.dtype, device=x.device)
+    gg = torch.where(nonneg, c0, c0 * w + c1 * x) if needs[0] else None
+    gx = torch.where(nonneg, zero, g * c1) if needs[1] else None
+    gw = unbroadcast(torch.where(nonneg, zero, g * c0), w.shape) if needs[2] else None
+    return (gg, gx, gw)
