@@ -112,11 +112,12 @@ def _partial(d):
     return (lambda ct, x, y, o: ct * _conj(d(x, y, o))), (lambda t, x, y, o: t * d(x, y, o))
 
 
-def def_binary(op, dx, dy, jvp=None):
+def def_binary(op, dx, dy, jvp=None, zeros=True):
     """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)`` (or
     ``pullback``s ``(ct, x, y, out) -> ct * conj(partial)``, Note [Rounding as torch]).
     ``jvp(x, y, out, tx, ty)``: torch's forward formula where it is not the sum of the two
-    pushforwards (selections: maximum, fmax; a missing tangent is passed as zeros)."""
+    pushforwards (selections: maximum, fmax; a missing tangent is passed as zeros, or as None
+    with ``zeros=False``)."""
     (pbx, pushx), (pby, pushy) = _partial(dx), _partial(dy)
 
     def binary_jvp_rule(primals, tangents, kwargs):
@@ -126,8 +127,10 @@ def def_binary(op, dx, dy, jvp=None):
         t = None
         if jvp is not None:
             if tx is not None or ty is not None:
-                zero = torch.zeros_like(out)
-                t = jvp(x, y, out, zero if tx is None else tx, zero if ty is None else ty)
+                if zeros:
+                    zero = torch.zeros_like(out)
+                    tx, ty = (zero if t_ is None else t_ for t_ in (tx, ty))
+                t = jvp(x, y, out, tx, ty)
         else:
             if tx is not None:
                 t = pushx(tx, x, y, out)
@@ -426,7 +429,8 @@ for _op, _d in (
     (aten.acos.default, lambda x, o: -torch.rsqrt(1 - x * x)),
     (aten.atan.default, pullback(lambda g, x, o: g / conj_if_complex(x.pow(2) + 1))),
     (aten.asinh.default, lambda x, o: torch.rsqrt(x * x + 1)),
-    (aten.acosh.default, lambda x, o: torch.rsqrt(x * x - 1)),
+    # 1 / (sqrt(x - 1) sqrt(x + 1)), not rsqrt(x^2 - 1): complex x differ in sign for Re x < 0
+    (aten.acosh.default, lambda x, o: torch.rsqrt(x - 1) * torch.rsqrt(x + 1)),
     (aten.atanh.default, pullback(lambda g, x, o: g / conj_if_complex(1 - x.pow(2)))),
     (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o), _OUT_ONLY)),
     (aten.relu.default, _relu_mask),
@@ -494,20 +498,40 @@ def_nondifferentiable(
 
 
 # partials (d/dx, d/dy) of binary ops
-def _pow_dy(x, y, o):
-    return torch.where(
-        x == 0, torch.zeros_like(o), o * torch.log(x if not x.is_complex() else x + 0j)
-    )
+def _pow_dx(x, y, o):
+    """torch's pow_backward_self: 0 where the exponent is 0 (also at x = 0, not 0 * inf)."""
+    d = y * x.pow(y - 1)
+    return torch.where(y == 0, torch.zeros_like(d), d)
 
+
+def _pow_dy(x, y, o):
+    """torch's pow_backward_exponent: out log x, 0 at x = 0 only for a real exponent >= 0
+    (0^y = 0 there); a negative or complex exponent keeps inf * log 0."""
+    d = o * torch.log(x if not x.is_complex() else x + 0j)
+    nonneg = (y.real >= 0) & (y.imag == 0) if y.is_complex() else y >= 0
+    return torch.where((x == 0) & nonneg, torch.zeros_like(d), d)
+
+
+def _div_jvp(x, y, o, tx, ty):
+    """torch's forward formula (tx - ty out) / y, one expression: at y = 0 the two partials'
+    pushforwards would add inf - inf (nan) where it gives inf. A missing tangent is torch's
+    zero tensor, whose product with out is 0 even where out is inf."""
+    if ty is None:
+        return tx / y
+    return (-ty * o if tx is None else tx - ty * o) / y
+
+
+def_binary(
+    aten.div.Tensor,
+    pullback(lambda g, x, y, o: g / conj_if_complex(y)),
+    pullback(lambda g, x, y, o: -g * conj_if_complex(o / y)),
+    jvp=_div_jvp,
+    zeros=False,
+)
 
 for _op, _dx, _dy in (
     (aten.mul.Tensor, lambda x, y, o: y, lambda x, y, o: x),
-    (
-        aten.div.Tensor,
-        pullback(lambda g, x, y, o: g / conj_if_complex(y)),
-        pullback(lambda g, x, y, o: -g * conj_if_complex(o / y)),
-    ),
-    (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
+    (aten.pow.Tensor_Tensor, _pow_dx, _pow_dy),
     (
         aten.hypot.default,
         pullback(lambda g, x, y, o: g * x / o),

@@ -13,7 +13,7 @@ import torch
 from functransforms import _compat
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import conj_if_complex, unbroadcast
 from .elementwise import def_binary, def_unary, pullback
 
 aten = torch.ops.aten
@@ -366,3 +366,33 @@ def _div_mode(op, plain):
 
 _div_mode(aten.div.Tensor_mode, aten.div.Tensor)
 _div_mode(aten.div.Scalar_mode, aten.div.Scalar)
+
+
+# addcdiv: torch's own formulas (derivatives.yaml), not its decomposition x + v t1 / t2 through
+# div's: at t2 = 0 the inf and nan of the second derivative follow the expressions torch writes.
+@register_jvp_rule(aten.addcdiv.default)
+def addcdiv_jvp_rule(primals, tangents, kwargs):
+    x, t1, t2 = primals[:3]
+    value = kwargs.get("value", 1)
+    out = aten.addcdiv.default(*primals, **kwargs)
+    tx, tt1, tt2 = tangents[:3]
+    t = tx
+    if tt1 is not None:  # a missing tangent is torch's zero tensor: it adds nothing, not nan
+        part = tt1 / t2 * value
+        t = part if t is None else t + part
+    if tt2 is not None:
+        part = tt2 * (t1 / t2) / t2 * value
+        t = -part if t is None else t - part
+    return out, None if t is None else t.expand(out.shape)
+
+
+@register_vjp_rule(aten.addcdiv.default)
+def addcdiv_vjp_rule(ct, primals, kwargs, out, needs):
+    x, t1, t2 = primals[:3]
+    value = kwargs.get("value", 1)
+    g1 = g2 = None
+    if needs[1]:
+        g1 = unbroadcast(ct * conj_if_complex(value / t2), t1.shape)
+    if needs[2]:
+        g2 = unbroadcast(-ct * conj_if_complex(value * t1 / (t2 * t2)), t2.shape)
+    return (unbroadcast(ct, x.shape) if needs[0] else None, g1, g2)

@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "conforman
 
 from conformance_compositions import _function  # noqa: E402
 from conformance_harness import (  # noqa: E402
+    COMPLEX,
     REAL,
     _leaves,
     _seed_of,
@@ -69,22 +70,19 @@ SKIP: dict[str, str] = {
         for name in (
             "linalg.householder_product linalg.lu linalg.lu_factor linalg.lu_factor_ex "
             "linalg.lu_solve lu lu_solve lu_unpack ormqr triangular_solve linalg.solve_ex "
-            "linalg.matrix_sqrth linalg.polar"  # torch 2.15
+            "linalg.cond[complex] linalg.matrix_sqrth linalg.polar"  # the last two: torch 2.15
         ).split()
     },
 }
 
 # torch.func is wrong here, ours agree with finite differences: torch_func_differences.md 8
 _WRONG_IN_TORCH = "torch.func is wrong at ties/zeros here (torch_func_differences.md 8)"
+SKIP["linalg.eigh[complex]"] = "repeated eigenvalues: the derivative divides by their gap"
 SKIP.update(
     {name: _WRONG_IN_TORCH for name in ("to_sparse", "scatter_reduce.amax", "scatter_reduce.amin")}
 )
 
-_DIV_BY_ZERO = (
-    "second derivative at y = 0: torch's jvp of x / y is (tx - ty out) / y in one expression "
-    "(inf), ours the sum of the two partials' pushforwards (inf - inf = nan)"
-)
-XFAIL: dict[str, str] = {"div.no_rounding_mode": _DIV_BY_ZERO, "addcdiv": _DIV_BY_ZERO}
+XFAIL: dict[str, str] = {}
 
 _BASE = (0.0, 1.0, -1.0, 0.5, -0.5, 2.0)
 _KINKS = (3.0, -3.0, 6.0)  # hardswish / hardsigmoid (+-3), relu6 (6)
@@ -104,7 +102,12 @@ def _allowed(x, op):
     return lo, hi
 
 
+_COMPLEX = (0.0, 1.0, 1j, -1.0, -1j)
+
+
 def _pick(x, op, candidates):
+    if x.is_complex():  # complex samples are spread over the plane: no range to keep
+        return list(dict.fromkeys(c for c in _COMPLEX + candidates if c in _COMPLEX))
     lo, hi = _allowed(x, op)
     return list(dict.fromkeys(c for c in candidates if lo <= c <= hi))
 
@@ -176,12 +179,13 @@ _PARTS = {
 }
 
 
-def check_op(name):
+def check_op(name, kind=REAL):
     """The mismatches of ``name`` at its special points, as messages (empty: all agree)."""
     op = op_db()[name]
+    dtype = torch.complex128 if kind == COMPLEX else torch.float64
     bad = []
     compared = 0
-    samples = take_samples(op, torch.float64, (name, "special"), requires_grad=True)[:1]
+    samples = take_samples(op, dtype, (name, "special", kind), requires_grad=True)[:1]
     for j, sample in enumerate(samples):
         leaves, spec = _leaves(sample)
         if not all(_strided(x) for x in leaves):
@@ -189,8 +193,8 @@ def check_op(name):
         f, diff = _function(op, spec, leaves, sample)
         if not diff:
             continue
-        ref_f = functools.partial(f, op=oracle_op(op, name, REAL))
-        gen = torch.Generator().manual_seed(_seed_of(name, "special", j))
+        ref_f = functools.partial(f, op=oracle_op(op, name, kind))
+        gen = torch.Generator().manual_seed(_seed_of(name, "special", kind, j))
         primals0 = [leaves[k].detach() for k in diff]
         for variant, primals in _variants(primals0, leaves, op, gen).items():
             n = len(primals)
@@ -235,24 +239,29 @@ def check_op(name):
 
 
 def _params():
+    """(op, kind) for each op differentiable in float64 (complex128); XFAIL and SKIP are keyed
+    by op name (``name`` or ``name[complex]``)."""
     out = []
     for name, op in sorted(op_db().items()):
-        if not grad_dtypes(op, "vjp", REAL):
-            continue
-        marks = []
-        if name in SKIP:
-            marks.append(pytest.mark.skip(reason=SKIP[name]))
-        elif name in XFAIL:
-            marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
-        out.append(pytest.param(name, marks=marks, id=name))
+        for kind in (REAL, COMPLEX):
+            if not grad_dtypes(op, "vjp", kind):
+                continue
+            key = name if kind == REAL else f"{name}[complex]"
+            marks = []
+            skip = SKIP.get(name) or SKIP.get(key)
+            if skip:
+                marks.append(pytest.mark.skip(reason=skip))
+            elif key in XFAIL:
+                marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[key]))
+            out.append(pytest.param(name, kind, marks=marks, id=f"{name}-{kind}"))
     return out
 
 
-@pytest.mark.parametrize("name", _params())
-def test_special_points_match_torch_func(name):
+@pytest.mark.parametrize("name,kind", _params())
+def test_special_points_match_torch_func(name, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bad, _ = check_op(name)
+        bad, _ = check_op(name, kind)
     assert not bad, f"{name}: ours differs from torch.func at special points:\n" + "\n".join(bad)
 
 
@@ -286,3 +295,15 @@ def test_binary_cross_entropy_gradient_at_0_and_1_is_finite_as_torch():
         ours = ft.grad(f, argnums=argnums)(x, y)
         torch.testing.assert_close(ours, torch.func.grad(f, argnums=argnums)(x, y))
     assert ft.grad(f)(x, y)[:2].eq(0).all()
+
+
+def test_acosh_complex_left_half_plane():
+    """d acosh z = 1 / (sqrt(z - 1) sqrt(z + 1)); rsqrt(z^2 - 1) has the wrong sign for Re z < 0
+    (the sweep found it on the cut at z = -3; OpInfo's samples have Re z > 1)."""
+    z = torch.tensor([-3 + 1j, -0.5 - 0.2j, -3 + 0j, 2 + 1j], dtype=torch.complex128)
+    t = torch.full_like(z, 0.3 - 1j)
+    ours = ft.jvp(torch.acosh, (z,), (t,))[1]
+    torch.testing.assert_close(ours, torch.func.jvp(torch.acosh, (z,), (t,))[1])
+    h = 1e-7
+    fd = (torch.acosh(z + h * t) - torch.acosh(z - h * t)) / (2 * h)
+    torch.testing.assert_close(ours[:2], fd[:2])  # off the cut, where acosh is holomorphic
