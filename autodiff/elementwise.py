@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import torch
 
@@ -712,8 +714,13 @@ def polar_vjp_rule(ct, primals, kwargs, out, needs):
 # torch's jvp of _prelu_kernel takes slope 1 at x = 0 (x >= 0), its vjp (_prelu_kernel_backward)
 # slope weight (x > 0), and the derivatives of that backward mask with x >= 0 again. torch.func
 # returns these one-sided choices, so we follow each formula (derivatives.yaml).
-def _zeros_if_none(t, like):
-    return torch.zeros_like(like) if t is None else t
+def _products(like, *pairs):
+    """sum of a * t over the pairs whose tangent t is not None: a missing tangent is torch's
+    zero tensor, whose product with inf is 0 (zeros_like would give nan)."""
+    terms = [a * t for a, t in pairs if t is not None]
+    if not terms:
+        return torch.zeros_like(like)
+    return functools.reduce(operator.add, terms)
 
 
 @register_jvp_rule(aten._prelu_kernel.default)
@@ -723,8 +730,8 @@ def prelu_kernel_jvp_rule(primals, tangents, kwargs):
     tx, tw = tangents
     if tx is None and tw is None:
         return out, None
-    tx, tw = _zeros_if_none(tx, x), _zeros_if_none(tw, w)
-    return out, torch.where(x >= 0, tx, w * tx + tw * x).expand(out.shape)
+    pos = _products(out, (1, tx))
+    return out, torch.where(x >= 0, pos, _products(out, (w, tx), (x, tw))).expand(out.shape)
 
 
 @register_vjp_rule(aten._prelu_kernel.default)
@@ -738,19 +745,23 @@ def prelu_kernel_vjp_rule(ct, primals, kwargs, out, needs):
 def prelu_kernel_backward_jvp_rule(primals, tangents, kwargs):
     g, x, w = primals
     out = aten._prelu_kernel_backward.default(g, x, w)
-    tg, tx, tw = (_zeros_if_none(t, p) for t, p in zip(tangents, primals))
+    tg, tx, tw = tangents
     nonneg = x >= 0
-    t0 = torch.where(nonneg, tg, tg * w + g * tw).expand(out[0].shape)
-    t1 = torch.where(nonneg, torch.zeros_like(out[1]), g * tx + tg * x).expand(out[1].shape)
-    return out, (t0, t1)
+    t0 = torch.where(nonneg, _products(out[0], (1, tg)), _products(out[0], (w, tg), (g, tw)))
+    t1 = torch.where(nonneg, torch.zeros_like(out[1]), _products(out[1], (g, tx), (x, tg)))
+    return out, (t0.expand(out[0].shape), t1.expand(out[1].shape))
 
 
 @register_vjp_rule(aten._prelu_kernel_backward.default)
 def prelu_kernel_backward_vjp_rule(cts, primals, kwargs, out, needs):
     g, x, w = primals
-    c0, c1 = (_zeros_if_none(c, o) for c, o in zip(cts, out))
+    c0, c1 = cts
     nonneg, zero = x >= 0, torch.zeros((), dtype=x.dtype, device=x.device)
-    gg = torch.where(nonneg, c0, c0 * w + c1 * x) if needs[0] else None
-    gx = torch.where(nonneg, zero, g * c1) if needs[1] else None
-    gw = unbroadcast(torch.where(nonneg, zero, g * c0), w.shape) if needs[2] else None
+    gg = gx = gw = None
+    if needs[0]:
+        gg = torch.where(nonneg, _products(out[0], (1, c0)), _products(out[0], (w, c0), (x, c1)))
+    if needs[1]:
+        gx = torch.where(nonneg, zero, _products(out[1], (g, c1)))
+    if needs[2]:
+        gw = unbroadcast(torch.where(nonneg, zero, _products(out[0], (g, c0))), w.shape)
     return (gg, gx, gw)

@@ -77,13 +77,17 @@ def _smooth_l1_loss(input, target, reduction=1, beta=1.0):
     d = input - target
     if beta == 0:  # torch: l1 loss, derivative sgn(d)
         return _reduce(d.abs(), reduction)
-    loss = torch.where(d.abs() < beta, 0.5 * d * d / beta, d.abs() - 0.5 * beta)
+    small = d.abs() < beta
+    dq = torch.where(small, d, torch.zeros_like(d))  # no 0 * inf from the other branch at d = inf
+    loss = torch.where(small, 0.5 * dq * dq / beta, d.abs() - 0.5 * beta)
     return _reduce(loss, reduction)
 
 
 def _huber_loss(input, target, reduction=1, delta=1.0):
     d = input - target
-    loss = torch.where(d.abs() <= delta, 0.5 * d * d, delta * (d.abs() - 0.5 * delta))
+    small = d.abs() <= delta
+    dq = torch.where(small, d, torch.zeros_like(d))  # as smooth_l1: no 0 * inf at d = inf
+    loss = torch.where(small, 0.5 * dq * dq, delta * (d.abs() - 0.5 * delta))
     return _reduce(loss, reduction)
 
 
