@@ -9,6 +9,8 @@ import operator
 
 import torch
 
+from functransforms import _compat
+
 from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import conj_if_complex, unbroadcast
 from .reverse import NONDIFFERENTIABLE
@@ -194,11 +196,13 @@ def _pow_scalar_deriv(x, out, p):
 
 
 def _clamp_mask(x, out, lo=None, hi=None):
+    """1 inside the bounds; at a bound as the installed torch (_compat.CLAMP_BOUNDS_EXCLUDED)."""
     m = torch.ones_like(x, dtype=torch.bool)
+    strict = _compat.CLAMP_BOUNDS_EXCLUDED
     if lo is not None:
-        m = m & (x >= lo)
+        m = m & ((x > lo) if strict else (x >= lo))
     if hi is not None:
-        m = m & (x <= hi)
+        m = m & ((x < hi) if strict else (x <= hi))
     return m.to(x.dtype)
 
 
