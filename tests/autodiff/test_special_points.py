@@ -185,7 +185,7 @@ _PARTS = {
 }
 
 
-def check_op(name, kind=REAL):
+def check_op(name, kind=REAL, variants=None):
     """The mismatches of ``name`` at its special points, as messages (empty: all agree)."""
     op = op_db()[name]
     dtype = torch.complex128 if kind == COMPLEX else torch.float64
@@ -202,7 +202,8 @@ def check_op(name, kind=REAL):
         ref_f = functools.partial(f, op=oracle_op(op, name, kind))
         gen = torch.Generator().manual_seed(_seed_of(name, "special", kind, j))
         primals0 = [leaves[k].detach() for k in diff]
-        for variant, primals in _variants(primals0, leaves, op, gen).items():
+        make = variants or _variants
+        for variant, primals in make(primals0, leaves, op, gen).items():
             n = len(primals)
             try:
                 out0 = torch.func.vjp(ref_f, *[p.clone() for p in primals])[0]
@@ -269,6 +270,61 @@ def test_special_points_match_torch_func(name, kind):
         warnings.simplefilter("ignore")
         bad, _ = check_op(name, kind)
     assert not bad, f"{name}: ours differs from torch.func at special points:\n" + "\n".join(bad)
+
+
+_INF = torch.tensor([0.0, 1.0, float("inf"), -float("inf")], dtype=torch.float64)
+
+
+def _infinities(primals, leaves, op, gen):
+    """0, 1 and +-inf, for ops defined on the whole real line (samples of both signs, no
+    op.domain): where torch's derivative is inf or a masked 0, ours must be the same."""
+    if any(p.numel() == 0 or p.min() >= 0 for p in primals):
+        return {}
+    if getattr(op, "domain", None) not in (None, (None, None)):
+        return {}
+    return {"inf": [_INF[torch.randint(0, 4, p.shape, generator=gen)] for p in primals]}
+
+
+_INF_VALUE = "the forward value at +-inf differs (a decomposition's 0 * inf or inf - inf)"
+_INF_DERIV = "inf vs nan in a derivative at +-inf (not examined yet)"
+XFAIL_INF: dict[str, str] = {
+    **{
+        name: _INF_VALUE
+        for name in (
+            "grid_sampler_2d nn.functional.grid_sample nn.functional.interpolate.bilinear "
+            "nn.functional.interpolate.linear nn.functional.interpolate.trilinear "
+            "nn.functional.upsample_bilinear logcumsumexp"
+        ).split()
+    },
+    **{
+        name: _INF_DERIV
+        for name in (
+            "cumprod masked.cumprod index_reduce.prod scatter_reduce.prod lerp "
+            "linalg.solve_triangular linalg.vander logaddexp logaddexp2 masked.logaddexp "
+            "nn.functional.triplet_margin_loss nn.functional.triplet_margin_with_distance_loss"
+        ).split()
+    },
+}
+
+
+def _inf_params():
+    out = []
+    for name, op in sorted(op_db().items()):
+        if not grad_dtypes(op, "vjp", REAL) or name in SKIP:
+            continue
+        marks = []
+        if name in XFAIL_INF:
+            marks.append(pytest.mark.xfail(strict=True, reason=XFAIL_INF[name]))
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+@pytest.mark.parametrize("name", _inf_params())
+def test_infinities_match_torch_func(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bad, _ = check_op(name, REAL, _infinities)
+    assert not bad, f"{name}: ours differs from torch.func at +-inf:\n" + "\n".join(bad)
 
 
 @pytest.mark.xfail(
