@@ -124,6 +124,17 @@ def _zero_partial(g, x, y, o):
 
 for _op, _px, _py in (
     (aten.copysign.Tensor, lambda g, x, y, o: _copysign_pullback(g, x, o), _zero_partial),
+    # torch's formulas (the decomposition's max + log1p(exp(-|x - y|)) differs at +-inf: nan here)
+    (
+        aten.logaddexp.default,
+        lambda g, x, y, o: g / conj_if_complex(1 + torch.exp(y - x)),
+        lambda g, x, y, o: g / conj_if_complex(1 + torch.exp(x - y)),
+    ),
+    (
+        aten.logaddexp2.default,
+        lambda g, x, y, o: g / conj_if_complex(1 + torch.pow(2, y - x)),
+        lambda g, x, y, o: g / conj_if_complex(1 + torch.pow(2, x - y)),
+    ),
     (
         aten.nextafter.default,
         lambda g, x, y, o: torch.where(x != y, g, torch.zeros_like(g)),
