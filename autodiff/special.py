@@ -118,22 +118,29 @@ for _op, _pb in (
     def_unary(_op, pullback(_pb))
 
 
+def _unless_both_neg_inf(d, x, y):
+    dead = (x == -math.inf) & (y == -math.inf)
+    return torch.where(dead, torch.zeros_like(d), d)
+
+
 def _zero_partial(g, x, y, o):
     return torch.zeros_like(g)
 
 
 for _op, _px, _py in (
     (aten.copysign.Tensor, lambda g, x, y, o: _copysign_pullback(g, x, o), _zero_partial),
-    # torch's formulas (the decomposition's max + log1p(exp(-|x - y|)) differs at +-inf: nan here)
+    # torch's formulas (its decomposition's jvp is finite at x = y = +inf, torch's nan), except
+    # at x = y = -inf, where the output is a constant -inf (masked.logaddexp's masked-out
+    # elements): 0, not torch's nan (issue 8, test_masked_logaddexp_jvp_is_finite)
     (
         aten.logaddexp.default,
-        lambda g, x, y, o: g / conj_if_complex(1 + torch.exp(y - x)),
-        lambda g, x, y, o: g / conj_if_complex(1 + torch.exp(x - y)),
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.exp(y - x)), x, y),
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.exp(x - y)), x, y),
     ),
     (
         aten.logaddexp2.default,
-        lambda g, x, y, o: g / conj_if_complex(1 + torch.pow(2, y - x)),
-        lambda g, x, y, o: g / conj_if_complex(1 + torch.pow(2, x - y)),
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.pow(2, y - x)), x, y),
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.pow(2, x - y)), x, y),
     ),
     (
         aten.nextafter.default,
