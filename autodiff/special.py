@@ -414,3 +414,34 @@ def addcdiv_vjp_rule(ct, primals, kwargs, out, needs):
     if needs[2]:
         g2 = unbroadcast(-ct * conj_if_complex(value * t1 / (t2 * t2)), t2.shape)
     return (unbroadcast(ct, x.shape) if needs[0] else None, g1, g2)
+
+
+# lerp: torch's formulas. Its decomposition x + w (end - x) gives nan tangents wherever x or end
+# is infinite, though the derivative (1 - w, w) does not depend on them.
+@register_jvp_rule(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp_jvp_rule(primals, tangents, kwargs):
+    x, end, w = primals[:3]
+    out = torch.lerp(x, end, w)
+    tx, te = tangents[0], tangents[1]
+    tw = tangents[2] if isinstance(w, torch.Tensor) else None
+    t = None
+    if tx is not None or te is not None:  # a missing tangent is torch's zero tensor
+        tx = torch.zeros_like(out) if tx is None else tx
+        te = torch.zeros_like(out) if te is None else te
+        t = torch.lerp(tx, te, w)
+    if tw is not None:
+        part = tw * (end - x)
+        t = part if t is None else t + part
+    return out, None if t is None else t.expand(out.shape)
+
+
+@register_vjp_rule(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp_vjp_rule(ct, primals, kwargs, out, needs):
+    x, end, w = primals[:3]
+    wc = conj_if_complex(w) if isinstance(w, torch.Tensor) else w.conjugate()
+    gx = unbroadcast(ct * (1 - wc), x.shape) if needs[0] else None
+    ge = unbroadcast(ct * wc, end.shape) if needs[1] else None
+    gw = None
+    if isinstance(w, torch.Tensor) and needs[2]:
+        gw = unbroadcast(ct * conj_if_complex(end - x), w.shape)
+    return (gx, ge, gw)
