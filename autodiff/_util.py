@@ -446,8 +446,7 @@ class InplaceMixin:
     def _in_dtype_of(self, func, self_, new):
         """``new`` in the target's dtype: an in-place op keeps it (``x32.mul_(y64)`` stays
         float32) where its functional form promotes; a cast eager refuses raises as eager."""
-        with plain_metadata():  # Note [Reading a wrapper's metadata]
-            dtype, target = new.dtype, self_.dtype
+        dtype, target = dtype_of(new), dtype_of(self_)  # Note [Reading a wrapper's metadata]
         if dtype == target:
             return new
         if not torch.can_cast(dtype, target):

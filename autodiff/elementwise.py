@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import torch
+
+from functransforms import _compat
 
 from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import conj_if_complex, unbroadcast
@@ -114,11 +118,12 @@ def _partial(d):
     return (lambda ct, x, y, o: ct * _conj(d(x, y, o))), (lambda t, x, y, o: t * d(x, y, o))
 
 
-def def_binary(op, dx, dy, jvp=None):
+def def_binary(op, dx, dy, jvp=None, zeros=True):
     """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)`` (or
     ``pullback``s ``(ct, x, y, out) -> ct * conj(partial)``, Note [Rounding as torch]).
     ``jvp(x, y, out, tx, ty)``: torch's forward formula where it is not the sum of the two
-    pushforwards (selections: maximum, fmax; a missing tangent is passed as zeros)."""
+    pushforwards (selections: maximum, fmax; a missing tangent is passed as zeros, or as None
+    with ``zeros=False``)."""
     (pbx, pushx), (pby, pushy) = _partial(dx), _partial(dy)
 
     def binary_jvp_rule(primals, tangents, kwargs):
@@ -128,8 +133,10 @@ def def_binary(op, dx, dy, jvp=None):
         t = None
         if jvp is not None:
             if tx is not None or ty is not None:
-                zero = torch.zeros_like(out)
-                t = jvp(x, y, out, zero if tx is None else tx, zero if ty is None else ty)
+                if zeros:
+                    zero = torch.zeros_like(out)
+                    tx, ty = (zero if t_ is None else t_ for t_ in (tx, ty))
+                t = jvp(x, y, out, tx, ty)
         else:
             if tx is not None:
                 t = pushx(tx, x, y, out)
@@ -191,11 +198,13 @@ def _pow_scalar_deriv(x, out, p):
 
 
 def _clamp_mask(x, out, lo=None, hi=None):
+    """1 inside the bounds; at a bound as the installed torch (_compat.CLAMP_BOUNDS_EXCLUDED)."""
     m = torch.ones_like(x, dtype=torch.bool)
+    strict = _compat.CLAMP_BOUNDS_EXCLUDED
     if lo is not None:
-        m = m & (x >= lo)
+        m = m & ((x > lo) if strict else (x >= lo))
     if hi is not None:
-        m = m & (x <= hi)
+        m = m & ((x < hi) if strict else (x <= hi))
     return m.to(x.dtype)
 
 
@@ -281,15 +290,17 @@ def _softplus_deriv2(x, beta=1, threshold=20):
 
 
 def _elu_derivs(s, alpha, scale, input_scale, is_result):
-    """(d, d2) of elu at x (``is_result`` False) or as functions of its output (True)."""
-    pos = s > 0
+    """(d, d2) of elu at x (``is_result`` False) or as functions of its output (True). At the
+    kink s = 0, d takes the negative branch but d2 the positive one (0): torch's
+    elu_double_backward masks with ``s < 0`` where elu_backward tests ``s <= 0``."""
+    pos, neg_side = s > 0, s < 0
     if is_result:
         d = torch.where(pos, torch.full_like(s, scale), input_scale * (s + alpha * scale))
-        return d, torch.where(pos, torch.zeros_like(s), torch.full_like(s, input_scale))
+        return d, torch.where(neg_side, torch.full_like(s, input_scale), torch.zeros_like(s))
     neg = alpha * scale * input_scale * torch.exp(s * input_scale)
     return (
         torch.where(pos, torch.full_like(s, scale), neg),
-        torch.where(pos, torch.zeros_like(s), neg * input_scale),
+        torch.where(neg_side, neg * input_scale, torch.zeros_like(s)),
     )
 
 
@@ -358,6 +369,30 @@ def_backward_kernel(
 )
 
 
+# log_sigmoid_forward -> (out, buffer), only out differentiable. Without these rules it ran
+# through torch's decomposition min(x, 0) - log1p(exp(-|x|)), whose second derivative at x = 0
+# is 0 (|x|'s), not -1/4; torch's formula is its kernel log_sigmoid_backward(g, x, buffer).
+def_backward_kernel(
+    aten.log_sigmoid_backward.default,
+    lambda x, buffer: torch.sigmoid(-x),
+    lambda x, buffer: -torch.sigmoid(x) * torch.sigmoid(-x),
+)
+
+
+@register_jvp_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_jvp_rule(primals, tangents, kwargs):
+    x, t = primals[0], tangents[0]
+    out, buffer = aten.log_sigmoid_forward.default(x)
+    tangent = None if t is None else (aten.log_sigmoid_backward(t, x, buffer), None)
+    return (out, buffer), tangent
+
+
+@register_vjp_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_vjp_rule(cts, primals, kwargs, out, needs):
+    ct = cts[0]
+    return (None if ct is None else aten.log_sigmoid_backward(ct, primals[0], out[1]),)
+
+
 def _mish_pullback(g, x, o):
     s = torch.sigmoid(x)  # torch's infinitely_differentiable_mish_backward
     th = torch.tanh(torch.nn.functional.softplus(x))
@@ -402,7 +437,8 @@ for _op, _d in (
     (aten.acos.default, lambda x, o: -torch.rsqrt(1 - x * x)),
     (aten.atan.default, pullback(lambda g, x, o: g / conj_if_complex(x.pow(2) + 1))),
     (aten.asinh.default, lambda x, o: torch.rsqrt(x * x + 1)),
-    (aten.acosh.default, lambda x, o: torch.rsqrt(x * x - 1)),
+    # 1 / (sqrt(x - 1) sqrt(x + 1)), not rsqrt(x^2 - 1): complex x differ in sign for Re x < 0
+    (aten.acosh.default, lambda x, o: torch.rsqrt(x - 1) * torch.rsqrt(x + 1)),
     (aten.atanh.default, pullback(lambda g, x, o: g / conj_if_complex(1 - x.pow(2)))),
     (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o), _OUT_ONLY)),
     (aten.relu.default, _relu_mask),
@@ -470,20 +506,40 @@ def_nondifferentiable(
 
 
 # partials (d/dx, d/dy) of binary ops
-def _pow_dy(x, y, o):
-    return torch.where(
-        x == 0, torch.zeros_like(o), o * torch.log(x if not x.is_complex() else x + 0j)
-    )
+def _pow_dx(x, y, o):
+    """torch's pow_backward_self: 0 where the exponent is 0 (also at x = 0, not 0 * inf)."""
+    d = y * x.pow(y - 1)
+    return torch.where(y == 0, torch.zeros_like(d), d)
 
+
+def _pow_dy(x, y, o):
+    """torch's pow_backward_exponent: out log x, 0 at x = 0 only for a real exponent >= 0
+    (0^y = 0 there); a negative or complex exponent keeps inf * log 0."""
+    d = o * torch.log(x if not x.is_complex() else x + 0j)
+    nonneg = (y.real >= 0) & (y.imag == 0) if y.is_complex() else y >= 0
+    return torch.where((x == 0) & nonneg, torch.zeros_like(d), d)
+
+
+def _div_jvp(x, y, o, tx, ty):
+    """torch's forward formula (tx - ty out) / y, one expression: at y = 0 the two partials'
+    pushforwards would add inf - inf (nan) where it gives inf. A missing tangent is torch's
+    zero tensor, whose product with out is 0 even where out is inf."""
+    if ty is None:
+        return tx / y
+    return (-ty * o if tx is None else tx - ty * o) / y
+
+
+def_binary(
+    aten.div.Tensor,
+    pullback(lambda g, x, y, o: g / conj_if_complex(y)),
+    pullback(lambda g, x, y, o: -g * conj_if_complex(o / y)),
+    jvp=_div_jvp,
+    zeros=False,
+)
 
 for _op, _dx, _dy in (
     (aten.mul.Tensor, lambda x, y, o: y, lambda x, y, o: x),
-    (
-        aten.div.Tensor,
-        pullback(lambda g, x, y, o: g / conj_if_complex(y)),
-        pullback(lambda g, x, y, o: -g * conj_if_complex(o / y)),
-    ),
-    (aten.pow.Tensor_Tensor, lambda x, y, o: y * x.pow(y - 1), _pow_dy),
+    (aten.pow.Tensor_Tensor, _pow_dx, _pow_dy),
     (
         aten.hypot.default,
         pullback(lambda g, x, y, o: g * x / o),
@@ -494,6 +550,13 @@ for _op, _dx, _dy in (
         # d/dx x log y = log y, also at x = 0; torch zeroes it only where log y is not finite
         pullback(lambda g, x, y, o: torch.xlogy(g, y).masked_fill((x == 0) & (y <= 0), 0.0)),
         pullback(lambda g, x, y, o: g * x / y),
+    ),
+    (  # as xlogy: torch zeroes d/dx only where log1p y is not finite
+        aten.special_xlog1py.default,
+        pullback(
+            lambda g, x, y, o: torch.special.xlog1py(g, y).masked_fill((x == 0) & (y <= -1), 0.0)
+        ),
+        pullback(lambda g, x, y, o: g * x / (y + 1)),
     ),
     (aten.fmod.Tensor, lambda x, y, o: torch.ones_like(o), lambda x, y, o: -torch.trunc(x / y)),
     (
@@ -651,3 +714,60 @@ def polar_vjp_rule(ct, primals, kwargs, out, needs):
     g_r = unbroadcast((c * torch.polar(torch.ones_like(r), a)).real, r.shape) if needs[0] else None
     g_a = unbroadcast((c * out * 1j).real, a.shape) if needs[1] else None
     return g_r, g_a
+
+
+# -- prelu: torch's formulas, whose masks differ at x = 0 ------------------------------------
+# torch's jvp of _prelu_kernel takes slope 1 at x = 0 (x >= 0), its vjp (_prelu_kernel_backward)
+# slope weight (x > 0), and the derivatives of that backward mask with x >= 0 again. torch.func
+# returns these one-sided choices, so we follow each formula (derivatives.yaml).
+def _products(like, *pairs):
+    """sum of a * t over the pairs whose tangent t is not None: a missing tangent is torch's
+    zero tensor, whose product with inf is 0 (zeros_like would give nan)."""
+    terms = [a * t for a, t in pairs if t is not None]
+    if not terms:
+        return torch.zeros_like(like)
+    return functools.reduce(operator.add, terms)
+
+
+@register_jvp_rule(aten._prelu_kernel.default)
+def prelu_kernel_jvp_rule(primals, tangents, kwargs):
+    x, w = primals
+    out = aten._prelu_kernel.default(x, w)
+    tx, tw = tangents
+    if tx is None and tw is None:
+        return out, None
+    pos = _products(out, (1, tx))
+    return out, torch.where(x >= 0, pos, _products(out, (w, tx), (x, tw))).expand(out.shape)
+
+
+@register_vjp_rule(aten._prelu_kernel.default)
+def prelu_kernel_vjp_rule(ct, primals, kwargs, out, needs):
+    x, w = primals
+    gx, gw = aten._prelu_kernel_backward.default(ct, x, w)
+    return (gx if needs[0] else None, unbroadcast(gw, w.shape) if needs[1] else None)
+
+
+@register_jvp_rule(aten._prelu_kernel_backward.default)
+def prelu_kernel_backward_jvp_rule(primals, tangents, kwargs):
+    g, x, w = primals
+    out = aten._prelu_kernel_backward.default(g, x, w)
+    tg, tx, tw = tangents
+    nonneg = x >= 0
+    t0 = torch.where(nonneg, _products(out[0], (1, tg)), _products(out[0], (w, tg), (g, tw)))
+    t1 = torch.where(nonneg, torch.zeros_like(out[1]), _products(out[1], (g, tx), (x, tg)))
+    return out, (t0.expand(out[0].shape), t1.expand(out[1].shape))
+
+
+@register_vjp_rule(aten._prelu_kernel_backward.default)
+def prelu_kernel_backward_vjp_rule(cts, primals, kwargs, out, needs):
+    g, x, w = primals
+    c0, c1 = cts
+    nonneg, zero = x >= 0, torch.zeros((), dtype=x.dtype, device=x.device)
+    gg = gx = gw = None
+    if needs[0]:
+        gg = torch.where(nonneg, _products(out[0], (1, c0)), _products(out[0], (w, c0), (x, c1)))
+    if needs[1]:
+        gx = torch.where(nonneg, zero, _products(out[1], (g, c1)))
+    if needs[2]:
+        gw = unbroadcast(torch.where(nonneg, zero, _products(out[0], (g, c0))), w.shape)
+    return (gg, gx, gw)

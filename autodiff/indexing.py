@@ -142,8 +142,10 @@ def index_add_vjp_rule(ct, primals, kwargs, out, needs):
 #     jvp = w_x tx + scatter_add(w_src ts), and the vjp is w_x ct, gather(ct) w_src (conjugated
 #     weights for complex). The weights are computed from the primal values with the same
 #     scatter_reduce, so everything runs under vmap.
-def _group_weights(x, dim, index, src, reduce, include_self):
-    """(w_x, w_src): the partials of out w.r.t. x and each src element."""
+def _group_weights(x, dim, index, src, reduce, include_self, self_ties=True):
+    """(w_x, w_src): the partials of out w.r.t. x and each src element. ``self_ties`` False:
+    an x equal to out_i does not share the tie (segment_reduce's ``initial``: torch splits
+    among the data only)."""
     ones_src = torch.ones(src.shape, dtype=x.dtype, device=x.device)
     scattered = torch.zeros_like(x).scatter_add(dim, index, ones_src)  # members from src
     self_in = scattered == 0 if not include_self else torch.ones_like(x, dtype=torch.bool)
@@ -156,7 +158,8 @@ def _group_weights(x, dim, index, src, reduce, include_self):
     if reduce in ("amax", "amin"):
         x_tie = self_in & (x == out)
         src_tie = src == out.gather(dim, index)
-        ties = x_tie.to(x.dtype).scatter_add(dim, index, src_tie.to(x.dtype))
+        ties = (x_tie & self_ties).to(x.dtype).scatter_add(dim, index, src_tie.to(x.dtype))
+        ties = ties.clamp_min(1)  # a group where only x attains out: no src weight
         return x_tie / ties, src_tie / ties.gather(dim, index)
     if reduce == "prod":
         x_zero = self_in & (x == 0)
@@ -374,7 +377,7 @@ def segment_reduce_jvp_rule(primals, tangents, kwargs):
     if t is None:
         return out, None
     base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
-    w = _group_weights(base, axis, index, data, red, include_self)[1]
+    w = _group_weights(base, axis, index, data, red, include_self, self_ties=False)[1]
     return out, torch.zeros_like(out).scatter_add(axis, index, t * w)
 
 
@@ -382,7 +385,7 @@ def segment_reduce_jvp_rule(primals, tangents, kwargs):
 def segment_reduce_vjp_rule(ct, primals, kwargs, out, needs):
     data, reduce = primals[:2]
     base, axis, index, red, include_self = _segment_as_scatter(data, reduce, kwargs)
-    w = _group_weights(base, axis, index, data, red, include_self)[1]
+    w = _group_weights(base, axis, index, data, red, include_self, self_ties=False)[1]
     return (ct.gather(axis, index) * conj_if_complex(w),) + (None,) * (len(primals) - 1)
 
 

@@ -13,7 +13,7 @@ import torch
 from functransforms import _compat
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import conj_if_complex, unbroadcast
 from .elementwise import def_binary, def_unary, pullback
 
 aten = torch.ops.aten
@@ -118,12 +118,30 @@ for _op, _pb in (
     def_unary(_op, pullback(_pb))
 
 
+def _unless_both_neg_inf(d, x, y):
+    dead = (x == -math.inf) & (y == -math.inf)
+    return torch.where(dead, torch.zeros_like(d), d)
+
+
 def _zero_partial(g, x, y, o):
     return torch.zeros_like(g)
 
 
 for _op, _px, _py in (
     (aten.copysign.Tensor, lambda g, x, y, o: _copysign_pullback(g, x, o), _zero_partial),
+    # torch's formulas (its decomposition's jvp is finite at x = y = +inf, torch's nan), except
+    # at x = y = -inf, where the output is a constant -inf (masked.logaddexp's masked-out
+    # elements): 0, not torch's nan (issue 8, test_masked_logaddexp_jvp_is_finite)
+    (
+        aten.logaddexp.default,
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.exp(y - x)), x, y),
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.exp(x - y)), x, y),
+    ),
+    (
+        aten.logaddexp2.default,
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.pow(2, y - x)), x, y),
+        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.pow(2, x - y)), x, y),
+    ),
     (
         aten.nextafter.default,
         lambda g, x, y, o: torch.where(x != y, g, torch.zeros_like(g)),
@@ -460,3 +478,64 @@ for _op, _d in (
     ),
 ):
     def_unary(_op, _d)
+
+
+# addcdiv: torch's own formulas (derivatives.yaml), not its decomposition x + v t1 / t2 through
+# div's: at t2 = 0 the inf and nan of the second derivative follow the expressions torch writes.
+@register_jvp_rule(aten.addcdiv.default)
+def addcdiv_jvp_rule(primals, tangents, kwargs):
+    x, t1, t2 = primals[:3]
+    value = kwargs.get("value", 1)
+    out = aten.addcdiv.default(*primals, **kwargs)
+    tx, tt1, tt2 = tangents[:3]
+    t = tx
+    if tt1 is not None:  # a missing tangent is torch's zero tensor: it adds nothing, not nan
+        part = tt1 / t2 * value
+        t = part if t is None else t + part
+    if tt2 is not None:
+        part = tt2 * (t1 / t2) / t2 * value
+        t = -part if t is None else t - part
+    return out, None if t is None else t.expand(out.shape)
+
+
+@register_vjp_rule(aten.addcdiv.default)
+def addcdiv_vjp_rule(ct, primals, kwargs, out, needs):
+    x, t1, t2 = primals[:3]
+    value = kwargs.get("value", 1)
+    g1 = g2 = None
+    if needs[1]:
+        g1 = unbroadcast(ct * conj_if_complex(value / t2), t1.shape)
+    if needs[2]:
+        g2 = unbroadcast(-ct * conj_if_complex(value * t1 / (t2 * t2)), t2.shape)
+    return (unbroadcast(ct, x.shape) if needs[0] else None, g1, g2)
+
+
+# lerp: torch's formulas. Its decomposition x + w (end - x) gives nan tangents wherever x or end
+# is infinite, though the derivative (1 - w, w) does not depend on them.
+@register_jvp_rule(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp_jvp_rule(primals, tangents, kwargs):
+    x, end, w = primals[:3]
+    out = torch.lerp(x, end, w)
+    tx, te = tangents[0], tangents[1]
+    tw = tangents[2] if isinstance(w, torch.Tensor) else None
+    t = None
+    if tx is not None or te is not None:  # a missing tangent is torch's zero tensor
+        tx = torch.zeros_like(out) if tx is None else tx
+        te = torch.zeros_like(out) if te is None else te
+        t = torch.lerp(tx, te, w)
+    if tw is not None:
+        part = tw * (end - x)
+        t = part if t is None else t + part
+    return out, None if t is None else t.expand(out.shape)
+
+
+@register_vjp_rule(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp_vjp_rule(ct, primals, kwargs, out, needs):
+    x, end, w = primals[:3]
+    wc = conj_if_complex(w) if isinstance(w, torch.Tensor) else w.conjugate()
+    gx = unbroadcast(ct * (1 - wc), x.shape) if needs[0] else None
+    ge = unbroadcast(ct * wc, end.shape) if needs[1] else None
+    gw = None
+    if isinstance(w, torch.Tensor) and needs[2]:
+        gw = unbroadcast(ct * conj_if_complex(end - x), w.shape)
+    return (gx, ge, gw)

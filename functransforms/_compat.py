@@ -330,6 +330,10 @@ overlays and pages of their own (docs/coverage-torch2.15.md)."""
 # not installed here: it is taken to be 2.13's).
 SPLIT_TIES_FMAX_CLAMP_TENSOR = TORCH_VERSION >= (2, 15)
 
+# torch 2.15: clamp / clamp_min / clamp_max with Number bounds pass the derivative only strictly
+# inside the bounds (0 at x == min or max); 2.13 passes it at the bounds too.
+CLAMP_BOUNDS_EXCLUDED = TORCH_VERSION >= (2, 15)
+
 # torch 2.15 derivatives.yaml: log_ndtr's derivative multiplies by 1/sqrt(2 pi) (a constant)
 # where 2.13 divided by sqrt(2 pi): the float32 results round differently.
 LOG_NDTR_MULTIPLIES = TORCH_VERSION >= (2, 15)

@@ -63,10 +63,40 @@ def _flash_attention_for_cpu(
     return out, torch.logsumexp(s, -1)
 
 
+def _reduce(loss, reduction):
+    return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+
+
+# Note [Kinks as torch's formulas]
+#     Decompositions whose derivatives at a kink differ from torch's derivative formulas, which
+#     torch.func returns there (tests/autodiff/test_special_points.py): torch's decompositions of
+#     smooth_l1 and huber square |d|, whose second derivative at d = 0 is 0 (|d|'s sign) where
+#     torch's is 1 / beta (1); and which branch owns the boundary |d| = beta (delta) follows
+#     torch's backward formulas: linear for smooth_l1 (|d| < beta), quadratic for huber.
+def _smooth_l1_loss(input, target, reduction=1, beta=1.0):
+    d = input - target
+    if beta == 0:  # torch: l1 loss, derivative sgn(d)
+        return _reduce(d.abs(), reduction)
+    small = d.abs() < beta
+    dq = torch.where(small, d, torch.zeros_like(d))  # no 0 * inf from the other branch at d = inf
+    loss = torch.where(small, 0.5 * dq * dq / beta, d.abs() - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+def _huber_loss(input, target, reduction=1, delta=1.0):
+    d = input - target
+    small = d.abs() <= delta
+    dq = torch.where(small, d, torch.zeros_like(d))  # as smooth_l1: no 0 * inf at d = inf
+    loss = torch.where(small, 0.5 * dq * dq, delta * (d.abs() - 0.5 * delta))
+    return _reduce(loss, reduction)
+
+
 # Decompositions of ours that replace torch's (each says why).
 _OVERRIDES = {
     torch.ops.aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
     _FLASH_CPU: _flash_attention_for_cpu,
+    torch.ops.aten.smooth_l1_loss.default: _smooth_l1_loss,
+    torch.ops.aten.huber_loss.default: _huber_loss,
 }
 
 

@@ -24,6 +24,11 @@ _CASES = {
     "prod_zeros": (lambda t: t.prod(), [1.0, 0.0, 2.0]),
     "pow_0_0": (lambda t: (t**0).sum() + (t**2).sum(), [0.0, 0.0]),
     "pow_tensor_at_0": (lambda t: torch.pow(t, torch.tensor([0.5, 2.0])).sum(), [0.0, 0.0]),
+    "pow_tensor_zero_exponent_at_0": (
+        lambda t: torch.pow(t, torch.tensor([0.0, 0.0, 2.0])).sum(),
+        [0.0, 1.0, 0.0],
+    ),
+    "pow_exponent_at_base_0": (lambda t: torch.pow(torch.zeros(3), t).sum(), [0.0, -1.0, 2.0]),
     "atan2_origin": (lambda t: torch.atan2(t, t).sum(), [0.0, 0.0]),
     "atan2_x_axis": (lambda t: torch.atan2(t, torch.zeros(2)).sum(), [0.0, 1.0]),
     "xlogy_at_0": (lambda t: torch.xlogy(t, t).sum(), [0.0, 1.0]),
