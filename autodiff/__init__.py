@@ -23,7 +23,6 @@ from . import (  # noqa: F401  (registration)
     linalg_eig,
     linalg_lu,
     linalg_qr,
-    losses,
     nn,
     normalization,
     pooling,

@@ -363,7 +363,7 @@ def test_binary_cross_entropy_hessian_at_0_through_jacrev():
 
 
 def test_binary_cross_entropy_gradient_at_0_and_1_is_finite_as_torch():
-    """Note [binary_cross_entropy at 0 and 1] (autodiff/losses.py): a saturated probability."""
+    """Note [binary_cross_entropy at 0 and 1] (autodiff/nn.py): a saturated probability."""
     x = torch.tensor([0.0, 1.0, 1.0, 0.3], dtype=torch.float64)
     y = torch.tensor([0.0, 1.0, 0.5, 0.3], dtype=torch.float64)
 
