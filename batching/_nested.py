@@ -44,7 +44,7 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import SLOW_METADATA, TransformTensor, _innermost
+from functransforms._core import OWN_DISPATCH, SLOW_METADATA, TransformTensor, _innermost
 from functransforms._ops import draws_random, op_name
 from functransforms.errors import DataDependentError, FallbackWarning, InplaceError, raise_random
 
@@ -186,6 +186,9 @@ class NestedBatchedTensor(BatchedTensor):
 
 
 SLOW_METADATA.add(NestedBatchedTensor)
+
+
+OWN_DISPATCH.add(NestedBatchedTensor)  # Note [Direct route to the inner level]
 
 
 def wrap_nested(value, bdim, interp, parts=None):

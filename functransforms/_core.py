@@ -341,6 +341,11 @@ def _probe_above_python():
     return seen[0] & ~_PYTHON_BIT
 
 
+# wrapper classes whose __torch_dispatch__ does more than route to their level (nested tensors
+# under vmap run ops per component, batching/_nested.py): their ops always go through torch
+OWN_DISPATCH: set = set()
+
+
 def redispatch(func, args, kwargs):
     """``func(*args, **kwargs)`` for ``args``/``kwargs`` in the dispatcher's normal form (a
     ``__torch_dispatch__``'s arguments with this level's wrappers unwrapped), straight to the
@@ -351,6 +356,8 @@ def redispatch(func, args, kwargs):
     for a in args:
         if isinstance(a, torch.Tensor):
             if isinstance(a, TransformTensor):
+                if type(a) in OWN_DISPATCH:
+                    return func(*args, **kwargs)
                 i = a._interp
                 if i.level > level:
                     interp, level = i, i.level
@@ -360,6 +367,8 @@ def redispatch(func, args, kwargs):
             for b in a:
                 if isinstance(b, torch.Tensor):
                     if isinstance(b, TransformTensor):
+                        if type(b) in OWN_DISPATCH:
+                            return func(*args, **kwargs)
                         i = b._interp
                         if i.level > level:
                             interp, level = i, i.level
@@ -369,6 +378,8 @@ def redispatch(func, args, kwargs):
         for a in kwargs.values():
             if isinstance(a, torch.Tensor):
                 if isinstance(a, TransformTensor):
+                    if type(a) in OWN_DISPATCH:
+                        return func(*args, **kwargs)
                     i = a._interp
                     if i.level > level:
                         interp, level = i, i.level
