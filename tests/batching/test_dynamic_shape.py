@@ -41,7 +41,8 @@ def test_refused_like_torch_func_even_when_sizes_agree(fn):
     ids=["bincount", "repeat_interleave"],
 )
 def test_loop_with_ragged_results_is_a_clear_error(fn, x):
-    with pytest.raises(RuntimeError, match="stack expects"):  # torch.func: torch.stack's error
+    # torch.func: torch.stack's error (2.13), or asks for output_size (repeat_interleave, 2.15)
+    with pytest.raises(RuntimeError, match="stack expects|output_size"):
         tf.vmap(fn)(x)
     with pytest.raises(DataDependentError, match=r"depends on the values.*give shapes \["):
         ft.vmap(fn)(x)
@@ -57,4 +58,5 @@ def test_loop_with_ragged_results_is_a_clear_error(fn, x):
     ids=["bincount_minlength", "repeat_interleave_equal_totals"],
 )
 def test_loop_with_equal_sizes_still_batches(fn, x):
-    torch.testing.assert_close(ft.vmap(fn)(x), tf.vmap(fn)(x))
+    expected = torch.stack([fn(x_i) for x_i in x])  # torch.func 2.15 refuses repeat_interleave
+    torch.testing.assert_close(ft.vmap(fn)(x), expected)
