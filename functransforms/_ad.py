@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import _pytree as pt
-from ._core import TransformTensor, eager_under_compile, is_floating
+from ._core import TransformTensor, dtype_of, eager_under_compile, is_floating
 from ._typing import ArgNums, Func, PyTree, Randomness
 
 
@@ -319,7 +319,10 @@ def grad_and_value(
                 f"{call} with holomorphic=True: expected a complex output; got {out.dtype}."
             )
         if is_floating(out):
-            g = vjp_fn(torch.ones_like(out))
+            # a plain seed, not ones_like(out): out may be an outer level's wrapper, and a
+            # *_like buffer of one is a constant of that level (Note [Buffers held by
+            # kernels]), whose every later op would pass through that level for nothing
+            g = vjp_fn(torch.ones((), dtype=dtype_of(out), device=out.device))
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
                 g = pt.tree_map(torch.conj_physical, g)
         else:  # an integer output does not depend differentiably on anything (as torch.func)
