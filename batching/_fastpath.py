@@ -111,7 +111,31 @@ def _build_table():
             except (TypeError, ValueError):  # C builtins without a signature: no inplace flag
                 params = []
             table[fn] = params.index("inplace") if "inplace" in params else -1
+    # the fused pointwise kernels our pullbacks call as ATen ops (Note [Rounding as torch]):
+    # under vmap of a pullback (jacrev) they take the fast path too, not the dispatcher trip
+    for name in _PULLBACK_KERNELS:
+        if _is_pointwise_packet(name):
+            packet = getattr(_aten, name)
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                if not op._schema.is_mutable:  # not the out= overloads
+                    table[op] = -1
     return table
+
+
+_PULLBACK_KERNELS = (
+    "tanh_backward",
+    "sigmoid_backward",
+    "gelu_backward",
+    "elu_backward",
+    "softplus_backward",
+    "hardswish_backward",
+    "hardsigmoid_backward",
+    "log_sigmoid_backward",
+    "logit_backward",
+    "threshold_backward",
+    "silu_backward",
+)
 
 
 # Filled on the first vmap call (ensure_table): scanning torch's namespaces costs tens of
