@@ -402,11 +402,36 @@ def _inv_h(A):
     return _H(torch.linalg.inv(A))
 
 
-def_linalg(
-    aten._linalg_det.default,
-    lambda out, dots, A: (out[0] * _tau(A, dots[0]),),
-    lambda bars, out, needs, A: ((bars[0] * _conj(out[0]))[..., None, None] * _inv_h(A),),
-)
+def _prod_others(s):
+    """prod_{j != i} s_j along the last dim, exact where some s_j are 0 (no division)."""
+    ones = torch.ones_like(s[..., :1])
+    left = torch.cat([ones, s[..., :-1]], -1).cumprod(-1)
+    right = torch.cat([s[..., 1:], ones], -1).flip(-1).cumprod(-1).flip(-1)
+    return left * right
+
+
+def _det_vjp(bars, out, needs, A):
+    """torch's linalg_det_backward for tensor subclasses (so torch.func's): the adjugate from
+    an SVD, A = U S Vh: bar A = U diag(bar det conj(det U det Vh) prod_{j != i} s_j) Vh, which
+    holds at singular matrices too (conj(bar det det) A^-H there is inf / a failed inverse)."""
+    U, S, Vh = torch.linalg.svd(A)
+    alpha = _conj(torch.linalg.det(U) * torch.linalg.det(Vh))
+    D = (bars[0] * alpha)[..., None] * _prod_others(S)
+    return ((U * D[..., None, :]) @ Vh,)
+
+
+def _det_jvp(out, dots, A):
+    """torch's linalg_det_jvp: det tr(A^-1 dA) through an LU whose zero pivots are replaced
+    by eps (det is C^1: at a singular matrix this is torch's value, not a failed solve)."""
+    LU, pivots, _ = torch.linalg.lu_factor_ex(A)  # no error at a zero pivot
+    diag = LU.diagonal(0, -2, -1)
+    eps = torch.finfo(diag.real.dtype if diag.is_complex() else diag.dtype).eps
+    LU = LU + torch.diag_embed(torch.where(diag == 0, torch.full_like(diag, eps), 0 * diag))
+    tau = torch.linalg.lu_solve(LU, pivots, dots[0]).diagonal(0, -2, -1).sum(-1)
+    return (tau * out[0],)
+
+
+def_linalg(aten._linalg_det.default, _det_jvp, _det_vjp)
 
 
 def _slogdet_jvp(out, dots, A):
