@@ -19,13 +19,6 @@ OVERLAYS: dict[str, dict[tuple[str, str], str | None]] = {
     "2.15": {
     },
 }
-
-BASE_TORCH = "2.13"
-# fmt: off
-OVERLAYS: dict[str, dict[tuple[str, str], str | None]] = {
-    "2.15": {
-    },
-}
 # fmt: on
 
 
