@@ -135,7 +135,7 @@ def restride(w):
 #
 # Note [Writing into a plain tensor]
 #     ``buf = torch.zeros(3); buf[1] = f(x)`` writes a differentiated value into a tensor the
-#     transform does not see. torch.func supports it for tensors created inside the transform, by
+#     transform does not see. PyTorch supports it for tensors created inside the transform, by
 #     wrapping every factory output through an always-on dispatch mode; a do-nothing mode costs
 #     ~9.5 us on every op, so we do it at the one op that needs it instead: the target (and its
 #     base, for a view such as ``buf[1]``) is *promoted* in place: ``torch._C._swap_tensor_impl``

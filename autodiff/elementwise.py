@@ -50,7 +50,7 @@ _X_ONLY = (None, False)  # ... only its inputs
 # Note [Rounding as torch]
 #     ``ct * conj(f'(x))`` and torch's ``grad / (2 * result)`` (sqrt) are the same number in exact
 #     arithmetic but not in float32: the product rounds differently, by one ulp, which fails the
-#     allclose checks users copy from torch.func tutorials. So where torch writes a pointwise
+#     allclose checks users copy from PyTorch tutorials. So where torch writes a pointwise
 #     backward formula differently from ``ct * f'``, the table gives that formula (``pullback``),
 #     in torch's order, and uses torch's fused backward kernels (``tanh_backward``,
 #     ``sigmoid_backward``, ``gelu_backward``, ...) where torch does. The jvp is the formula
@@ -718,7 +718,7 @@ def polar_vjp_rule(ct, primals, kwargs, out, needs):
 
 # -- prelu: torch's formulas, whose masks differ at x = 0 ------------------------------------
 # torch's jvp of _prelu_kernel takes slope 1 at x = 0 (x >= 0), its vjp (_prelu_kernel_backward)
-# slope weight (x > 0), and the derivatives of that backward mask with x >= 0 again. torch.func
+# slope weight (x > 0), and the derivatives of that backward mask with x >= 0 again. PyTorch
 # returns these one-sided choices, so we follow each formula (derivatives.yaml).
 def _products(like, *pairs):
     """sum of a * t over the pairs whose tangent t is not None: a missing tangent is torch's

@@ -72,7 +72,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
 
     def __enter__(self):
         # Note [Grad mode] (autodiff/reverse.py), for forward mode: torch's forward-grad switch
-        # (`torch.autograd.forward_ad._set_fwd_grad_enabled(False)`) inside the function stops
+        # (torch's `_set_fwd_grad_enabled(False)`) inside the function stops
         # this level; the caller's setting does not, and is restored on exit.
         self.prev_fwd = _fwd_enabled()
         super().__enter__()

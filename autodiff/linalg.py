@@ -411,7 +411,7 @@ def _prod_others(s):
 
 
 def _det_vjp(bars, out, needs, A):
-    """torch's linalg_det_backward for tensor subclasses (so torch.func's): the adjugate from
+    """torch's linalg_det_backward for tensor subclasses (so PyTorch's): the adjugate from
     an SVD, A = U S Vh: bar A = U diag(bar det conj(det U det Vh) prod_{j != i} s_j) Vh, which
     holds at singular matrices too (conj(bar det det) A^-H there is inf / a failed inverse)."""
     U, S, Vh = torch.linalg.svd(A)
@@ -459,7 +459,7 @@ def_linalg(aten._linalg_slogdet.default, _slogdet_jvp, _slogdet_vjp)
 #     e^{i phi} per column. A loss that depends on those phases has no derivative; it shows as
 #     Im diag(V^H bar V) != 0 (for SVD: Im diag(U^H bar U + V^H bar V)). torch's backward raises
 #     then (tolerance 1e-2) and so do we: dropping that part would return the gradient of another
-#     function. torch skips the check for wrapped tensors (under torch.func); we check the
+#     function. torch skips the check for wrapped tensors (under PyTorch); we check the
 #     physical values behind every level (dispatch off), so it also runs under vmap and jvp, and
 #     is skipped only for values without data (fake/meta, in symbolic traces).
 def _physical(x):

@@ -73,7 +73,7 @@ def_linalg(
 #     of S (S = V diag(s) V^H) it is diagonal: (V^H dS V)_ij = (V^H dA V)_ij / (s_i + s_j).
 #     That map (`_sylvester`) is self-adjoint for the real inner product, so it is also the vjp.
 #     torch applies it to the Hermitian part of the tangent / cotangent (checked against
-#     torch.func on 2.15), as the op reads a Hermitian A and S is Hermitian.
+#     PyTorch on 2.15), as the op reads a Hermitian A and S is Hermitian.
 #     polar: A = U H with H = sqrth(A^H A) (n x n), so dH = _sylvester(dA^H A + A^H dA) and
 #     dU = (dA - U dH) H^-1. Adjoint: G = _sylvester(bar H - U^H bar U H^-1),
 #     bar A = bar U H^-1 + A (G + G^H). The rules use only

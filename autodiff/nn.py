@@ -426,7 +426,7 @@ override(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)(_ctc_l
 #     mode, no second order, no batching rule). We differentiate and batch it through this
 #     decomposition instead: the input projection as one matmul over all time steps, then the
 #     recurrence one step at a time (gates i, f, g, o as torch orders them), so grad, jvp,
-#     second order and vmap (per-sample gradients of an LSTM, which torch.func cannot batch)
+#     second order and vmap (per-sample gradients of an LSTM, which PyTorch cannot batch)
 #     all come from the rules of ordinary ops. torch hands the kernel a sequence-first input
 #     [T, B, I] whatever its batch_first flag says (it transposes before the call).
 def _mkldnn_rnn_layer(

@@ -26,7 +26,7 @@ def_nondifferentiable(
     aten.log_normal.default,
     aten.geometric.default,
     # its absence sent exponential_ through torch's decomposition (-log1p(-uniform) / lambd),
-    # which draws other values than the kernel: a seeded draw differed from eager and torch.func
+    # which draws other values than the kernel: a seeded draw differed from eager and PyTorch
     aten.exponential.default,
     aten.uniform.default,
 )

@@ -9,7 +9,7 @@ Note [The tape]
     batches the backward pass and an enclosing grad/jvp differentiates it.
 
 Note [Grad mode]
-    torch.func's semantics, which follow torch's autograd: ``torch.no_grad()``,
+    PyTorch's semantics, which follow torch's autograd: ``torch.no_grad()``,
     ``set_grad_enabled(False)`` or ``inference_mode()`` *inside* the transformed function stops
     recording at every grad level (what it computes is a constant), while a no_grad around the
     *call* does not stop the transform (a level enables grad mode for the function it runs, and
@@ -102,7 +102,7 @@ class GradTensor(TransformTensor):
         return f"GradTensor(lvl={self._interp.level}, primal={self._primal!r})"
 
     # Note [requires_grad and grad_fn inside grad]
-    #     As torch.func's wrappers do, a value a grad level tracks reads as requiring grad, and
+    #     As PyTorch's wrappers do, a value a grad level tracks reads as requiring grad, and
     #     one computed from the inputs (an op's or an autograd.Function's output) has a grad_fn
     #     (our tape node, named after the op); the inputs themselves are leaves. User code
     #     branches on these (``if out.requires_grad: ctx.save...``, ``assert y.grad_fn``).
@@ -115,7 +115,7 @@ class GradTensor(TransformTensor):
 
     @requires_grad.setter
     def requires_grad(self, value):
-        self.requires_grad_(value)  # raises, as in torch.func
+        self.requires_grad_(value)  # raises, as in PyTorch
 
     @property
     def grad_fn(self):
@@ -174,7 +174,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
         self.prev_grad = True  # grad mode when the level was entered (Note [Grad mode])
 
     def __enter__(self):
-        # Note [Grad mode]: as torch.func, recording is on inside the function whatever the
+        # Note [Grad mode]: as PyTorch, recording is on inside the function whatever the
         # caller's grad mode, and the caller's mode is restored on exit.
         self.prev_grad = torch.is_grad_enabled()
         super().__enter__()

@@ -458,7 +458,7 @@ def remainder_scalar_tensor_vjp_rule(ct, primals, kwargs, out, needs):
     return None, ct * -torch.floor(s / q)
 
 
-# Special functions torch leaves underivable (torch.func returns a silent zero gradient for them;
+# Special functions torch leaves underivable (PyTorch returns a silent zero gradient for them;
 # ours only): j0(x) = sin x / x, and the exponentially scaled K0/K1 (k0e = e^x K0, k1e = e^x K1,
 # with K0' = -K1 and K1' = -K0 - K1 / x)
 def _sph_j0_deriv(x, o):

@@ -264,7 +264,7 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
 #     would not line up, values of other levels, and (as above) values that require grad
 #     below torch's autograd. Errors are left to the ordinary path, so their messages name
 #     logical dims. The ordinary path stays the single source of semantics; every handler is
-#     tested against it and torch.func (tests/batching/test_fastpath_shaped.py).
+#     tested against it and PyTorch (tests/batching/test_fastpath_shaped.py).
 def _live_value(a, batched_cls):
     """The physical value of a live BatchedTensor that may run here, else None."""
     if type(a) is not batched_cls or not a._interp.alive:

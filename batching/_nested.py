@@ -2,7 +2,7 @@
 
 Note [Nested tensors under vmap]
     ``vmap(f)(nt)`` with ``nt`` a nested tensor (strided or jagged layout) maps ``f`` over its
-    components, which may differ in shape, so no batching rule applies: as torch.func's
+    components, which may differ in shape, so no batching rule applies: as PyTorch's
     "nested fallback" does, every op touching the nested value runs once per component, at
     the level below, and its results are nested again.
 
@@ -13,22 +13,22 @@ Note [Nested tensors under vmap]
     component's real shape (``nested_call``): the nested arguments are unbound, the dense
     batched ones sliced along their batch dim, the call repeated per example, and each
     tensor result nested with ``torch._nested_tensor_from_tensor_list`` (a strided nested
-    tensor, also for jagged inputs, as torch.func returns it). Ops that touch only dense
+    tensor, also for jagged inputs, as PyTorch returns it). Ops that touch only dense
     values keep their batching rules: an output that never met the nested value stays dense,
-    as in torch.func. ``__torch_dispatch__`` routes an ATen op on it to the same loop (a
+    as in PyTorch. ``__torch_dispatch__`` routes an ATen op on it to the same loop (a
     safety net: ops reach it there only from code that disabled torch functions).
 
     *Shapes.* The examples have no common shape: ``x.shape`` and ``x.size(d)`` answer where
-    the components agree and raise naming the ragged dims where they do not (torch.func
+    the components agree and raise naming the ragged dims where they do not (PyTorch
     raises for every size read). Python values computed per component (``x.numel()``,
     ``x.is_contiguous()``) are returned when the components agree; data reads (``.item()``,
     ``bool(x)``) raise as for any batched tensor.
 
-    *Where torch.func raises and we compute:* view ops (``x.T``, ``reshape``, ``x[0]``,
+    *Where PyTorch raises and we compute:* view ops (``x.T``, ``reshape``, ``x[0]``,
     ``unsqueeze``, ``to(dtype)``; the results are per-component copies, which cannot be
     observed because in-place ops on nested values raise), a dense argument batched along
     another dim than 0, ``chunk_size`` (ignored: the loop already runs one component at a
-    time), empty nested inputs (torch crashes). *Where torch.func raises, we raise clearly:*
+    time), empty nested inputs (torch crashes). *Where PyTorch raises, we raise clearly:*
     ``in_dims``/``out_dims`` other than 0 for a nested value, in-place ops and ``out=``,
     random ops under ``randomness='error'``, and another transform of a value whose examples
     differ in shape (``vmap(grad(f))``, ``vmap(vmap(f))``, ``grad`` of a function vmapped over
@@ -141,7 +141,7 @@ class NestedBatchedTensor(BatchedTensor):
                 f"of this nested tensor differ in size along dim(s) {ragged} (their shapes: "
                 f"{sizes}). Expected: code that does not depend on the ragged sizes (x.size(d) "
                 "works for the dims where the examples agree), and no other transform (grad, "
-                "jvp, vjp, vmap) of such a value inside vmap (torch.func raises too). Do: pad "
+                "jvp, vjp, vmap) of such a value inside vmap (PyTorch raises too). Do: pad "
                 "the input (`torch.nested.to_padded_tensor(x, 0.0)`) or loop over "
                 "`x.unbind()`."
             )
@@ -228,7 +228,7 @@ def nested_call(interp, func, name, args, kwargs):
     if _writes(func, name, kwargs):
         raise InplaceError(
             f"{interp.call}: {name} writes in place (or into `out=`) with a nested tensor's "
-            "examples, which vmap maps as one component each; that is not supported (torch.func "
+            "examples, which vmap maps as one component each; that is not supported (PyTorch "
             "raises too). Expected: out-of-place code. Do: `y = x + z` instead of `x += z`."
         )
     if (
@@ -268,12 +268,12 @@ def nested_call(interp, func, name, args, kwargs):
         _WARNED.add(name)  # metadata queries (x.size(-1), x.is_nested) are not worth one
         warnings.warn(
             f"vmap: {name} on a nested tensor runs once per component (there is no nested "
-            "batching rule; as in torch.func, correct but slow).",
+            "batching rule; as in PyTorch, correct but slow).",
             FallbackWarning,
             stacklevel=3,
         )
     same = _returns_its_input(results, leaves, per_leaf)
-    if same is not None:  # e.g. contiguous(): torch.func returns the input itself
+    if same is not None:  # e.g. contiguous(): PyTorch returns the input itself
         return same
     return _nest(interp, name, results)
 
@@ -309,7 +309,7 @@ def _nest(interp, name, results):
                     raise RuntimeError(
                         f"{interp.call}: {name} on a nested tensor's components gave values of "
                         "another transform (grad, jvp, vjp or an inner vmap); nesting them "
-                        "again is not supported (torch.func raises too). Do: pad the input "
+                        "again is not supported (PyTorch raises too). Do: pad the input "
                         "(`torch.nested.to_padded_tensor(x, 0.0)`) or loop over `x.unbind()`."
                     )
         # fresh results are the components (views, e.g. t[0], would alias: unbind the copy)

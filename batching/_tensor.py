@@ -124,7 +124,7 @@ class BatchedTensor(TransformTensor):
         elif func == _DATA_GET and args[0]._interp.alive:  # a fresh method-wrapper each time
             raise RuntimeError(
                 f"{args[0]._interp.call}: `x.data` of a batched tensor is not allowed under vmap "
-                "(as in torch.func): it would bypass the batching. Expected: use x itself, or "
+                "(as in PyTorch): it would bypass the batching. Expected: use x itself, or "
                 "x.detach() to stop gradients."
             )
         return _no_torch_function(func, types, args, kwargs or {})
@@ -332,7 +332,7 @@ class VmapInterpreter(Interpreter):
         random = draws_random(func, args, kwargs)
         if random and self.randomness == "error":
             raise_random(self, func)
-        if func in _DYNAMIC_SHAPE:  # torch.func refuses them even when the sizes agree
+        if func in _DYNAMIC_SHAPE:  # PyTorch refuses them even when the sizes agree
             raise_dynamic_shape(self, func)
         same_draw = random and self.randomness == "same"
         if same_draw and any(
@@ -442,7 +442,7 @@ class VmapInterpreter(Interpreter):
 
 
 _WARNED: set = set()
-# ops torch.func refuses under vmap because their output size depends on the values
+# ops PyTorch refuses under vmap because their output size depends on the values
 _DYNAMIC_SHAPE = frozenset(
     getattr(torch.ops.aten, n).default
     for n in ("nonzero", "_unique", "_unique2", "unique_consecutive", "unique_dim")

@@ -209,7 +209,7 @@ for _name in (
 
 def def_new_factory(func):
     """x.new_zeros(size) and friends on a batched x: a batched result, one buffer per example,
-    as torch.func makes it (code writes per-example values into it, or draws into it under
+    as PyTorch makes it (code writes per-example values into it, or draws into it under
     randomness='different')."""
 
     def new_factory_vmap_rule(interp, args, bdims, kwargs):

@@ -369,7 +369,7 @@ def take_vmap_rule(interp, args, bdims, kwargs):
 @register_vmap_rule(aten.masked_select.default)
 def masked_select_vmap_rule(interp, args, bdims, kwargs):
     """An unbatched mask selects the same number of elements from every example; a batched
-    one gives each example its own count (a data-dependent shape, as in torch.func)."""
+    one gives each example its own count (a data-dependent shape, as in PyTorch)."""
     x, mask = args[0], args[1]
     if bdims[1] is not None:
         raise_data_dependent(interp, aten.masked_select.default)

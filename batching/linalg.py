@@ -179,7 +179,7 @@ def_matrix_op(aten.linalg_matrix_exp.default, contiguous=True)
 #     wrapper subclass: X @ X differs from A by ~2.6), which is where batching rules run; real
 #     inputs are right. For complex inputs the rules compute the same functions from eigh / svd:
 #     sqrth(A) = V diag(sqrt(l)) V^H for A = V diag(l) V^H, and polar(A) = (W V^H, V S V^H) for
-#     A = W S V^H. torch.func batches these ops in C++ (no Python dispatch) and is right.
+#     A = W S V^H. PyTorch batches these ops in C++ (no Python dispatch) and is right.
 def _sqrth(a):
     evals, evecs = torch.linalg.eigh(a)
     return (evecs * evals.sqrt().unsqueeze(-2).to(evecs.dtype)) @ evecs.mH
@@ -357,7 +357,7 @@ def linalg_lstsq_vmap_rule(interp, args, bdims, kwargs):
     """lstsq(A, B, rcond, *, driver) -> (X, residuals, rank, singular_values). B is a (batch
     of) vector(s) when its logical rank is A's minus one (torch's rule for lstsq), so logical
     batch ranks are equal: both operands get the vmap dim in front (an unbatched one expanded,
-    as torch.func does, so that rank and singular values are per example). Outputs a driver
+    as PyTorch does, so that rank and singular values are per example). Outputs a driver
     does not compute are empty and carry no vmap dim."""
     size = interp.batch_size
     A = expand_front(args[0], bdims[0], size)

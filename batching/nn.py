@@ -179,7 +179,7 @@ def grid_sampler_3d_backward_vmap_rule(interp, args, bdims, kwargs):
 # Note [Batching linear_cross_entropy]
 #     torch_nn::_linear_cross_entropy_batch_chunked[_no_reduction] compute
 #     cross_entropy(input @ W^T + bias, target, weight) over rows in chunks, never holding the
-#     [N, C] logits (torch.func's own rule loops over the examples). Per-row losses of examples
+#     [N, C] logits (PyTorch's own rule loops over the examples). Per-row losses of examples
 #     that share W, bias and the class weight are rows of one big call: the 'none' op folds the
 #     batch dim into N and keeps the chunking. Otherwise (a batched W, or the mean/sum op, whose
 #     reduction and precomputed gradients are per example) the rule evaluates the same formula

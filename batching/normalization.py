@@ -7,7 +7,7 @@ Note [Batching batch norm]
     same way (an unbatched one is repeated). In training mode torch's kernel updates the running
     statistics in place, so batched buffers are passed as views of their physical storage (or
     written back); unbatched running statistics in training mode would receive every example's
-    update at once, so that raises InplaceError, as torch.func does.
+    update at once, so that raises InplaceError, as PyTorch does.
 """
 
 from __future__ import annotations

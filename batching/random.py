@@ -176,7 +176,7 @@ class DifferentRandomnessMode(_compat.TorchDispatchMode):
 
 
 def _raise_different_inplace(func):
-    """torch.func's rule: an in-place draw into a tensor that is not batched would have to hold
+    """PyTorch's rule: an in-place draw into a tensor that is not batched would have to hold
     one value per example."""
     interp = next(
         i for i in reversed(interpreter_stack()) if isinstance(i, VmapInterpreter) and i.alive
@@ -257,7 +257,7 @@ for _op in (
 @register_vmap_rule(aten.multinomial.default)
 def multinomial_vmap_rule(interp, args, bdims, kwargs):
     """multinomial(probs [C] or [N, C], k) -> [k] or [N, k]: the rows of every example are
-    drawn together ('different'); under 'same' batched probabilities raise, as in torch.func."""
+    drawn together ('different'); under 'same' batched probabilities raise, as in PyTorch."""
     if interp.randomness == "error":
         raise_random(interp, aten.multinomial.default)
     if interp.randomness == "same":  # batched probabilities: per-example parameters

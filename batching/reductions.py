@@ -132,7 +132,7 @@ def_full(aten.all.default, lambda x: aten.all.dim(x, 1))
 
 
 # torch.distributions' argument checks (`if not torch._is_all_true(valid): raise`) read one Python
-# bool under vmap: as in torch.func, the check spans the whole batch (every example valid) and
+# bool under vmap: as in PyTorch, the check spans the whole batch (every example valid) and
 # its answer is not batched, so the bool can be read
 def def_whole_batch(op):
     def whole_batch_vmap_rule(interp, args, bdims, kwargs):

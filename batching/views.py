@@ -315,7 +315,7 @@ def flip_vmap_rule(interp, args, bdims, kwargs):
 #     (``x.unbind(0)`` of 512 rows). Through ``__torch_dispatch__`` each piece cost ~4 us:
 #     ``wrap_batched`` (metadata reads, conj checks, ``_make_wrapper_subclass`` with keyword
 #     arguments), three attribute stores, then the dispatcher registered each as an autograd
-#     view of the input wrapper (and freed that bookkeeping again): 7-17x torch.func, which
+#     view of the input wrapper (and freed that bookkeeping again): 7-17x PyTorch, which
 #     builds its BatchedTensors in C++. These functions take a shortcut in
 #     ``__torch_function__`` (Note [Shaped fast path]): one call of the function on the
 #     physical value (the logical dim mapped past the batch dim) gives every piece's value,
@@ -331,7 +331,7 @@ def flip_vmap_rule(interp, args, bdims, kwargs):
 #     What the pieces are: the physical values are views of the input's value, so writes
 #     through a piece reach the input and vmap returns views of its input (Note [Views of
 #     vmap's inputs], functransforms/_vmap.py). The wrappers are not registered autograd views
-#     of the input wrapper: ``piece._base`` is None inside the function, as for torch.func's
+#     of the input wrapper: ``piece._base`` is None inside the function, as for PyTorch's
 #     BatchedTensors (the ordinary path's views report the input wrapper, as before). Pieces
 #     of a lazy conjugate are lazy conjugates (Note [Conjugate views under vmap]); pieces of
 #     ``unbind`` and of ``split``/``chunk`` by a size make their physical view only when read
@@ -577,7 +577,7 @@ for _fn in (
 #     ``__torch_dispatch__`` the Conjugate key is excluded, so a rule handed the lazy physical
 #     value would compute with the unconjugated numbers. A wrapper around a lazy conjugate is
 #     therefore a ConjBatchedTensor: it holds only the lazy physical view (``_lazy_conj``) and
-#     carries the conj bit itself (``is_conj()`` as torch.func; ``c.real``/``c.imag`` decompose
+#     carries the conj bit itself (``is_conj()`` as PyTorch; ``c.real``/``c.imag`` decompose
 #     as torch does for conj tensors). Its ``_value``, which rules and the fallback read, is the
 #     resolved copy, made when first read and remade when a tensor may have been written since
 #     (``WRITES``, bumped by vmap's ``process`` before every op that writes, and the lazy

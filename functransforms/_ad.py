@@ -51,7 +51,7 @@ def _resolved(x):
 def _as_primal(x, call, forward):
     """A differentiated input as a tensor: Python floats (and complex numbers) become 0-d tensors
     of the default dtype, as in JAX (docs/torch_func_differences.md); integer and boolean
-    tensors and other Python values raise, with torch.func's exception classes."""
+    tensors and other Python values raise, with PyTorch's exception classes."""
     if isinstance(x, torch.Tensor):
         if not isinstance(x, TransformTensor) and x.is_nested:
             _raise_nested(call)
@@ -73,11 +73,11 @@ def _as_primal(x, call, forward):
 
 
 def _raise_nested(call):
-    """torch.func raises for a nested tensor differentiated directly (with an internal
+    """PyTorch raises for a nested tensor differentiated directly (with an internal
     message); so do we, clearly (Note [Nested tensors under vmap], batching/_nested.py)."""
     raise NotImplementedError(
         f"{call}: a differentiated input is a nested tensor; grad, vjp and jvp "
-        "differentiate strided tensors only (torch.func raises too). Do: differentiate "
+        "differentiate strided tensors only (PyTorch raises too). Do: differentiate "
         "per component (`[ft.grad(f)(c) for c in x.unbind()]`), or pad it "
         "(`torch.nested.to_padded_tensor(x, 0.0)`)."
     )
@@ -91,7 +91,7 @@ def _default_dtype(x):
 
 
 def _check_aux(aux, call):
-    """torch.func's contract: aux is a pytree of tensors (it raises for anything else)."""
+    """PyTorch's contract: aux is a pytree of tensors (it raises for anything else)."""
     for leaf in pt.tree_leaves(aux):
         if not isinstance(leaf, torch.Tensor):
             raise RuntimeError(
@@ -219,7 +219,7 @@ def _vjp(func, primals, has_aux, call):
 def _write_back(given, call):
     """Note [Writes to primals]: jvp and grad/vjp are functional inside (an in-place op rebinds
     the wrapper, autodiff/_util.py), so a write into an input would stay inside the transform;
-    torch.func writes through to the caller's tensor, and so do we, once the function has
+    PyTorch writes through to the caller's tensor, and so do we, once the function has
     returned: each input whose wrapper was rebound gets its final value copied in (an ordinary
     ``copy_``, which outer transforms and torch's autograd see like any other write)."""
     for x, p, w in given:
@@ -325,7 +325,7 @@ def grad_and_value(
             g = vjp_fn(torch.ones((), dtype=dtype_of(out), device=out.device))
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
                 g = pt.tree_map(torch.conj_physical, g)
-        else:  # an integer output does not depend differentiably on anything (as torch.func)
+        else:  # an integer output does not depend differentiably on anything (as PyTorch)
             g = pt.tree_map(lambda x: torch.zeros_like(torch.as_tensor(x)), diff)
         g = g if isinstance(argnums, tuple) else g[0]
         if has_aux:
@@ -347,7 +347,7 @@ def _check_holomorphic_inputs(diff, call):
 
 
 def _check_jacobian_dtypes(leaves, call, holomorphic, what):
-    """jacrev/jacfwd as torch.func: real inputs and outputs only (the Jacobian of a complex map
+    """jacrev/jacfwd as PyTorch: real inputs and outputs only (the Jacobian of a complex map
     is not one complex matrix unless the map is holomorphic); with ``holomorphic=True`` (JAX),
     complex ones only."""
     for i, leaf in enumerate(leaves):
@@ -361,7 +361,7 @@ def _check_jacobian_dtypes(leaves, call, holomorphic, what):
             )
         raise RuntimeError(
             f"{call}: Expected all {what}s to be real but received a complex tensor at "
-            f"flattened {what} idx: {i} (as torch.func). The Jacobian of a complex function "
+            f"flattened {what} idx: {i} (as PyTorch). The Jacobian of a complex function "
             "is not one complex matrix: pass holomorphic=True for the complex derivative of a "
             "holomorphic function, or use vjp / jvp, which follow PyTorch's complex convention "
             "(docs/complex.md)."
@@ -439,8 +439,8 @@ def jvp(
         func: a function of pytrees of tensors.
         primals: a tuple of inputs.
         tangents: a tuple with the structure, shapes and dtypes of ``primals``.
-        strict: accepted for torch.func compatibility; ``strict=True`` is not supported (as in
-            torch.func) and raises.
+        strict: accepted for PyTorch compatibility; ``strict=True`` is not supported (as in
+            PyTorch) and raises.
         has_aux: whether ``func`` returns ``(output, aux)``.
 
     Returns:
@@ -460,7 +460,7 @@ def jvp(
         )
     if strict:
         raise RuntimeError(
-            f"{call[:-1]}, strict=True): strict=True is not supported (as in torch.func); "
+            f"{call[:-1]}, strict=True): strict=True is not supported (as in PyTorch); "
             "expected strict=False."
         )
     flat_p, spec = pt.tree_flatten(primals)
@@ -540,7 +540,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
         the adjoint of ``c -> J^H c`` is ``t -> J t``. So ``linearize`` records ``func`` once
         under reverse mode, records one backward sweep at a zero cotangent, and each
         ``jvp_fn(t)`` is one backward sweep of that second tape: ``func`` never runs again
-        (torch.func re-traces with make_fx and constant-folds instead; JAX partially evaluates).
+        (PyTorch re-traces with make_fx and constant-folds instead; JAX partially evaluates).
 
     Args:
         func: a function of pytrees of tensors.

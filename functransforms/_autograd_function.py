@@ -1,7 +1,7 @@
-"""``torch.autograd.Function`` under our transforms, with torch.func's contract.
+"""``torch.autograd.Function`` under our transforms, with PyTorch's contract.
 
 Note [autograd.Function under transforms]
-    torch.func runs a user's ``autograd.Function`` as one op with its own rules: ``forward`` on
+    PyTorch runs a user's ``autograd.Function`` as one op with its own rules: ``forward`` on
     unwrapped tensors (so a forward written with NumPy works), ``setup_context`` to save what
     the rules need, ``backward`` for reverse mode, ``jvp`` for forward mode, and the ``vmap``
     staticmethod (or ``generate_vmap_rule=True``) for batching. Without help, our wrappers
@@ -109,7 +109,7 @@ def _apply_under_transforms(cls, args, kwargs):
         raise RuntimeError(
             f"{cls.__name__}.apply under a functransforms transform: to use an "
             "autograd.Function with transforms (vmap, grad, jvp, jacrev, ...), it must override "
-            "the setup_context staticmethod (as torch.func requires), with forward(*args) not "
+            "the setup_context staticmethod (as PyTorch requires), with forward(*args) not "
             "taking ctx. See https://pytorch.org/docs/main/notes/extending.func.html"
         )
     if kwargs:
@@ -217,7 +217,7 @@ class _VmapInfo:
 
 
 def _vmap_staticmethod_rule(cls):
-    """torch.func's ``vmap(info, in_dims, *args) -> (out, out_dims)`` as a custom_vmap rule."""
+    """PyTorch's ``vmap(info, in_dims, *args) -> (out, out_dims)`` as a custom_vmap rule."""
 
     def rule(axis_size, in_batched, *args):
         from ._core import interpreter_stack
@@ -236,7 +236,7 @@ def _vmap_staticmethod_rule(cls):
         if len(flat_dims) != len(flat_out):
             raise RuntimeError(
                 f"{cls.__name__}.vmap returned out_dims={out_dims!r} for {len(flat_out)} "
-                "outputs; expected one out_dim (an int or None) per output, as torch.func does."
+                "outputs; expected one out_dim (an int or None) per output, as PyTorch does."
             )
         moved = [o if d is None else o.movedim(d, 0) for o, d in zip(flat_out, flat_dims)]
         return pt.tree_unflatten(out_spec, moved), [d is not None for d in flat_dims]
@@ -249,7 +249,7 @@ def _no_vmap_rule(cls):
         raise RuntimeError(
             f"vmap of {cls.__name__}.apply: to use an autograd.Function with vmap, it must "
             "either override the vmap staticmethod or set generate_vmap_rule=True (as "
-            "torch.func requires)."
+            "PyTorch requires)."
         )
 
     return rule

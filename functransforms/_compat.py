@@ -19,9 +19,9 @@ It also holds what differs between the supported torch versions (pyproject: ``to
 so that version-aware code reads a named fact instead of comparing version strings.
 
 Note [Supported torch versions]
-    We match torch.func bit for bit where we can, so where torch changed a formula between
+    We match PyTorch bit for bit where we can, so where torch changed a formula between
     releases we follow the installed torch (a rule of ours that computed 2.13's formula on 2.15
-    would be a silent difference from ``torch.func`` there). Each fact below names the torch
+    would be a silent difference from PyTorch there). Each fact below names the torch
     change it stands for; docs/design.md "Supported torch versions" lists them with the tests
     that pin each one. Other version-dependent torch API this library relies on:
     ``torch.autograd.Function.apply`` (a Python classmethod up to 2.14, a C
@@ -252,7 +252,7 @@ OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
 
 # -- nested tensors (checked on 2.13.0, 2.15.0) ---------------------------------------------------
-# What torch.func's nested fallback nests per-component results with (a strided nested tensor,
+# What PyTorch's nested fallback nests per-component results with (a strided nested tensor,
 # differentiable by torch's autograd): Note [Nested tensors under vmap] (batching/_nested.py).
 nested_tensor_from_tensor_list = torch._nested_tensor_from_tensor_list
 

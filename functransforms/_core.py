@@ -177,7 +177,7 @@ class TransformTensor(torch.Tensor):
         return self._describe()
 
     # Note [Escaping to Python]
-    #     torch.func lets a transformed function read values out as Python/NumPy data
+    #     PyTorch lets a transformed function read values out as Python/NumPy data
     #     (``x.tolist()``, ``x.numpy()``; ``.item()`` arrives as ``aten._local_scalar_dense``):
     #     the values are not differentiated. torch's C++ methods refuse wrapper subclasses, so
     #     the wrappers define them: a Dual/GradTensor hands over its primal; a BatchedTensor
@@ -225,7 +225,7 @@ class TransformTensor(torch.Tensor):
     def requires_grad_(self, requires_grad=True):
         raise RuntimeError(
             f"x.requires_grad_() inside a function transformed by {self._interp.name}: this is "
-            "not supported (as in torch.func). Expected: let the transform track derivatives "
+            "not supported (as in PyTorch). Expected: let the transform track derivatives "
             "(grad/vjp/jvp take care of it); use torch.autograd outside the transform."
         )
 
@@ -234,8 +234,8 @@ class TransformTensor(torch.Tensor):
 #     Two tapes can be involved in one program: ours (a grad level's Nodes, autodiff/reverse.py)
 #     and torch's own autograd graph, which records ops on plain tensors that require grad
 #     (parameters, a user's leaf). Our transforms must be transparent to the second one: a
-#     training step may run ``loss = ft.vmap(model_fn)(x).sum(); loss.backward()``, or a MAML
-#     outer step may call ``torch.autograd.grad`` on the result of ``ft.grad``.
+#     training step may run backward on ``ft.vmap(model_fn)(x).sum()``, or a MAML
+#     outer step may differentiate the result of ``ft.grad``.
 #
 #     The difficulty: rules run inside ``__torch_dispatch__``, where the dispatcher has already
 #     passed the Autograd keys and excluded them for the rest of the call (it redispatches
@@ -468,7 +468,7 @@ def eager_under_compile(fn):
     the interpreters.
 
     Tracing our Python dispatch gave correct results but 10-20 graph breaks per composition and
-    10-20 s of compilation for graphs of a few ops each; torch.func has dynamo support built in,
+    10-20 s of compilation for graphs of a few ops each; PyTorch has dynamo support built in,
     which a third-party library cannot have. Run eagerly, the transform costs what it costs
     outside compile, the code around it still compiles, and a function compiled *inside* a
     transform (``ft.grad(torch.compile(f))``) works as usual. Without dynamo imported nothing

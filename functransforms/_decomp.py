@@ -69,7 +69,7 @@ def _reduce(loss, reduction):
 
 # Note [Kinks as torch's formulas]
 #     Decompositions whose derivatives at a kink differ from torch's derivative formulas, which
-#     torch.func returns there (tests/autodiff/test_special_points.py): torch's decompositions of
+#     PyTorch returns there (tests/autodiff/test_special_points.py): torch's decompositions of
 #     smooth_l1 and huber square |d|, whose second derivative at d = 0 is 0 (|d|'s sign) where
 #     torch's is 1 / beta (1); and which branch owns the boundary |d| = beta (delta) follows
 #     torch's backward formulas: linear for smooth_l1 (|d| < beta), quadratic for huber.

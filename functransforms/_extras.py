@@ -88,7 +88,7 @@ def checkpoint(func: Func) -> Func:
 
 
 def debug_unwrap(tensor: Any, *, recurse: bool = True) -> Any:
-    """The value inside a transform's wrapper tensor, for debugging (torch.func's
+    """The value inside a transform's wrapper tensor, for debugging (PyTorch's
     ``debug_unwrap``): a ``vmap`` wrapper gives its physical value (with the batch dim), a
     ``grad``/``jvp`` wrapper its primal; ``recurse=True`` unwraps every level. Plain tensors and
     other values are returned as they are.

@@ -130,7 +130,7 @@ def _torch_autograd_through(src):
 def _copy_differentiably(dst, src, non_blocking=False):
     """``aten.copy(dst, src)`` (what ``dst.copy_(src)`` becomes here) as ops torch's autograd
     differentiates: torch registers no derivative for ``aten.copy``, so ``y[1] = w`` inside
-    ``functionalize`` would break ``loss.backward()`` (it does in torch.func)."""
+    ``functionalize`` would break backward through it (it does in PyTorch)."""
     return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
 
 
@@ -291,7 +291,7 @@ _interpreter_class = None
 
 def functionalize(func: Func, *, remove: str = "mutations") -> Func:
     """``func`` with its mutations (and, with ``remove="mutations_and_views"``, its views)
-    removed: ``torch.func.functionalize``, built on our own levels.
+    removed: ``PyTorch's functionalize``, built on our own levels.
 
     The returned function computes what ``func`` computes and leaves its inputs as ``func``
     leaves them, but inside it every in-place op runs out of place, and the mutated inputs
@@ -382,7 +382,7 @@ def _run(func, args, kwargs, call, copy_views):
         del flat_out
     _write_back(given, call)
     for i, (x, chain) in redo.items():
-        # As torch.func: an output that is a view of an input nothing wrote is a real view of
+        # As PyTorch: an output that is a view of an input nothing wrote is a real view of
         # it, with ``_base`` and torch autograd's view tracking (the one made inside the level
         # shares the memory but ran below autograd's view bookkeeping).
         for step in chain:

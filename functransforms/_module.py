@@ -160,7 +160,7 @@ def stack_module_state(
 
 def replace_all_batch_norm_modules_(root: torch.nn.Module) -> torch.nn.Module:
     """Make every batch norm module in ``root`` use batch statistics only, in place (as
-    torch.func's): ``running_mean``/``running_var``/``num_batches_tracked`` become None and
+    PyTorch's): ``running_mean``/``running_var``/``num_batches_tracked`` become None and
     ``track_running_stats`` False, so that ``vmap`` over a model in training mode normalizes
     each example with its own statistics instead of writing one update per example into
     shared buffers (which raises).

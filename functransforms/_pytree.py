@@ -12,7 +12,7 @@ import optree
 
 NAMESPACE = "functransforms"
 
-# None is a node with no children (as in torch.func and JAX): `f(x, None)` maps over x only.
+# None is a node with no children (as in PyTorch and JAX): `f(x, None)` maps over x only.
 _KW = dict(none_is_leaf=False, namespace=NAMESPACE)
 
 

@@ -1,4 +1,4 @@
-"""``rearrange``: einops' reordering of axes (torch.func exports it), as one reshape, one permute
+"""``rearrange``: einops' reordering of axes (PyTorch exports it), as one reshape, one permute
 and one reshape, so that every transform handles it through those ops' rules."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _error(pattern: str, what: str) -> ValueError:
 def rearrange(
     tensor: torch.Tensor | Sequence[torch.Tensor], pattern: str, **axes_lengths: int
 ) -> torch.Tensor:
-    """einops' ``rearrange`` (as ``torch.func.rearrange``): transpose, reshape, squeeze,
+    """einops' ``rearrange`` (as ``PyTorch's rearrange``): transpose, reshape, squeeze,
     unsqueeze, stack and concatenate, written as a pattern such as ``"b (h w) c -> b h w c"``.
     A list or tuple of tensors is stacked along a new first axis first.
 

@@ -1,4 +1,4 @@
-"""Type aliases of the public API's signatures (torch.func's argument names and shapes)."""
+"""Type aliases of the public API's signatures (PyTorch's argument names and shapes)."""
 
 from __future__ import annotations
 

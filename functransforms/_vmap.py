@@ -116,7 +116,7 @@ def _check_nested_input(x, d, i, call):
     if d not in (0, -x.dim()):
         raise ValueError(
             f"{call}: input {i} (flattened) is a nested tensor with in_dim={d}; vmap maps a "
-            "nested tensor over its components only. Expected in_dim=0 (as torch.func). Do: "
+            "nested tensor over its components only. Expected in_dim=0 (as PyTorch). Do: "
             "pad it (`torch.nested.to_padded_tensor(x, 0.0)`) to map over another dim."
         )
     if x.size(0) == 0:
@@ -318,7 +318,7 @@ def _vmap_call(
 
 
 def _as_views_of_inputs(out, flat_args):
-    """Outputs that alias a plain input become views of it, as torch.func returns them.
+    """Outputs that alias a plain input become views of it, as PyTorch returns them.
 
     Note [Views of vmap's inputs]
         Rules run inside ``__torch_dispatch__``, below the ADInplaceOrView key, so a view op on
@@ -371,7 +371,7 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
     results = []
     for i, (o, od) in enumerate(zip(flat_out, flat_od)):
         if not isinstance(o, torch.Tensor):
-            if od is None:  # returned as it is, as torch.func does
+            if od is None:  # returned as it is, as PyTorch does
                 results.append(o)
                 continue
             raise ValueError(
@@ -387,11 +387,11 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
                     f"{_call_repr(func, in_dims, out_dims)}: output {i} is a nested tensor (one "
                     f"component per example), and out_dims for it is {od!r}; a nested tensor "
                     "stacks its examples along dim 0 only. Expected out_dims=0 for it (as "
-                    "torch.func)."
+                    "PyTorch)."
                 )
             # Note [Lazy conj outputs]: a lazily conjugated wrapper (``t.conj()``, views of it:
             # Note [Conjugate views under vmap], batching/views.py) holds only the lazy view,
-            # which vmap returns (is_conj(), a view of the input), as torch.func returns it.
+            # which vmap returns (is_conj(), a view of the input), as PyTorch returns it.
             lazy = getattr(o, "_lazy_conj", None)
             v, b = (o._value if lazy is None else lazy[0]), o._bdim
             if od is None:
@@ -413,7 +413,7 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
                 f"{od!r}; expected an int or None."
             )
         if not -n <= od < n:
-            raise IndexError(  # torch.func raises IndexError here
+            raise IndexError(  # PyTorch raises IndexError here
                 f"{_call_repr(func, in_dims, out_dims)}: out_dim={od} is out of range for output "
                 f"{i}, which has {n} dims with the mapped dim (shape {tuple(v.shape)}): expected "
                 f"out_dim in [{-n}, {n - 1}]."
@@ -450,7 +450,7 @@ def _chunked(
     axis,
 ):
     # randomness='same' means one draw for the whole batch, so every chunk draws from the same
-    # generator state (torch.func's chunks do too); 'different' chunks draw in sequence
+    # generator state (PyTorch's chunks do too); 'different' chunks draw in sequence
     rng = _RngSnapshot() if randomness == "same" else None
     pieces = []
     for start in range(0, batch_size, chunk_size):

@@ -43,7 +43,7 @@ def _ad_kind(op, table):
 #     with the conformance suite's verdict per transform (tests/conformance: its SKIP list and
 #     its expected-failure table, so this page goes stale, and its test fails, whenever that
 #     table changes). "ours only": the OpInfo says torch has no forward-mode formula
-#     (supports_forward_ad=False) and our jvp computes on its first float64 sample; its values
+#     (the OpInfo flags no forward AD) and our jvp computes on its first float64 sample; its values
 #     are checked against finite differences by the family tests, not by the suite (which has
 #     no oracle for it).
 OPINFO_TRANSFORMS = ("vmap", "vjp", "jvp", "vmap(vjp)", "jvp(vjp)")
@@ -151,7 +151,7 @@ def render() -> str:
         "One row per OpInfo of `torch.testing._internal.common_methods_invocations.op_db`, with "
         "the verdict of the conformance suite (tests/conformance, docs/conformance.md) per "
         "transform, real and complex dtypes together: *ok*: no expected failure (it passes, or "
-        "the suite found nothing torch.func itself computes); a failure category: its entry in "
+        "the suite found nothing PyTorch itself computes); a failure category: its entry in "
         "tests/conformance/expected_failures.py; *skip*: skipped by the suite (random or "
         "uninitialized output); *—*: the OpInfo says torch does not support the transform; "
         "**ours only**: torch has no forward-mode formula and our jvp computes (Note [Coverage "

@@ -60,7 +60,7 @@ def missing_rule(func, call, kind, decorator, path=()):
     if facts(func).written_kwargs:  # an out= variant: torch refuses these under autograd too
         return RuntimeError(
             f"{call}: {name} writes into `out=`, and functions with out= arguments do not "
-            "support automatic differentiation (as in torch and torch.func). Do: drop `out=` "
+            "support automatic differentiation (as in torch and PyTorch). Do: drop `out=` "
             "and use the return value."
         )
     via = ""
@@ -87,7 +87,7 @@ def raise_random(interp, func):
 
 def raise_same_with_batched_parameters(interp, func):
     """Note [randomness='same' with batched parameters]: one draw for the whole batch cannot
-    follow per-example distribution parameters (a batched mean, probability or rate); torch.func
+    follow per-example distribution parameters (a batched mean, probability or rate); PyTorch
     refuses it, and so do we, rather than draw per example and call it 'same'."""
     raise RandomnessError(
         f"{interp.call}: {op_name(func)} draws random numbers from a batched tensor argument "
@@ -145,7 +145,7 @@ def raise_inplace_into_conj(interp, func):
         f"{interp.call}: {op_name(func)} writes in place into the result of `conj()`. torch "
         "writes through a conjugate view into the tensor it came from; under vmap the view is "
         "materialized, so the write could not reach it and the result would differ from "
-        "torch.func. Do: write out of place (`y = x.conj() + 1`), or write into a copy "
+        "PyTorch. Do: write out of place (`y = x.conj() + 1`), or write into a copy "
         "(`x.conj().clone()`)."
     )
 
