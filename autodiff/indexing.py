@@ -616,6 +616,8 @@ def def_embedding_bag(op):
             per_index = per_index * keep.unsqueeze(-1)
         if needs[0]:
             rows = per_index if psw is None else per_index * psw.unsqueeze(-1)
+            if len(primals) > 3 and primals[3]:  # scale_grad_by_freq, as torch's backward
+                rows = rows / _index_counts(indices, weight.shape[0], rows.dtype).unsqueeze(-1)
             g = torch.zeros(weight.shape, dtype=ct.dtype, device=ct.device)
             res[0] = g.index_add(0, indices, rows)
         if len(primals) > 6 and psw is not None and needs[6]:
@@ -628,3 +630,33 @@ def def_embedding_bag(op):
 
 def_embedding_bag(aten._embedding_bag_forward_only.default)
 def_embedding_bag(aten._embedding_bag.default)
+
+
+# -- embedding ------------------------------------------------------------------------------------
+def _index_counts(flat, n, dtype):
+    """How often each entry of ``flat`` occurs in it (index_add, not bincount, so it batches)."""
+    ones = torch.ones(flat.shape, dtype=dtype, device=flat.device)
+    return torch.zeros(n, dtype=dtype, device=flat.device).index_add(0, flat, ones)[flat]
+
+
+@register_vjp_rule(aten.embedding.default)
+def embedding_vjp_rule(ct, primals, kwargs, out, needs):
+    """torch's embedding_backward: the rows of ``padding_idx`` get no gradient and
+    ``scale_grad_by_freq`` divides each row's cotangent by its index's count (the decomposition,
+    ``weight[indices]``, knows neither). The jvp stays the decomposition's: torch's forward
+    derivative is ``embedding`` of the tangent, which does not zero the padding rows either."""
+    weight, indices = primals[:2]
+    padding_idx = primals[2] if len(primals) > 2 else kwargs.get("padding_idx", -1)
+    scale = primals[3] if len(primals) > 3 else kwargs.get("scale_grad_by_freq", False)
+    res = [None] * len(primals)
+    if not needs[0]:
+        return tuple(res)
+    flat = indices.reshape(-1)
+    rows = ct.reshape(flat.shape + weight.shape[1:])
+    if scale:
+        rows = rows / _index_counts(flat, weight.shape[0], rows.dtype).unsqueeze(-1)
+    if padding_idx is not None and padding_idx >= 0:
+        rows = rows * (flat != padding_idx).unsqueeze(-1)
+    g = torch.zeros(weight.shape, dtype=ct.dtype, device=ct.device)
+    res[0] = g.index_add(0, flat, rows)
+    return tuple(res)

@@ -381,16 +381,30 @@ def masked_select_vmap_rule(interp, args, bdims, kwargs):
 
 @register_vmap_rule(aten.embedding.default)
 def embedding_vmap_rule(interp, args, bdims, kwargs):
-    """embedding(weight, indices, ...): a batched table is flattened and indices offset."""
+    """embedding(weight, indices, ...): a batched table is flattened and indices offset.
+
+    padding_idx and scale_grad_by_freq change only the derivative, which autograd or an outer
+    grad level takes of this physical call. Counts over a shared table would span the batch,
+    so scale_grad_by_freq batches a shared table too (each example counts its own indices, as
+    a loop does; PyTorch's counts span the batch). In a flat table padding_idx would name
+    batch 0's row only, and no combination of other ops has embedding's derivatives there
+    (its vjp zeros the padding rows, its jvp does not): a flattened table with a padding row is
+    looked up one example at a time."""
     weight, indices = args[0], args[1]
-    if bdims[0] is None:
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    scale = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
+    sparse = args[4] if len(args) > 4 else kwargs.get("sparse", False)
+    if bdims[0] is None and not scale:
         return aten.embedding.default(weight, indices, *args[2:], **kwargs), bdims[1]
     B = interp.batch_size
-    w = to_front(weight, bdims[0])
-    V = w.shape[1]
+    w = to_front(weight, bdims[0]) if bdims[0] is not None else weight.expand(B, *weight.shape)
     idx = expand_front(indices, bdims[1], B)
-    idx = idx + _arange_b(interp, idx.device, idx.dim() - 1) * V
-    return aten.embedding.default(w.reshape(B * V, -1), idx, *args[2:], **kwargs), 0
+    if padding_idx is not None and padding_idx >= 0:
+        outs = [aten.embedding.default(w[b], idx[b], padding_idx, scale, sparse) for b in range(B)]
+        return torch.stack(outs), 0
+    V = w.shape[1]
+    flat = idx + _arange_b(interp, idx.device, idx.dim() - 1) * V
+    return aten.embedding.default(w.reshape(B * V, -1), flat, padding_idx, scale, sparse), 0
 
 
 @register_vmap_rule(aten.as_strided.default)

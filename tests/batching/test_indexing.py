@@ -193,3 +193,46 @@ def test_batched_bool_mask_is_data_dependent():
     x = torch.randn(3, 4)
     with pytest.raises(DataDependentError, match=r"aten\.index\.Tensor"):
         vmap(lambda x: x[x > 0])(x)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(padding_idx=0),
+        dict(scale_grad_by_freq=True),
+        dict(padding_idx=1, scale_grad_by_freq=True),
+    ],
+)
+def test_embedding_derivative_of_the_batched_call_matches_loop(kw):
+    """padding_idx and scale_grad_by_freq act on the derivative taken of the physical call:
+    with a flattened per-example table padding_idx held only batch 0's row (an ensemble of
+    nn.Embedding(padding_idx=0) under autograd got gradients on the other padding rows), and
+    a shared table counted the indices of the whole batch (PyTorch too)."""
+    from functransforms import grad, jvp, vmap
+
+    g = torch.Generator().manual_seed(0)
+    wb, w = torch.randn(3, 6, 2, generator=g), torch.randn(6, 2, generator=g)
+    idx = torch.tensor([[0, 0, 2], [1, 0, 3], [1, 1, 1]])
+    c = torch.randn(3, 3, 2, generator=g)
+    emb = lambda i, w: Fn.embedding(i, w, **kw)
+    loop_b = torch.stack(
+        [torch.func.grad(lambda w, b=b: (emb(idx[1], w) * c[b]).sum())(wb[b]) for b in range(3)]
+    )
+    loop_u = sum(torch.func.grad(lambda w, b=b: (emb(idx[b], w) * c[b]).sum())(w) for b in range(3))
+    x = wb.clone().requires_grad_()
+    (vmap(lambda w: emb(idx[1], w))(x) * c).sum().backward()
+    torch.testing.assert_close(x.grad, loop_b)
+    torch.testing.assert_close(
+        grad(lambda x: (vmap(lambda w: emb(idx[1], w))(x) * c).sum())(wb), loop_b
+    )
+    x = w.clone().requires_grad_()
+    (vmap(lambda i: emb(i, x))(idx) * c).sum().backward()
+    torch.testing.assert_close(x.grad, loop_u)
+    torch.testing.assert_close(
+        grad(lambda x: (vmap(lambda i: emb(i, x))(idx) * c).sum())(w), loop_u
+    )
+    # the forward derivative stays embedding's (the padding rows move)
+    t = torch.randn(3, 6, 2, generator=g)
+    f = lambda w: vmap(lambda w, i: emb(i, w))(w, idx)
+    ref = lambda w: torch.func.vmap(lambda w, i: emb(i, w))(w, idx)
+    torch.testing.assert_close(jvp(f, (wb,), (t,)), torch.func.jvp(ref, (wb,), (t,)))
