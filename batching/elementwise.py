@@ -160,6 +160,21 @@ for _op in (
     def_pointwise(_op)
 
 
+@register_vmap_rule(aten.log_sigmoid_backward.default)
+def log_sigmoid_backward_vmap_rule(interp, args, bdims, kwargs):
+    """log_sigmoid_backward(g, x, buffer) carries no pointwise tag, and torch's decomposition
+    reads exp(-|x|) from ``buffer``, which an outer jvp holds constant (log_sigmoid_forward's
+    buffer has no tangent): jacfwd(jacrev) of F.logsigmoid or of
+    binary_cross_entropy_with_logits gave a zero hessian. The kernel itself runs on operands
+    of one physical shape (its output takes g's shape; an empty CUDA buffer stays empty)."""
+    B = interp.batch_size
+    new = [
+        a if not isinstance(a, torch.Tensor) or a.numel() == 0 else expand_front(a, b, B)
+        for a, b in zip(args, bdims)
+    ]
+    return aten.log_sigmoid_backward.default(*new, **kwargs), 0
+
+
 @register_vmap_rule(aten.broadcast_tensors.default)
 def broadcast_tensors_vmap_rule(interp, args, bdims, kwargs):
     tensors, bds = args[0], bdims[0]

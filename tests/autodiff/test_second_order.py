@@ -23,6 +23,7 @@ _M = _x(4, 4, seed=3)
 _SPD = _M @ _M.mT + 4 * torch.eye(4, dtype=F64)
 _B = _x(4, 2, seed=4)
 _B5 = _x(5, 2, seed=5)
+_P, _PW = torch.sigmoid(_x(2, 3, seed=6)), _x(3, seed=7).exp()
 
 
 def _sym(x):
@@ -62,6 +63,17 @@ CASES = {
     "linalg.vector_norm": (lambda x: torch.linalg.vector_norm(x, 3), (6,)),
     "linalg.matrix_norm-fro": (lambda x: torch.linalg.matrix_norm(x) ** 3, (3, 4)),
     "linalg.matrix_norm-nuc": (lambda x: torch.linalg.matrix_norm(x, "nuc"), (3, 4)),
+    # activations and losses whose backward kernels have saved buffers: log_sigmoid_backward
+    # decomposed under vmap read exp(-|x|) from its buffer, so jacfwd(jacrev) gave 0
+    "logsigmoid": (lambda x: _weigh(F.logsigmoid(x)), (2, 3)),
+    "bce_with_logits": (
+        lambda x: F.binary_cross_entropy_with_logits(x, _P, pos_weight=_PW),
+        (2, 3),
+    ),
+    "multilabel_soft_margin": (
+        lambda x: F.multilabel_soft_margin_loss(x, (_P > 0.5).to(F64)),
+        (2, 3),
+    ),
     # linalg decompositions
     "cholesky": (lambda x: _weigh(torch.linalg.cholesky(_SPD + _sym(x))), (4, 4)),
     "qr": (lambda x: _weigh(torch.linalg.qr(x)[0]) + _weigh(torch.linalg.qr(x)[1], 21), (4, 3)),
