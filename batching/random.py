@@ -14,6 +14,7 @@ Note [Batching random ops]
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 
@@ -173,6 +174,88 @@ class DifferentRandomnessMode(_compat.TorchDispatchMode):
                 out = wrap_batched(out, 0, interp)
             return out
         return func(*args, **kwargs)
+
+
+# Note [Dropout of an unbatched tensor]
+#     ``vmap(f, randomness='different')`` where f drops out a tensor the vmap does not batch (an
+#     ensemble's shared input, ``nn.Dropout`` first): PyTorch gives each example its own mask.
+#     torch's CPU dropout is a composite kernel drawing into ``empty_like(input)`` in place;
+#     for an unbatched input that buffer is a plain tensor the C++ kernel holds, which cannot
+#     take one draw per example (``_raise_different_inplace``). So, under a 'different' vmap
+#     only, a function mode sees the dropout functions first and makes their input batched at
+#     every 'different' level (plus a batched 0-d zero, which broadcasts): the kernel then draws
+#     into a batched buffer. In-place dropout still raises (it writes into the unbatched input).
+def _dropout_funcs():
+    F = torch.nn.functional
+    return frozenset(
+        (F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d,
+         F.dropout3d, F.rrelu, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+         torch.feature_alpha_dropout, torch.rrelu)
+    )  # fmt: skip
+
+
+_DROPOUT_FUNCS: frozenset = frozenset()
+
+
+def _inplace(func, args, kwargs):
+    if kwargs.get("inplace"):
+        return True
+    try:  # the nn.functional forms have a signature with `inplace`; torch.* builtins do not
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return False
+    return (
+        "inplace" in params
+        and len(args) > params.index("inplace")
+        and bool(args[params.index("inplace")])
+    )
+
+
+def _batched_at_every_different_level(x):
+    for interp in interpreter_stack():
+        if (
+            isinstance(interp, VmapInterpreter)
+            and interp.alive
+            and interp.randomness == "different"
+        ):
+            zero = torch.zeros(interp.batch_size, dtype=x.dtype, device=x.device)
+            x = x + wrap_batched(zero, 0, interp)
+    return x
+
+
+class _DifferentDropoutInputs(torch.overrides.TorchFunctionMode):
+    """Note [Dropout of an unbatched tensor]."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            func in _DROPOUT_FUNCS
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].is_floating_point()
+            and not _inplace(func, args, kwargs)
+        ):
+            args = (_batched_at_every_different_level(args[0]), *args[1:])
+        return func(*args, **kwargs)
+
+
+class different_randomness:
+    """What a randomness='different' vmap runs under: DifferentRandomnessMode and the dropout
+    function mode (Note [Dropout of an unbatched tensor])."""
+
+    def __enter__(self):
+        global _DROPOUT_FUNCS
+        if not _DROPOUT_FUNCS:
+            _DROPOUT_FUNCS = _dropout_funcs()
+        self.modes = (DifferentRandomnessMode(), _DifferentDropoutInputs())
+        for m in self.modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.modes):
+            m.__exit__(*exc)
+        return False
 
 
 def _raise_different_inplace(func):

@@ -200,7 +200,7 @@ def _vmap_call(
 ):
     from functransforms.batching._nested import wrap_nested
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
-    from functransforms.batching.random import DifferentRandomnessMode, no_random_ops
+    from functransforms.batching.random import different_randomness, no_random_ops
 
     if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
         raise TypeError(
@@ -298,7 +298,7 @@ def _vmap_call(
     if randomness == "error":  # Note [Random ops by their tags]
         mode = no_random_ops()
     elif randomness == "different":
-        mode = DifferentRandomnessMode()
+        mode = different_randomness()
     else:
         mode = None
     with interp:

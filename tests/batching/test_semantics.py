@@ -64,6 +64,38 @@ def test_randomness_different_nested_shapes():
     assert len({tuple(r.tolist()) for r in out.reshape(12, 2)}) == 12
 
 
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x, b: torch.nn.functional.dropout(x, 0.5) * b,
+        lambda x, b: torch.nn.Dropout(0.3)(x) + b,
+        lambda x, b: (
+            torch.nn.functional.dropout2d(x.reshape(1, 3, 4, 1), 0.5).flatten() * b.flatten()
+        ),
+        lambda x, b: torch.nn.functional.alpha_dropout(x, 0.5, True) * b,
+        lambda x, b: torch.dropout(x, 0.5, True) * b,
+    ],
+    ids=["dropout", "nn.Dropout", "dropout2d", "alpha_dropout", "torch.dropout"],
+)
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_dropout_of_an_unbatched_tensor_matches_torch_func(f, randomness):
+    """Note [Dropout of an unbatched tensor]: an ensemble's shared input dropped out under
+    randomness='different' raised RandomnessError (torch's CPU kernel draws in place into a
+    buffer like the unbatched input); PyTorch gives each example its own mask (same stream)."""
+    x = torch.ones(3, 4)
+
+    def run(vmap):
+        torch.manual_seed(5)
+        return vmap(lambda b: f(x, b), randomness=randomness)(torch.ones(4, 3, 4))
+
+    out = run(ft.vmap)
+    torch.testing.assert_close(out, run(torch.vmap))
+    assert (randomness == "same") == all(torch.equal(out[0], out[k]) for k in range(1, 4))
+    nested = ft.vmap(ft.vmap(lambda b: f(x, b), randomness="different"), randomness=randomness)
+    out = nested(torch.ones(2, 3, 3, 4)).reshape(6, -1)
+    assert len({tuple(r.tolist()) for r in out}) > 2
+
+
 # -- in-place ops ------------------------------------------------------------------------------
 def test_inplace_add_on_batched_self():
     def f(x, y):
