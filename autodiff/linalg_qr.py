@@ -109,7 +109,7 @@ def _qr_jvp(out, dots, A, mode):
         dARinv = _solve_tri(R, dA, upper=True, left=False)
         X = Q.mH @ dARinv
         S = X + _H(X)
-        dRRinv = S * _mask(S, "phi").mT  # triu with a halved (real) diagonal
+        dRRinv = S * _mask(S, "phi^T")  # triu with a halved (real) diagonal
         return dARinv - Q @ dRRinv, dRRinv @ R
     QHdA = Q.mH @ dA
     X = _solve_tri(R[..., :m], QHdA[..., :m], upper=True, left=False)
@@ -117,6 +117,16 @@ def _qr_jvp(out, dots, A, mode):
     S = X * _mask(X, "phi")
     QHdQ = S - _H(S)
     return Q @ QHdQ, QHdA - QHdQ @ R
+
+
+def _times_Q(Q, M, plus):
+    """``Q @ M + plus`` (``plus`` may be None), the right-hand side of a solve with
+    ``left=False``, which reads it column-major: for real inputs it is computed as the row-major
+    transpose of ``M^T Q^T + plus^T``, sparing the solve a copy (same values; QR's backward,
+    B=32 64x32: 0.40 -> 0.33 ms). Not for complex ones, where the transposed product is slower."""
+    if Q.is_complex():
+        return _plus(Q @ M, plus)
+    return _plus(M.mT @ Q.mT, None if plus is None else plus.mT).mT
 
 
 def _qr_vjp(bars, out, needs, A, mode):
@@ -131,13 +141,12 @@ def _qr_vjp(bars, out, needs, A, mode):
     if m >= n:
         # the adjoint of triu-with-halved-diagonal o sym, triu(G, 1) + triu(G, 1)^H + Re diag G,
         # in two ops: S + S^H with S = G * triu-with-halved-diagonal
-        S = G * _mask(G, "phi").mT
-        gA = Q @ (S + _H(S))
-        gA = _plus(gA, gQ)
-        return (_solve_tri(_H(R), gA, upper=False, left=False),)
+        S = G * _mask(G, "phi^T")
+        gA = _solve_tri(_H(R), _times_Q(Q, S + _H(S), gQ), upper=False, left=False)
+        return (gA,)
     # the adjoint of the m < n map, tril(Y - Y^H, -1) + i Im diag(Y) with Y = -G: (Y - Y^H) * phi
     T = (_H(G) - G) * _mask(G, "phi")
-    gA = _solve_tri(_H(R[..., :m]), Q @ T, upper=False, left=False)
+    gA = _solve_tri(_H(R[..., :m]), _times_Q(Q, T, None), upper=False, left=False)
     gA = _pad_columns(gA, n)
     if gR is not None:
         gA = gA + Q @ gR

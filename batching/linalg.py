@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from functransforms._core import below_torch_autograd
+
+from ._fastpath import SHAPED_FUNCS, _live_value
 from ._registry import register_vmap_rule
 from ._util import expand_front, pad_to, to_front
 
@@ -257,6 +260,72 @@ def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
         pivots = pivots.reshape(keep + pivots.shape[1 + nd - ka :])
         info = info.reshape(keep + info.shape[1 + nd - ka :])
     return (X, LU, pivots, info), (0, 0, 0, 0)
+
+
+# Note [Fast path for linalg.solve]
+#     torch.linalg.solve is a composite: under vmap it reaches the dispatcher twice
+#     (_linalg_solve_ex, whose rule wraps four outputs, then _linalg_check_errors), which cost
+#     more than the solve of a batch of small systems itself. At __torch_function__ level
+#     (Note [Shaped fast path], _fastpath.py) the same answer is one batched call on the physical
+#     values, when it is exactly the logical call with one more batch dim: the vmap dim goes in
+#     front of every batched operand, a vector right-hand side (torch's rule, decided on the
+#     logical shapes) becomes an explicit column, and every batched operand has the largest
+#     logical batch rank (a plain operand's batch dims then never reach the vmap dim). Anything
+#     else (``out=``, a vector with ``left=False``, values of two levels, mismatched batch ranks)
+#     and every error (shapes, dtypes, singular matrices) goes to the ordinary path, which stays
+#     the source of semantics and of messages.
+def _solve_fast(func, args, kwargs, batched_cls, wrap):
+    if len(args) != 2 or (kwargs and not kwargs.keys() <= {"left"}):
+        return None
+    left = kwargs.get("left", True) if kwargs else True
+    if type(left) is not bool:
+        return None
+    interp = None
+    phys = []
+    for x in args:
+        if type(x) is batched_cls:
+            v = _live_value(x, batched_cls)
+            if v is None or (interp is not None and x._interp is not interp):
+                return None
+            interp = x._interp
+            phys.append(v if x._bdim == 0 else v.movedim(x._bdim, 0))
+        elif type(x) is torch.Tensor:
+            if x.requires_grad and below_torch_autograd():
+                return None  # Note [Fast path below torch's autograd]
+            phys.append(x)
+        else:
+            return None
+    if interp is None:
+        return None
+    A, b = args
+    LA, Lb = A.shape, b.shape  # logical shapes (a wrapper's own)
+    nA, nb = len(LA), len(Lb)
+    if nA < 2 or nb < 1:
+        return None
+    vec = nb == 1 or (nb == nA - 1 and Lb == LA[:-1])
+    if vec and not left:
+        return None
+    K = max(nA - 2, nb - 1 - (not vec))
+    if (type(A) is batched_cls and nA - 2 != K) or (
+        type(b) is batched_cls and nb - 1 - (not vec) != K
+    ):
+        return None
+    pA, pb = phys
+    # torch's rule on the physical shapes: where it disagrees, b is given as an explicit column
+    n = pb.dim()
+    column = vec != (n == 1 or (n == pA.dim() - 1 and pb.shape == pA.shape[:-1]))
+    if column:
+        if not vec:
+            return None  # torch would take the physical b for a batch of vectors
+        pb = pb.unsqueeze(-1)
+    try:
+        out = func(pA, pb) if left else func(pA, pb, left=False)
+    except RuntimeError:
+        return None  # the ordinary path raises it, with the logical shapes
+    return wrap(out.squeeze(-1) if column else out, 0, interp)
+
+
+SHAPED_FUNCS[torch.linalg.solve] = _solve_fast
 
 
 @register_vmap_rule(aten.linalg_lu_solve.default)

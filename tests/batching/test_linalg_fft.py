@@ -227,6 +227,101 @@ def test_solve_unbatched_matrix_rhs_is_not_a_vector():
     check(torch.linalg.solve, (A, b), in_dims=(0, None))
 
 
+# -- Note [Fast path for linalg.solve] (batching/linalg.py) ------------------------------------
+_rhs_right = SOLVERS["solve_right"][1]
+
+
+def _without_solve_fast_path(monkeypatch):
+    from functransforms.batching import _fastpath
+
+    monkeypatch.delitem(_fastpath.SHAPED_FUNCS, torch.linalg.solve)
+
+
+def _dispatched_ops(fn, args, in_dims, monkeypatch):
+    calls = []
+    process = _tensor.VmapInterpreter.process
+
+    def counting(self, func, a, k):
+        calls.append(func)
+        return process(self, func, a, k)
+
+    with monkeypatch.context() as m:
+        m.setattr(_tensor.VmapInterpreter, "process", counting)
+        out = ft.vmap(fn, in_dims=in_dims)(*args)
+    return out, calls
+
+
+@pytest.mark.parametrize("dtype", [DT, CDT], ids=["real", "complex"])
+def test_solve_fast_path_matches_ordinary_path(dtype, monkeypatch):
+    """Every vector case and every mix of batch ranks / in_dims, left=True and left=False: the
+    fast path gives exactly the ordinary path's values and shapes (or steps aside)."""
+    cases = []
+    for a_batch, b_shape in VECTOR_CASES:
+        for da, db in [(0, 0), (None, 0), (0, None), (-1, -1), (1, None)]:
+            g = gen(5)
+            A = stack([general(a_batch, dtype, g) for _ in range(B)], da)
+            b = stack([rand(b_shape, dtype, g) for _ in range(B)], db)
+            cases.append((torch.linalg.solve, (A, b), (da, db)))
+    right = lambda A, b: torch.linalg.solve(A, b, left=False)  # noqa: E731
+    for kx, ky, dx, dy in MIXES:
+        for f, make_y in ((torch.linalg.solve, _rhs(2)), (right, _rhs_right)):
+            x, y = _pair(general, make_y, kx, ky, dx, dy, dtype)
+            cases.append((f, (x, y), (dx, dy)))
+    fast = [ft.vmap(f, in_dims=d)(*a) for f, a, d in cases]
+    with monkeypatch.context() as m:
+        _without_solve_fast_path(m)
+        slow = [ft.vmap(f, in_dims=d)(*a) for f, a, d in cases]
+    for (_, a, d), o, r in zip(cases, fast, slow, strict=True):
+        assert o.shape == r.shape and o.dtype == r.dtype, (a[0].shape, a[1].shape, d)
+        torch.testing.assert_close(o, r, atol=1e-10, rtol=1e-10)
+
+
+def test_solve_fast_path_is_one_batched_call(monkeypatch):
+    """The benchmarked case (issue 13 row (i)) never reaches the dispatcher; a value of another
+    level, or a keyword the fast path does not cover, takes the ordinary path."""
+    A, b = general((B,)), torch.randn(B, N, dtype=DT)
+    out, calls = _dispatched_ops(torch.linalg.solve, (A, b), 0, monkeypatch)
+    assert calls == []
+    torch.testing.assert_close(out, torch.linalg.solve(A, b))
+    out, calls = _dispatched_ops(
+        lambda A, b: torch.linalg.solve(A, b.unsqueeze(-1), left=True), (A, b), 0, monkeypatch
+    )
+    assert torch.ops.aten._linalg_solve_ex.default not in calls
+    # an unbatched vector b broadcast against a batch of matrices
+    out, calls = _dispatched_ops(torch.linalg.solve, (A, b[0]), (0, None), monkeypatch)
+    assert calls == []
+    # values of two levels: the inner level's wrapper is not this level's
+    out, calls = _dispatched_ops(
+        lambda b: ft.vmap(torch.linalg.solve, in_dims=(0, None))(A, b), (b,), 0, monkeypatch
+    )
+    assert torch.ops.aten._linalg_solve_ex.default in calls
+    torch.testing.assert_close(out, torch.stack([torch.linalg.solve(A, bi) for bi in b]))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "ordinary"])
+def test_solve_errors_as_torch(fast, monkeypatch):
+    """A singular example raises torch's error (with its index in the batch); shape and dtype
+    errors name the logical shapes, whichever path runs."""
+    if not fast:
+        _without_solve_fast_path(monkeypatch)
+    A, b = general((B,)), torch.randn(B, N, dtype=DT)
+    A[1] = 0
+    msg = "(Batch element 1): The solver failed because the input matrix is singular"
+    with pytest.raises(torch.linalg.LinAlgError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        ft.vmap(torch.linalg.solve)(A, b)
+    A = torch.randn(B, N, N + 1, dtype=DT)
+    with pytest.raises(RuntimeError) as ours:
+        ft.vmap(torch.linalg.solve)(A, b)
+    with pytest.raises(RuntimeError) as ref:
+        torch.linalg.solve(A[0], b[0])
+    assert str(ours.value) == str(ref.value)
+    with pytest.raises(RuntimeError) as ours:
+        ft.vmap(torch.linalg.solve)(general((B,)), b.float())
+    with pytest.raises(RuntimeError) as ref:
+        torch.linalg.solve(general(()), b[0].float())
+    assert str(ours.value) == str(ref.value)
+
+
 @pytest.mark.parametrize("dtype", [DT, CDT], ids=["real", "complex"])
 def test_householder_product(dtype):
     g = gen(4)
