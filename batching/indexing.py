@@ -375,7 +375,9 @@ def masked_select_vmap_rule(interp, args, bdims, kwargs):
         raise_data_dependent(interp, aten.masked_select.default)
     xf = to_front(x, bdims[0])
     shape = torch.broadcast_shapes(tuple(xf.shape[1:]), tuple(mask.shape))
-    xf = xf.expand((xf.shape[0],) + shape)
+    # a mask of higher rank: pad x's logical dims, or the batch dim would align with one of the
+    # mask's (silently wrong when the sizes agree, as under jacfwd with as many basis vectors)
+    xf = pad_to(xf, len(shape)).expand((xf.shape[0],) + shape)
     return xf[:, mask.expand(shape)], 0
 
 

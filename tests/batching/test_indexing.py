@@ -236,3 +236,20 @@ def test_embedding_derivative_of_the_batched_call_matches_loop(kw):
     f = lambda w: vmap(lambda w, i: emb(i, w))(w, idx)
     ref = lambda w: torch.func.vmap(lambda w, i: emb(i, w))(w, idx)
     torch.testing.assert_close(jvp(f, (wb,), (t,)), torch.func.jvp(ref, (wb,), (t,)))
+
+
+def test_masked_select_with_a_mask_of_higher_rank():
+    """x (4,) and mask (4, 4) broadcast to (4, 4): the rule expanded x's physical (B, 4) to
+    (B, 4, 4) without padding, so the batch dim aligned with the mask's first dim (a wrong
+    jacfwd when B = 4, an error otherwise)."""
+    from functransforms import jacfwd, vmap
+
+    mask = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1]]).bool()
+    x = torch.randn(4, dtype=torch.float64)
+    f = lambda x: x.masked_select(mask)
+    torch.testing.assert_close(jacfwd(f)(x), torch.func.jacfwd(f)(x))
+    for B, d in [(4, 0), (3, 0), (4, 1)]:  # torch.vmap raises here: the oracle is the loop
+        xs = torch.randn(B, 4) if d == 0 else torch.randn(4, B)
+        torch.testing.assert_close(
+            vmap(f, in_dims=d)(xs), torch.stack([f(r) for r in xs.movedim(d, 0)])
+        )
