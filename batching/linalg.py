@@ -274,43 +274,49 @@ def linalg_solve_vmap_rule(interp, args, bdims, kwargs):
 #     else (``out=``, a vector with ``left=False``, values of two levels, mismatched batch ranks)
 #     and every error (shapes, dtypes, singular matrices) goes to the ordinary path, which stays
 #     the source of semantics and of messages.
-def _solve_fast(func, args, kwargs, batched_cls, wrap):
-    if len(args) != 2 or (kwargs and not kwargs.keys() <= {"left"}):
-        return None
-    left = kwargs.get("left", True) if kwargs else True
-    if type(left) is not bool:
-        return None
-    interp = None
-    phys = []
-    for x in args:
-        if type(x) is batched_cls:
-            v = _live_value(x, batched_cls)
-            if v is None or (interp is not None and x._interp is not interp):
-                return None
-            interp = x._interp
-            phys.append(v if x._bdim == 0 else v.movedim(x._bdim, 0))
-        elif type(x) is torch.Tensor:
-            if x.requires_grad and below_torch_autograd():
-                return None  # Note [Fast path below torch's autograd]
-            phys.append(x)
-        else:
+def _solve_operand(x, batched_cls):
+    """(physical value with the vmap dim in front, logical shape, interp) of one operand, or
+    None when the fast path cannot take it."""
+    if type(x) is batched_cls:
+        v = _live_value(x, batched_cls)
+        if v is None:
             return None
-    if interp is None:
+        if x._bdim:
+            v = v.movedim(x._bdim, 0)
+        return v, v.shape[1:], x._interp
+    if type(x) is torch.Tensor:
+        if x.requires_grad and below_torch_autograd():
+            return None  # Note [Fast path below torch's autograd]
+        return x, x.shape, None
+    return None
+
+
+def _solve_fast(func, args, kwargs, batched_cls, wrap):
+    if len(args) != 2:
         return None
-    A, b = args
-    LA, Lb = A.shape, b.shape  # logical shapes (a wrapper's own)
+    left = True
+    if kwargs:
+        left = kwargs.get("left")
+        if len(kwargs) != 1 or type(left) is not bool:
+            return None
+    a = _solve_operand(args[0], batched_cls)
+    b = _solve_operand(args[1], batched_cls)
+    if a is None or b is None:
+        return None
+    (pA, LA, iA), (pb, Lb, ib) = a, b
+    interp = iA or ib
+    if interp is None or (iA is not None and ib is not None and iA is not ib):
+        return None
     nA, nb = len(LA), len(Lb)
     if nA < 2 or nb < 1:
         return None
     vec = nb == 1 or (nb == nA - 1 and Lb == LA[:-1])
     if vec and not left:
         return None
-    K = max(nA - 2, nb - 1 - (not vec))
-    if (type(A) is batched_cls and nA - 2 != K) or (
-        type(b) is batched_cls and nb - 1 - (not vec) != K
-    ):
+    kb = nb - 1 if vec else nb - 2
+    # every batched operand has the largest logical batch rank
+    if (iA is not None and kb > nA - 2) or (ib is not None and nA - 2 > kb):
         return None
-    pA, pb = phys
     # torch's rule on the physical shapes: where it disagrees, b is given as an explicit column
     n = pb.dim()
     column = vec != (n == 1 or (n == pA.dim() - 1 and pb.shape == pA.shape[:-1]))

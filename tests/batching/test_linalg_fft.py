@@ -298,6 +298,40 @@ def test_solve_fast_path_is_one_batched_call(monkeypatch):
     torch.testing.assert_close(out, torch.stack([torch.linalg.solve(A, bi) for bi in b]))
 
 
+_SOLVE_COMPOSITIONS = {
+    "grad(vmap)": lambda m, A, b: m.grad(
+        lambda A, b: m.vmap(torch.linalg.solve)(A, b).abs().sum(), argnums=(0, 1)
+    )(A, b),
+    "jvp(vmap)": lambda m, A, b: m.jvp(
+        m.vmap(torch.linalg.solve), (A, b), (torch.ones_like(A), torch.ones_like(b))
+    ),
+    "vmap(vmap)": lambda m, A, b: m.vmap(
+        m.vmap(torch.linalg.solve, in_dims=(0, None)), in_dims=(None, 0)
+    )(A, b),
+    "vmap(grad)": lambda m, A, b: m.vmap(m.grad(lambda A, b: torch.linalg.solve(A, b).abs().sum()))(
+        A, b
+    ),
+    "jacrev(vmap)": lambda m, A, b: m.jacrev(m.vmap(torch.linalg.solve), argnums=1)(A, b),
+}
+
+
+@pytest.mark.parametrize("dtype", [DT, CDT], ids=["real", "complex"])
+@pytest.mark.parametrize("name", list(_SOLVE_COMPOSITIONS))
+def test_solve_fast_path_under_other_transforms(name, dtype):
+    """The fast path's physical call runs on the inner levels' wrappers (grad, jvp, an inner
+    vmap) when vmap is the outer transform, and under torch's autograd at top level."""
+    if name == "jacrev(vmap)" and dtype == CDT:
+        pytest.skip("jacrev of a complex output")
+    A, b = general((B,), dtype, gen(6)), rand((B, N), dtype, gen(7))
+    f = _SOLVE_COMPOSITIONS[name]
+    torch.testing.assert_close(f(ft, A, b), f(torch.func, A, b))
+    A1, b1 = A.clone().requires_grad_(), b.clone().requires_grad_()
+    ft.vmap(torch.linalg.solve)(A1, b1).abs().sum().backward()
+    A2, b2 = A.clone().requires_grad_(), b.clone().requires_grad_()
+    torch.linalg.solve(A2, b2).abs().sum().backward()
+    torch.testing.assert_close((A1.grad, b1.grad), (A2.grad, b2.grad))
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "ordinary"])
 def test_solve_errors_as_torch(fast, monkeypatch):
     """A singular example raises torch's error (with its index in the batch); shape and dtype
