@@ -55,6 +55,35 @@ def test_fast_path_steps_aside_for_misaligned_batch_dims(dispatch_count):
     assert len(dispatch_count) == 1
 
 
+def test_two_values_of_one_level_take_the_fast_path(dispatch_count):
+    x, y = torch.randn(3, 5, 2), torch.randn(3, 5, 2)
+    check_vmap(lambda a, b: a * b + a / b - b**a, (x, y.abs()), in_dims=1)
+    check_vmap(lambda a, b: torch.maximum(a, b) + torch.atan2(b, a), (x, y), in_dims=0)
+    assert dispatch_count == []
+
+
+def test_two_values_step_aside_across_levels_and_batch_dims(dispatch_count):
+    x, y = torch.randn(3, 4), torch.randn(4, 3)
+    torch.testing.assert_close(ft.vmap(torch.mul, in_dims=(0, 1))(x, y), x * y.T)
+    assert dispatch_count == [torch.ops.aten.mul.Tensor]
+    dispatch_count.clear()
+    nested = ft.vmap(ft.vmap(torch.sub, in_dims=(0, None)), in_dims=(None, 0))(x[0], x[:, 0])
+    torch.testing.assert_close(nested, x[0] - x[:, 0, None])
+    assert dispatch_count  # an outer level's value: the ordinary path
+
+
+def test_two_values_requiring_grad_under_a_rule():
+    # vmap of a function whose values require grad, differentiated by torch's autograd
+    # through the transform: the fast path must not run below torch's autograd
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3)
+    out = ft.vmap(lambda v: (v * w) * (v + w))(x)
+    (g,) = torch.autograd.grad(out.sum(), w)
+    torch.testing.assert_close(g, (x * (x + w) + x * w).sum(0).detach())
+    gg = ft.grad(lambda u: ft.vmap(lambda v: (v * u) * (v * u))(x).sum())(w.detach())
+    torch.testing.assert_close(gg, (2 * x * x * w.detach()).sum(0))
+
+
 def test_unary_keeps_the_batch_dim_where_it_is(dispatch_count):
     x = torch.randn(3, 5, 2)
     check_vmap(lambda v: torch.tanh(v).sigmoid(), (x,), in_dims=1)
@@ -94,6 +123,15 @@ CASES = [
     (lambda a: a + (a == None), (torch.randn(4, 3),), 0),  # noqa: E711  (a Python bool)
     (lambda a: F.gelu(a, approximate="tanh") + F.leaky_relu(a, 0.2), (torch.randn(4, 3),), 0),
     (lambda z: (z * z.conj()).real + z.abs(), (torch.randn(4, 3, dtype=torch.complex64),), 0),
+    # two values of one level (the inline case): batch dims elsewhere than in front, logical
+    # broadcasting at equal rank, 0-d logical values of two dtypes, promotion int * float
+    (torch.mul, (torch.randn(4, 3), torch.randn(4, 3)), 1),
+    (torch.add, (torch.randn(4, 1, 3), torch.randn(4, 2, 3)), 0),
+    (torch.add, (torch.randn(2, 4, 3), torch.randn(2, 4, 1)), 1),
+    (torch.mul, (torch.randn(4, dtype=torch.float16), torch.randn(4, dtype=torch.float64)), 0),
+    (lambda a, b: a * b, (torch.arange(12).view(4, 3), torch.randn(4, 3)), 0),
+    (lambda a, b: a - b.conj(), (torch.randn(4, 3, dtype=torch.complex64),) * 2, 0),
+    (lambda a, b: b.neg() / a, (torch.rand(4, 3) + 1, torch.randn(4, 3)), 0),
 ]
 
 
