@@ -84,32 +84,29 @@ class BatchedTensor(TransformTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         inplace_at = POINTWISE_FUNCS.get(func)
         if inplace_at is not None:  # Note [Pointwise fast path]
-            # its commonest case first, inline: one plain value and at most a Python number
+            # its commonest cases first, inline: one plain value and at most a Python number,
+            # or a plain tensor that broadcasts against the logical dims (the batch dim in
+            # front: what _pointwise_general checks for these two operands)
             if inplace_at < 0 and not kwargs and type(args[0]) is cls:
                 n = len(args)
-                if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
-                    a = args[0]
-                    v, interp = a._value, a._interp
-                    if (
-                        type(v) is _Tensor
-                        and interp.alive
-                        and not (_torch_requires_grad(v) and below_torch_autograd())
+                a = args[0]
+                v, interp = a._value, a._interp
+                if type(v) is _Tensor and interp.alive:
+                    if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
+                        if not (_torch_requires_grad(v) and below_torch_autograd()):
+                            out = func(v) if n == 1 else func(v, args[1])
+                            return _wrap_fresh(out, a._bdim, interp)
+                    elif (
+                        n == 2
+                        and type(b := args[1]) is _Tensor
+                        and a._bdim == 0
+                        and v.dim() > max(1, b.dim())  # 1 <= logical rank >= b's rank
+                        and not (
+                            (_torch_requires_grad(v) or _torch_requires_grad(b))
+                            and below_torch_autograd()
+                        )
                     ):
-                        out = func(v) if n == 1 else func(v, args[1])
-                        if type(out) is _Tensor and not (out.is_conj() or out.is_neg()):
-                            bdim = a._bdim
-                            shape, st = out.shape, out.stride()
-                            if bdim == 0:
-                                shape, st = shape[1:], st[1:]
-                            else:
-                                shape = shape[:bdim] + shape[bdim + 1 :]
-                                st = st[:bdim] + st[bdim + 1 :]
-                            r = _mk(BatchedTensor, shape, st, dtype=out.dtype, device=out.device)
-                            r._value = out
-                            r._bdim = bdim
-                            r._interp = interp
-                            return r
-                        return wrap_batched(out, a._bdim, interp) if type(out) is _Tensor else out
+                        return _wrap_fresh(func(v, b), 0, interp)
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
@@ -168,6 +165,7 @@ class BatchedTensor(TransformTensor):
 
 SLOW_METADATA.add(BatchedTensor)  # Note [Reading a wrapper's metadata]
 _mk = _compat.make_wrapper_subclass
+_STRIDED = torch.strided
 _getitem = torch.Tensor.__getitem__
 
 
@@ -193,6 +191,26 @@ def _tensor_index(index):
     return None
 
 
+def _wrap_fresh(out, bdim, interp):
+    """The inline fast path's result ``out`` as a wrapper of ``interp``'s level (anything but
+    a plain tensor without lazy bits goes through ``wrap_batched``; a non-tensor is returned)."""
+    if type(out) is not _Tensor:
+        return out
+    if out.is_conj() or out.is_neg():
+        return wrap_batched(out, bdim, interp)
+    shape, st = out.shape, out.stride()
+    if bdim == 0:
+        shape, st = shape[1:], st[1:]
+    else:
+        shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
+    # dtype and device positionally: keywords cost _make_wrapper_subclass ~0.5 us of parsing
+    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, out.device)
+    r._value = out
+    r._bdim = bdim
+    r._interp = interp
+    return r
+
+
 def wrap_batched(value, bdim, interp):
     if type(value) is torch.Tensor and not (value.is_conj() or value.is_neg()):
         # the common case, on the per-op path: a plain value (an op's result), no lazy bits
@@ -201,7 +219,7 @@ def wrap_batched(value, bdim, interp):
             shape, st = shape[1:], st[1:]
         else:
             shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
-        r = _mk(BatchedTensor, shape, st, dtype=value.dtype, device=value.device)
+        r = _mk(BatchedTensor, shape, st, None, None, value.dtype, _STRIDED, value.device)
         r._value = value
         r._bdim = bdim
         r._interp = interp
