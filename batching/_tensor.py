@@ -86,56 +86,43 @@ class BatchedTensor(TransformTensor):
         inplace_at = POINTWISE_FUNCS.get(func)
         if inplace_at is not None:  # Note [Pointwise fast path]
             # its commonest cases first, inline: one plain value with at most a Python number,
-            # or two values of this level with one batch dim and one logical rank
+            # two values of this level with one batch dim and one logical rank, or a plain
+            # tensor that broadcasts against the logical dims (the batch dim in front: what
+            # _pointwise_general checks for these two operands)
             if inplace_at < 0 and not kwargs and type(args[0]) is cls:
                 a = args[0]
                 v, interp = a._value, a._interp
-                if (
-                    type(v) is _Tensor
-                    and interp.alive
-                    and not (_torch_requires_grad(v) and below_torch_autograd())
-                ):
+                if type(v) is _Tensor and interp.alive:
                     n = len(args)
-                    out = None
-                    if n == 1:
-                        out = func(v)
+                    if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
+                        if not (_torch_requires_grad(v) and below_torch_autograd()):
+                            out = func(v) if n == 1 else func(v, args[1])
+                            return _wrap_fresh(out, a._bdim, interp)
                     elif n == 2:
                         b = args[1]
-                        if type(b) in _NUMBERS:
-                            out = func(v, b)
-                        elif type(b) is cls and b._interp is interp and b._bdim == a._bdim:
+                        if type(b) is cls:
                             w = b._value
                             if (
-                                type(w) is _Tensor
+                                b._interp is interp
+                                and b._bdim == a._bdim
+                                and type(w) is _Tensor
                                 and w.dim() == v.dim()
-                                and not (_torch_requires_grad(w) and below_torch_autograd())
+                                and not (
+                                    (_torch_requires_grad(v) or _torch_requires_grad(w))
+                                    and below_torch_autograd()
+                                )
                             ):
-                                out = func(v, w)
-                    if out is not None:
-                        if type(out) is _Tensor and not (out.is_conj() or out.is_neg()):
-                            bdim = a._bdim
-                            shape, st = out.shape, out.stride()
-                            if bdim == 0:
-                                shape, st = shape[1:], st[1:]
-                            else:
-                                shape = shape[:bdim] + shape[bdim + 1 :]
-                                st = st[:bdim] + st[bdim + 1 :]
-                            # positional: keyword parsing costs ~0.3 us of an op's ~5
-                            r = _mk(
-                                BatchedTensor,
-                                shape,
-                                st,
-                                None,
-                                None,
-                                out.dtype,
-                                _STRIDED,
-                                out.device,
+                                return _wrap_fresh(func(v, w), a._bdim, interp)
+                        elif (
+                            type(b) is _Tensor
+                            and a._bdim == 0
+                            and v.dim() > max(1, b.dim())  # 1 <= logical rank >= b's rank
+                            and not (
+                                (_torch_requires_grad(v) or _torch_requires_grad(b))
+                                and below_torch_autograd()
                             )
-                            r._value = out
-                            r._bdim = bdim
-                            r._interp = interp
-                            return r
-                        return wrap_batched(out, a._bdim, interp) if type(out) is _Tensor else out
+                        ):
+                            return _wrap_fresh(func(v, b), 0, interp)
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
@@ -217,6 +204,26 @@ def _tensor_index(index):
     if all(e is None or isinstance(e, torch.Tensor) for e in entries):
         return list(entries)
     return None
+
+
+def _wrap_fresh(out, bdim, interp):
+    """The inline fast path's result ``out`` as a wrapper of ``interp``'s level (anything but
+    a plain tensor without lazy bits goes through ``wrap_batched``; a non-tensor is returned)."""
+    if type(out) is not _Tensor:
+        return out
+    if out.is_conj() or out.is_neg():
+        return wrap_batched(out, bdim, interp)
+    shape, st = out.shape, out.stride()
+    if bdim == 0:
+        shape, st = shape[1:], st[1:]
+    else:
+        shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
+    # dtype and device positionally: keywords cost _make_wrapper_subclass ~0.5 us of parsing
+    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, out.device)
+    r._value = out
+    r._bdim = bdim
+    r._interp = interp
+    return r
 
 
 def wrap_batched(value, bdim, interp):

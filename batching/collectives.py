@@ -23,6 +23,10 @@ _DIM_PARAMS = {ops.all_gather: 1, ops.psum_scatter: 1, ops.all_to_all: 2, ops.pp
 # op -> its ``across`` rule: also applied by pmap without a level (Note [pmap without a level
 # for its shard], functransforms/_collectives.py)
 ACROSS: dict = {}
+# op -> its rule at the binding vmap, ``named(x, bdim, batch_size, *params) -> (out, bdim)``:
+# also applied by the public reductions themselves (Note [A reduction at its own level],
+# functransforms/_collectives.py)
+LOCAL: dict = {}
 
 
 def def_collective(op, named, across=None):
@@ -30,6 +34,7 @@ def def_collective(op, named, across=None):
     at the binding vmap, ``across(x, bdim, group, world, *params)`` at a binding pmap (Note
     [pmap's collectives] in functransforms/_collective_ops.py), the pass-through elsewhere."""
     ACROSS[op] = across
+    LOCAL[op] = named
 
     @register_vmap_rule(op)
     def rule(interp, args, bdims, kwargs):

@@ -51,6 +51,10 @@ aten = torch.ops.aten
 #     registers nothing there; checked on torch 2.13): torch has no key reserved for
 #     third-party modes. Registration scans the op tags once, at the first such vmap.
 _RANDOM_KEY = _compat.RANDOM_GUARD_KEY
+# The same key as an enum value, for the thread-local state calls: given the name, pybind
+# parses the string on every call (1.8 us each; three per vmap call and per guarded draw), and
+# torch exposes no enum attribute for this key, so it is taken from a key set once.
+_RANDOM_KEY_ENUM = _compat.DispatchKeySet(_RANDOM_KEY).highestPriorityTypeId()
 _libs: list = []  # keeps the registrations alive
 _COMPOSITE = _compat.CompositeImplicitAutograd
 _dispatch_modes = _compat.len_torch_dispatch_stack
@@ -85,11 +89,11 @@ def _random_op_kernel(op):
                 raise_random(interp, op)
         # included but no 'error' level on this thread's stack (e.g. a grad level's backward
         # run later): draw as usual, past this key
-        _compat.dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, True)
+        _compat.dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY_ENUM, True)
         try:
             return op(*args, **kwargs)
         finally:
-            _compat.dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY, False)
+            _compat.dispatch_tls_set_dispatch_key_excluded(_RANDOM_KEY_ENUM, False)
 
     return random_op_in_error_vmap
 
@@ -123,12 +127,12 @@ class no_random_ops:
     def __enter__(self):
         if not _libs:
             _register_random_kernels()
-        self.prev = _compat.dispatch_tls_is_dispatch_key_included(_RANDOM_KEY)
-        _compat.dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, True)
+        self.prev = _compat.dispatch_tls_is_dispatch_key_included(_RANDOM_KEY_ENUM)
+        _compat.dispatch_tls_set_dispatch_key_included(_RANDOM_KEY_ENUM, True)
         return self
 
     def __exit__(self, *exc):
-        _compat.dispatch_tls_set_dispatch_key_included(_RANDOM_KEY, self.prev)
+        _compat.dispatch_tls_set_dispatch_key_included(_RANDOM_KEY_ENUM, self.prev)
         return False
 
 

@@ -45,10 +45,12 @@ def _names(axis_name):
 
 
 def binding(name, call):
-    """The innermost active interpreter whose mapped axis is called ``name``."""
+    """The innermost active interpreter whose mapped axis is called ``name``. ``call`` names
+    the call in errors: a string, or a function making it (built only to raise)."""
     for interp in reversed(interpreter_stack()):
         if getattr(interp, "axis_name", None) == name:
             if getattr(interp, "chunked", False):
+                call = call() if callable(call) else call
                 raise ValueError(
                     f"{call}: the axis {name!r} is mapped with vmap(..., chunk_size=...), so each "
                     "chunk sees only part of it and a collective over it would be wrong. Do: "
@@ -56,6 +58,7 @@ def binding(name, call):
                 )
             return interp
     bound = [i.axis_name for i in interpreter_stack() if getattr(i, "axis_name", None) is not None]
+    call = call() if callable(call) else call
     raise UnboundAxisError(
         f"{call}: unbound axis name {name!r}. Expected the name of an enclosing "
         f"vmap(..., axis_name=...) or pmap(..., axis_name=...); the axes bound here are "
@@ -188,8 +191,47 @@ def _bindings(axis_name, call):
     return sorted((binding(n, call) for n in axis_name), key=lambda i: -i.level)
 
 
+# Note [A reduction at its own level]
+#     The commonest collective is a reduction of a per-example value of the vmap that binds the
+#     axis: ``psum(t, "i")`` with ``t`` one of that vmap's BatchedTensors. Its batching rule is
+#     then one reduction of the physical value over the batch dim, with an unbatched result
+#     (``batching/collectives.py``, ``LOCAL``), and the way there (the pytree map, the call's
+#     string for errors, ``_bind``, ``process``'s unwrapping and op records) cost more than the
+#     reduction on a small batch: 7 of a vmapped psum's 11 us, and issue 14's normalisation is
+#     a few such calls around kernels. So the public function applies that same rule to the
+#     physical value itself when the conditions of Note [Collectives skip the dispatcher] hold
+#     for a plain BatchedTensor (not a lazy conjugate: its rules read the resolved value) of a
+#     vmap that is not a pmap's (whose rule also communicates). Anything else takes ``_bind``.
+_LEVEL_RULE: list = []  # (BatchedTensor, LOCAL), imported at the first call (import cycle)
+
+
+def _at_own_level(op, x, interp):
+    """``op``'s rule applied to ``x``'s physical value, or None (Note [A reduction at its own
+    level])."""
+    if not _LEVEL_RULE:
+        from functransforms.batching._tensor import BatchedTensor
+        from functransforms.batching.collectives import LOCAL
+
+        _LEVEL_RULE.extend((BatchedTensor, LOCAL))
+    batched, local = _LEVEL_RULE
+    if (
+        type(x) is not batched
+        or x._interp is not interp
+        or getattr(interp, "group", None) is not None
+        or _modes()
+        or below_torch_autograd()
+    ):
+        return None
+    return local[op](x._value, x._bdim, interp.batch_size)[0]
+
+
 def _reduction(op, name):
     def collective(x: PyTree, axis_name: AxisName) -> PyTree:
+        if isinstance(x, TransformTensor) and not isinstance(axis_name, (tuple, list)):
+            interp = binding(axis_name, lambda: f"{name}(x, axis_name={axis_name!r})")
+            out = _at_own_level(op, x, interp)
+            if out is not None:  # Note [A reduction at its own level]
+                return out
         call = f"{name}(x, axis_name={axis_name!r})"
         interps = _bindings(axis_name, call)
         if op in (ops.psum, ops.pmean) and getattr(interps[-1], "group", None) is not None:

@@ -185,6 +185,22 @@ def _broadcast(prefix, tree, what, call, out, path):
     )
 
 
+_BATCHING: tuple = ()
+
+
+def _import_batching():
+    """The batching machinery vmap calls, imported at the first call (functransforms.batching
+    imports this package) and kept: an import statement per call cost 0.7 us."""
+    global _BATCHING
+    from functransforms.batching._nested import wrap_nested
+    from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
+    from functransforms.batching.random import different_randomness, no_random_ops
+
+    _BATCHING = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
+    _BATCHING += (no_random_ops,)
+    return _BATCHING
+
+
 @eager_under_compile
 def _vmap_call(
     func,
@@ -198,9 +214,14 @@ def _vmap_call(
     chunked=False,
     pmap=None,
 ):
-    from functransforms.batching._nested import wrap_nested
-    from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
-    from functransforms.batching.random import different_randomness, no_random_ops
+    (
+        wrap_nested,
+        BatchedTensor,
+        VmapInterpreter,
+        wrap_batched,
+        different_randomness,
+        no_random_ops,
+    ) = _BATCHING or _import_batching()
 
     if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
         raise TypeError(
@@ -212,7 +233,11 @@ def _vmap_call(
             f"{_call_repr(func, in_dims)}: in_dims has {len(in_dims)} entries but {len(args)} "
             "positional inputs were given. Expected one in_dim per positional input."
         )
-    flat_args, spec = pt.tree_flatten(args)
+    # tensors are leaves: positional tensors need no pytree round trip (spec None)
+    if all(isinstance(a, torch.Tensor) for a in args):
+        flat_args, spec = list(args), None
+    else:
+        flat_args, spec = pt.tree_flatten(args)
     call = None
     if isinstance(in_dims, int) or in_dims is None:
         flat_dims = [in_dims] * len(flat_args)
@@ -275,6 +300,8 @@ def _vmap_call(
 
     # nested inputs already run one component at a time: chunking changes nothing
     if chunk_size is not None and chunk_size < batch_size and not nested:
+        if spec is None:
+            spec = pt.tree_flatten(args)[1]
         return _chunked(
             func,
             in_dims,
@@ -309,10 +336,12 @@ def _vmap_call(
             for x, d in zip(flat_args, norm_dims)
         ]
         if mode is None:
-            out = func(*pt.tree_unflatten(spec, wrapped), **kwargs)
+            out = func(*(wrapped if spec is None else pt.tree_unflatten(spec, wrapped)), **kwargs)
         else:
             with mode:
-                out = func(*pt.tree_unflatten(spec, wrapped), **kwargs)
+                out = func(
+                    *(wrapped if spec is None else pt.tree_unflatten(spec, wrapped)), **kwargs
+                )
     out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
     return _as_views_of_inputs(out, flat_args)
 
@@ -330,12 +359,14 @@ def _as_views_of_inputs(out, flat_args):
         view of ``x``, no copy. Outputs that carry an autograd graph keep it instead (their
         graph is the one ordinary autograd must see).
     """
+    # (this runs on every vmap call: is_meta, not device.type, which costs ten times more;
+    # the storage lookup first, which rejects every fresh result; no pytree for one tensor)
     inputs = [
         x
         for x in flat_args
         if type(x) is torch.Tensor
         and not x.is_nested
-        and x.device.type != "meta"
+        and not x.is_meta
         and x.untyped_storage().data_ptr()
     ]
     if not inputs:
@@ -343,25 +374,30 @@ def _as_views_of_inputs(out, flat_args):
     storages = {x.untyped_storage().data_ptr(): x for x in inputs}
 
     def view_of_input(o):
-        if type(o) is not torch.Tensor or o.requires_grad or o.is_nested:
+        if type(o) is not torch.Tensor or o.is_nested or o.is_meta:
+            return o
+        x = storages.get(o.untyped_storage().data_ptr())
+        if x is None or o.requires_grad:
             return o
         base = o._base  # a view registered on an intermediate (a fast path's) is rebuilt too
-        if base is not None and any(base is x for x in inputs):
+        if base is not None and any(base is i for i in inputs):
             return o
         if getattr(o, "_ft_detached", False) or getattr(base, "_ft_detached", False):
             return o  # an alias, not a view, as torch's detach (or a view of that alias)
-        x = storages.get(o.untyped_storage().data_ptr()) if o.device.type != "meta" else None
-        if x is None or x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg() or o.is_neg():
+        if x is o or x.dtype != o.dtype or x.is_conj() or x.is_neg() or o.is_neg():
             return o
         view = x.as_strided(o.shape, o.stride(), o.storage_offset())
         return view.conj() if o.is_conj() else view  # Note [Lazy conj outputs]
 
+    if isinstance(out, torch.Tensor):
+        return view_of_input(out)
     flat, spec = pt.tree_flatten(out)
     return pt.tree_unflatten(spec, [view_of_input(o) for o in flat])
 
 
 def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor):
-    flat_out, out_spec = pt.tree_flatten(out)
+    one = isinstance(out, torch.Tensor)  # a tensor is a leaf: no pytree round trip for it
+    flat_out, out_spec = ([out], None) if one else pt.tree_flatten(out)
     if isinstance(out_dims, int) or out_dims is None:
         flat_od = [out_dims] * len(flat_out)
     else:
@@ -419,7 +455,7 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
                 f"out_dim in [{-n}, {n - 1}]."
             )
         results.append(v.movedim(b, od) if b != od % n else v)
-    return pt.tree_unflatten(out_spec, results)
+    return results[0] if one else pt.tree_unflatten(out_spec, results)
 
 
 class _RngSnapshot:

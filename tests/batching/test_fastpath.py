@@ -149,6 +149,18 @@ def test_same_answer_as_the_dispatch_path(f, args, in_dims, monkeypatch):
         torch.testing.assert_close(got, expected)
 
 
+def test_plain_tensor_operand_keeps_torch_autograd(dispatch_count):
+    # the inline case for (batched, plain tensor): torch records the op on a plain operand
+    # that requires grad, at top level as on the ordinary path
+    x, w = torch.randn(4, 3), torch.randn(3, requires_grad=True)
+    out = ft.vmap(lambda a: (a - w) / w)(x)
+    assert dispatch_count == []
+    (g,) = torch.autograd.grad(out.sum(), w)
+    w0 = w.detach().requires_grad_()
+    (expected,) = torch.autograd.grad(((x - w0) / w0).sum(), w0)
+    torch.testing.assert_close(g, expected)
+
+
 def test_inplace_flag_and_out_take_the_ordinary_path():
     x = torch.randn(4, 3)
 
