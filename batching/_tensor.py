@@ -381,6 +381,13 @@ class VmapInterpreter(Interpreter):
                 FallbackWarning,
                 stacklevel=3,
             )
+        if f.inplace_view:  # as_strided_, set_: an example's new view cannot reshape the batch
+            raise InplaceError(
+                f"{self.call}: {op_name(func)} changes the shape or memory of a batched tensor in "
+                "place, and it has no batching rule: run once per example, it would leave the "
+                "batched tensor unchanged. Do: use the out-of-place form (`x.as_strided(...)`, a "
+                "new tensor) instead."
+            )
         B = self.batch_size
         results = []
         # 'same': every example draws from the same generator state, so the draws agree

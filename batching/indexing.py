@@ -409,7 +409,7 @@ def embedding_vmap_rule(interp, args, bdims, kwargs):
     return aten.embedding.default(w.reshape(B * V, -1), flat, padding_idx, scale, sparse), 0
 
 
-@register_vmap_rule(aten.as_strided.default)
+@register_vmap_rule(aten.as_strided.default, aten.as_strided_.default)
 def as_strided_vmap_rule(interp, args, bdims, kwargs):
     """as_strided(x, size, stride, offset) per example: the wrapper reports each example's
     strides and a storage offset of 0, so sizes, strides and offset are relative to where the

@@ -17,6 +17,7 @@ from functransforms._core import (
     below_torch_autograd,
     metadata,
 )
+from functransforms.errors import InplaceError
 
 from ._fastpath import SHAPED_FUNCS, _live_value, _phys
 from ._registry import register_vmap_rule
@@ -30,6 +31,30 @@ aten = torch.ops.aten
 def _front(args, bdims):
     x = to_front(args[0], bdims[0])
     return x, x.dim() - 1
+
+
+@register_vmap_rule(aten.resize_.default)
+def resize_vmap_rule(interp, args, bdims, kwargs):
+    """resize_ per example (it ran as a loop over example views, whose new shapes the batched
+    tensor never took: its shape silently stayed). Each example's own shape is a no-op (out=
+    kernels resize their output so); a shape of as many elements reinterprets each example's
+    contiguous memory, as resize_ does. Any other resize would move the examples' memory."""
+    x, _ = _front(args, bdims)
+    size = tuple(args[1])
+    fmt = kwargs.get("memory_format")
+    if size == tuple(x.shape[1:]) and fmt is None:
+        return x, 0
+    n = 1
+    for d in size:
+        n *= d
+    if x.is_contiguous() and n == x[0].numel() and fmt in (None, torch.contiguous_format):
+        return x.view((x.shape[0], *size)), 0
+    raise InplaceError(
+        f"{interp.call}: aten.resize_ to {list(size)} of a batched tensor whose examples have "
+        f"shape {list(x.shape[1:])}: only a resize to as many elements of contiguous examples "
+        "is supported (each example would otherwise need memory of its own). Do: build a new "
+        "tensor (`torch.empty(size)` / `x.new_zeros(size)`) instead of resizing in place."
+    )
 
 
 @register_vmap_rule(aten.view.default)

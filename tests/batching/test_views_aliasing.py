@@ -308,3 +308,28 @@ def test_many_views_keep_dtype(dtype):
         assert seen == [torch.float32]
     finally:
         torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda t: t.clone().resize_((5, 25)),
+        lambda t: t.clone().resize_((125,)) * 2,
+        lambda t: t.clone().as_strided_((5, 5), (1, 5)),
+        lambda t: t.clone().as_strided_((4, 3), (2, 7), 3).mul_(2),
+    ],
+    ids=["resize_", "resize_same", "as_strided_", "as_strided_offset"],
+)
+def test_inplace_view_ops_reshape_the_batch_as_a_loop(f):
+    """resize_ and as_strided_ had no rule: the per-example loop reshaped views of each
+    example and the batched tensor kept its shape (silently; torch.func too for as_strided_)."""
+    x = torch.randn(3, 125)
+    torch.testing.assert_close(ft.vmap(f)(x), torch.stack([f(r) for r in x]))
+
+
+def test_inplace_view_ops_that_cannot_batch_raise():
+    x = torch.randn(3, 125)
+    with pytest.raises(InplaceError, match=r"resize_ to \[200\]"):
+        ft.vmap(lambda t: t.clone().resize_((200,)))(x)
+    with pytest.raises(InplaceError, match=r"resize_as_.*no batching rule"):
+        ft.vmap(lambda t: t.clone().resize_as_(torch.empty(5, 25)))(x)
