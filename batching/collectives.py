@@ -23,10 +23,10 @@ _DIM_PARAMS = {ops.all_gather: 1, ops.psum_scatter: 1, ops.all_to_all: 2, ops.pp
 # op -> its ``across`` rule: also applied by pmap without a level (Note [pmap without a level
 # for its shard], functransforms/_collectives.py)
 ACROSS: dict = {}
-# op -> its rule at the binding vmap, ``named(x, bdim, batch_size, *params) -> (out, bdim)``:
-# also applied by the public reductions themselves (Note [A reduction at its own level],
+# reduction op -> the Tensor method of its rule at the binding vmap, ``method(x, bdim)``: also
+# applied by the public reductions themselves (Note [A reduction at its own level],
 # functransforms/_collectives.py)
-LOCAL: dict = {}
+REDUCE: dict = {}
 
 
 def def_collective(op, named, across=None):
@@ -34,7 +34,6 @@ def def_collective(op, named, across=None):
     at the binding vmap, ``across(x, bdim, group, world, *params)`` at a binding pmap (Note
     [pmap's collectives] in functransforms/_collective_ops.py), the pass-through elsewhere."""
     ACROSS[op] = across
-    LOCAL[op] = named
 
     @register_vmap_rule(op)
     def rule(interp, args, bdims, kwargs):
@@ -140,8 +139,10 @@ def def_reduction(op, reduce, dist_op, mean=False):
     """A reduction over the axis: ``reduce`` over the local examples, then ``dist_op`` over the
     processes under pmap (a mean divides the global sum by the axis size)."""
 
+    method = REDUCE[op] = getattr(torch.Tensor, reduce)
+
     def local(x, b, n):
-        return getattr(x, reduce)(b), None
+        return method(x, b), None
 
     def across(x, b, group, world):
         out = dist_op(getattr(x, "sum" if mean else reduce)(b), group)

@@ -195,43 +195,38 @@ def _bindings(axis_name, call):
 #     The commonest collective is a reduction of a per-example value of the vmap that binds the
 #     axis: ``psum(t, "i")`` with ``t`` one of that vmap's BatchedTensors. Its batching rule is
 #     then one reduction of the physical value over the batch dim, with an unbatched result
-#     (``batching/collectives.py``, ``LOCAL``), and the way there (the pytree map, the call's
+#     (``batching/collectives.py``, ``REDUCE``), and the way there (the pytree map, the call's
 #     string for errors, ``_bind``, ``process``'s unwrapping and op records) cost more than the
 #     reduction on a small batch: 7 of a vmapped psum's 11 us, and issue 14's normalisation is
-#     a few such calls around kernels. So the public function applies that same rule to the
-#     physical value itself when the conditions of Note [Collectives skip the dispatcher] hold
-#     for a plain BatchedTensor (not a lazy conjugate: its rules read the resolved value) of a
-#     vmap that is not a pmap's (whose rule also communicates). Anything else takes ``_bind``.
-_LEVEL_RULE: list = []  # (BatchedTensor, LOCAL), imported at the first call (import cycle)
+#     a few such calls around kernels. So the public function applies that same reduction to
+#     the physical value itself when the conditions of Note [Collectives skip the dispatcher]
+#     hold for a plain BatchedTensor (not a lazy conjugate: its rules read the resolved value)
+#     of a vmap that is not a pmap's (whose rule also communicates). Anything else takes
+#     ``_bind``.
+_LEVEL_RULE: list = []  # (BatchedTensor, REDUCE), imported at the first call (import cycle)
 
 
-def _at_own_level(op, x, interp):
-    """``op``'s rule applied to ``x``'s physical value, or None (Note [A reduction at its own
-    level])."""
-    if not _LEVEL_RULE:
-        from functransforms.batching._tensor import BatchedTensor
-        from functransforms.batching.collectives import LOCAL
+def _level_rule():
+    from functransforms.batching._tensor import BatchedTensor
+    from functransforms.batching.collectives import REDUCE
 
-        _LEVEL_RULE.extend((BatchedTensor, LOCAL))
-    batched, local = _LEVEL_RULE
-    if (
-        type(x) is not batched
-        or x._interp is not interp
-        or getattr(interp, "group", None) is not None
-        or _modes()
-        or below_torch_autograd()
-    ):
-        return None
-    return local[op](x._value, x._bdim, interp.batch_size)[0]
+    _LEVEL_RULE.extend((BatchedTensor, REDUCE))
+    return _LEVEL_RULE
 
 
 def _reduction(op, name):
     def collective(x: PyTree, axis_name: AxisName) -> PyTree:
         if isinstance(x, TransformTensor) and not isinstance(axis_name, (tuple, list)):
+            batched, reduce = _LEVEL_RULE or _level_rule()
             interp = binding(axis_name, lambda: f"{name}(x, axis_name={axis_name!r})")
-            out = _at_own_level(op, x, interp)
-            if out is not None:  # Note [A reduction at its own level]
-                return out
+            if (  # Note [A reduction at its own level]
+                type(x) is batched
+                and x._interp is interp
+                and getattr(interp, "group", None) is None
+                and not _modes()
+                and not below_torch_autograd()
+            ):
+                return reduce[op](x._value, x._bdim)
         call = f"{name}(x, axis_name={axis_name!r})"
         interps = _bindings(axis_name, call)
         if op in (ops.psum, ops.pmean) and getattr(interps[-1], "group", None) is not None:

@@ -101,6 +101,43 @@ def test_dispatch_modes_see_the_collective_ops(name):
         assert "functransforms" in mode.namespaces
 
 
+def test_reduction_at_its_own_level_applies_the_rule_directly(monkeypatch):
+    """Note [A reduction at its own level]: a reduction of a plain per-example value of the
+    binding vmap never reaches ``process``; a lazy conjugate, a value of an outer level shadowed
+    by an inner axis of the same name, and a grad level's value do, and all agree."""
+    from functransforms.batching._tensor import VmapInterpreter
+
+    seen = []
+    process = VmapInterpreter.process
+
+    def counting(self, func, args, kwargs):
+        if func.namespace == "functransforms":
+            seen.append(func)
+        return process(self, func, args, kwargs)
+
+    monkeypatch.setattr(VmapInterpreter, "process", counting)
+    x = rand(N, 3)
+    f = lambda t: (t - ft.pmean(t, "i")) / ft.psum(t.abs(), "i") + ft.pmax(t, "i") * ft.pmin(t, "i")  # noqa: E731
+    ref = (x - x.mean(0)) / x.abs().sum(0) + x.amax(0) * x.amin(0)
+    torch.testing.assert_close(ft.vmap(f, axis_name="i")(x), ref)
+    torch.testing.assert_close(ft.vmap(f, in_dims=1, axis_name="i")(x.T.contiguous()), ref)
+    assert seen == []
+    z = rand(N, 3, dtype=torch.complex128)
+    got = ft.vmap(lambda t: ft.psum(t.conj(), "i"), axis_name="i")(z)
+    torch.testing.assert_close(got, z.conj().sum(0).expand(N, 3))
+    assert seen  # the lazy conjugate took the ordinary path
+    outer = ft.vmap(
+        lambda t: ft.vmap(lambda s: ft.psum(t, "i"), axis_name="i")(x[0]), axis_name="i"
+    )
+    # the inner axis (size 3) shadows the outer one: t does not vary along it, so psum is 3 * t
+    torch.testing.assert_close(outer(x), (3 * x).unsqueeze(1).expand(N, 3, 3))
+    # grad levels inside and outside the vmap: JAX's semantics, psum transposed to psum
+    h = lambda t: (t * ft.psum(t, "i")).sum()  # noqa: E731
+    torch.testing.assert_close(ft.vmap(ft.grad(h), axis_name="i")(x), 2 * x.sum(0).expand_as(x))
+    outside = ft.grad(lambda xs: ft.vmap(h, axis_name="i")(xs).sum())(x)
+    torch.testing.assert_close(outside, 2 * x.sum(0).expand_as(x))
+
+
 def test_all_to_all_untiled_matches_jax_shapes():
     # split dim (size N) removed, a dim of size N inserted at concat_axis
     x = rand(N, 2, N, 3)
