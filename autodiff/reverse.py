@@ -345,12 +345,26 @@ NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no deri
 #     the same shape and dtype, which is all a rule may ask of them), so e.g. a convolution's
 #     output, read by the following relu only through that relu's output, is freed as in
 #     torch (peak memory of per-sample gradients of a CNN: benchmarks/bench_surface.py).
+#     Nodes share one stand-in per shape and dtype (``_STANDINS``): nothing writes to them.
+
+
+_STANDINS: dict = {}  # (shape, dtype) -> meta tensor; shared: rules only read their metadata
 
 
 def _standin(t):
+    # one stand-in per shape and dtype: building a meta tensor costs ~3-7 us, a lookup ~0.3
     if not isinstance(t, torch.Tensor):
         return t
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    key = (t.shape, t.dtype)
+    try:
+        s = _STANDINS.get(key)
+    except TypeError:  # an unhashable (symbolic) size
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if s is None:
+        if len(_STANDINS) >= 256:  # many shapes (a shape-polymorphic loop): start over
+            _STANDINS.clear()
+        s = _STANDINS[key] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return s
 
 
 def _prune(primals, out, keeps):
