@@ -312,8 +312,9 @@ def grad_and_value(
         diff = tuple(args[i] for i in nums)
         if holomorphic:
             _check_holomorphic_inputs(diff, call)
-        res = _vjp(f, diff, has_aux, call)
-        out, vjp_fn = res[0], res[1]
+        # flat values (as jacrev): no pytree round trip for the output and the seed
+        flat_out, out_spec, spec, pull, aux = _vjp_flat(f, diff, has_aux, call)
+        out = flat_out[0] if out_spec.is_leaf() else pt.tree_unflatten(out_spec, flat_out)
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise RuntimeError(
@@ -334,14 +335,15 @@ def grad_and_value(
             # a plain seed, not ones_like(out): out may be an outer level's wrapper, and a
             # *_like buffer of one is a constant of that level (Note [Buffers held by
             # kernels]), whose every later op would pass through that level for nothing
-            g = vjp_fn(torch.ones((), dtype=dtype_of(out), device=out.device))
+            seed = torch.ones((), dtype=dtype_of(out), device=out.device)
+            g = tuple(pt.tree_unflatten(spec, pull([seed])))
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
                 g = pt.tree_map(torch.conj_physical, g)
         else:  # an integer output does not depend differentiably on anything (as PyTorch)
             g = pt.tree_map(lambda x: torch.zeros_like(torch.as_tensor(x)), diff)
         g = g if isinstance(argnums, tuple) else g[0]
         if has_aux:
-            return g, (out, res[2])
+            return g, (out, aux)
         return g, out
 
     return wrapper
