@@ -345,12 +345,26 @@ NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no deri
 #     the same shape and dtype, which is all a rule may ask of them), so e.g. a convolution's
 #     output, read by the following relu only through that relu's output, is freed as in
 #     torch (peak memory of per-sample gradients of a CNN: benchmarks/bench_surface.py).
+#     Nodes share one stand-in per shape and dtype (``_STANDINS``): nothing writes to them.
+
+
+_STANDINS: dict = {}  # (shape, dtype) -> meta tensor; shared: rules only read their metadata
 
 
 def _standin(t):
+    # one stand-in per shape and dtype: building a meta tensor costs ~3-7 us, a lookup ~0.3
     if not isinstance(t, torch.Tensor):
         return t
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    key = (t.shape, t.dtype)
+    try:
+        s = _STANDINS.get(key)
+    except TypeError:  # an unhashable (symbolic) size
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if s is None:
+        if len(_STANDINS) >= 256:  # many shapes (a shape-polymorphic loop): start over
+            _STANDINS.clear()
+        s = _STANDINS[key] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return s
 
 
 def _prune(primals, out, keeps):
@@ -372,14 +386,17 @@ def _prune(primals, out, keeps):
 #     arguments, another level inside, complex values, whose lazy conjugates rules resolve
 #     through the wrappers, a sweep run below torch's autograd, a result of another shape)
 #     runs the pullback as usual. The values a rule does not read (Note [What a vjp rule keeps])
-#     are meta stand-ins, passed as they are.
+#     are meta stand-ins, passed as they are. A plain (real, strided) tensor with the logical
+#     shape is the same value for every example, a constant of the vmap level (``jacrev``: the
+#     sweep of a vjp taken outside the vmap, with batched cotangents): it enters with a size-1
+#     dim at the batch dim, which broadcasts it per example exactly as the vmap rule would.
 PHYSICAL_PULLBACKS: set = set()
 _batched = []  # (BatchedTensor, wrap_batched), imported at first use (batching imports autodiff)
 
 
 def _physical(a, interp, bdim, shape):
     """The physical value of ``a`` if it may enter the pullback as one, a stand-in as it is,
-    else None."""
+    a plain constant with a size-1 batch dim, else None."""
     cls = _batched[0][0]
     if type(a) is cls:
         v = a._value
@@ -392,7 +409,16 @@ def _physical(a, interp, bdim, shape):
         ):
             return v
         return None
-    return a if type(a) is torch.Tensor and a.is_meta else None
+    if type(a) is not torch.Tensor:
+        return None
+    if a.is_meta:
+        return a
+    if a.is_complex() or a.is_nested or a.layout != torch.strided:
+        return None
+    logical = a.shape
+    if len(logical) + 1 != len(shape) or logical != shape[:bdim] + shape[bdim + 1 :]:
+        return None
+    return a.unsqueeze(bdim)
 
 
 def _physical_pullback(rule, ct, node):

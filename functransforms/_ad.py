@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import _pytree as pt
-from ._core import TransformTensor, dtype_of, eager_under_compile, is_floating
+from ._core import TransformTensor, dtype_of, eager_under_compile, is_floating, metadata
 from ._typing import ArgNums, Func, PyTree, Randomness
 
 
@@ -119,6 +119,30 @@ def _split_aux(result, call):
 @eager_under_compile
 def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
+    flat_out, out_spec, spec, pull, aux = _vjp_flat(func, primals, has_aux, call)
+
+    def vjp_fn(*cotangents):
+        cts = cotangents[0] if len(cotangents) == 1 else cotangents
+        flat_ct, ct_spec = pt.tree_flatten(cts)
+        if not pt.same_structure(ct_spec, out_spec):
+            raise RuntimeError(
+                f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
+                f"the output, {out_spec}; got {ct_spec}."
+            )
+        return tuple(pt.tree_unflatten(spec, pull(flat_ct)))
+
+    output = pt.tree_unflatten(out_spec, flat_out)
+    if has_aux:
+        return output, vjp_fn, aux
+    return output, vjp_fn
+
+
+@eager_under_compile
+def _vjp_flat(func, primals, has_aux, call, jacobian=None):
+    """The body of vjp on flat values: ``(outputs, their structure, the primals' structure,
+    pull, aux)``, where ``pull(flat cotangents)`` returns the flat input cotangents (one per
+    primal leaf). jacrev calls it directly, which saves a flatten/unflatten per side;
+    ``jacobian`` (its ``holomorphic``) checks the input dtypes as jacrev must."""
     from functransforms.autodiff.reverse import (
         GradInterpreter,
         GradTensor,
@@ -128,23 +152,22 @@ def _vjp(func, primals, has_aux, call):
     )
 
     flat, spec = pt.tree_flatten(primals)
+    if jacobian is not None:
+        _check_jacobian_dtypes(flat, call, jacobian, "input")
     flat = [_as_primal(x, call, forward=False) for x in flat]
     interp = GradInterpreter(call)
     leaves = []
     given = []  # (user's tensor, the primal we wrapped, its wrapper): Note [Writes to primals]
     with interp:  # outputs are read inside: promoted buffers are restored on exit
         wrapped = []
-        for x in flat:
-            if isinstance(x, torch.Tensor) and is_floating(x):
-                leaf = Leaf()
-                leaves.append(leaf)
-                p = _resolved(x)
-                wrapped.append(wrap_grad(p, leaf, 0, interp))
-                given.append((x, p, wrapped[-1]))
-            else:
-                leaves.append(None)
-                wrapped.append(x)
+        for x in flat:  # _as_primal: floating tensors only
+            leaf = Leaf()
+            leaves.append(leaf)
+            p = _resolved(x)
+            wrapped.append(wrap_grad(p, leaf, 0, interp))
+            given.append((x, p, wrapped[-1]))
         result = func(*pt.tree_unflatten(spec, wrapped))
+        aux = None
         if has_aux:
             result, aux = _split_aux(result, call)
             aux = _unwrap_level(aux, interp)
@@ -168,52 +191,41 @@ def _vjp(func, primals, has_aux, call):
                 roots.append(None)
                 primals_out.append(o)
     _write_back(given, call)
+    # (shape, dtype, floating) per output, read once (Note [Reading a wrapper's metadata])
+    out_meta = []
+    for o in primals_out:
+        shape, _, dtype, _ = metadata(o)
+        out_meta.append((shape, dtype, dtype.is_floating_point or dtype.is_complex))
 
-    def vjp_fn(*cotangents):
-        cts = cotangents[0] if len(cotangents) == 1 else cotangents
-        flat_ct, ct_spec = pt.tree_flatten(cts)
-        if not pt.same_structure(ct_spec, out_spec):
-            raise RuntimeError(
-                f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
-                f"the output, {out_spec}; got {ct_spec}."
-            )
+    def pull(flat_ct):
         root_cts = []
-        for r, c, o in zip(roots, flat_ct, primals_out):
+        for r, c, (shape, dtype, floating) in zip(roots, flat_ct, out_meta):
             if not isinstance(c, torch.Tensor):
                 raise TypeError(
                     f"vjp_fn(cotangents) of {_name(func)}: expected tensor cotangents; got a "
                     f"{type(c).__name__} ({c!r}). Pass torch.tensor(...) shaped like the output."
                 )
-            if c.dtype != o.dtype and is_floating(o):
-                if c.dtype.is_complex != o.dtype.is_complex:
+            c_shape, _, c_dtype, _ = metadata(c)
+            if c_dtype != dtype and floating:
+                if c_dtype.is_complex != dtype.is_complex:
                     raise RuntimeError(
-                        f"vjp_fn(cotangents) of {_name(func)}: a cotangent has dtype {c.dtype} "
-                        f"but the matching output has dtype {o.dtype}; a complex output needs a "
+                        f"vjp_fn(cotangents) of {_name(func)}: a cotangent has dtype {c_dtype} "
+                        f"but the matching output has dtype {dtype}; a complex output needs a "
                         "complex cotangent and a real output a real one (as torch.autograd)."
                     )
-                c = c.to(o.dtype)
-            if c.shape != o.shape:
+                c = c.to(dtype)
+            if c_shape != shape:
                 raise RuntimeError(
-                    f"vjp_fn(cotangents) of {_name(func)}: a cotangent has shape {tuple(c.shape)} "
-                    f"but the matching output has shape {tuple(o.shape)}; expected equal shapes."
+                    f"vjp_fn(cotangents) of {_name(func)}: a cotangent has shape "
+                    f"{tuple(c_shape)} but the matching output has shape {tuple(shape)}; "
+                    "expected equal shapes."
                 )
             if r is not None:
                 root_cts.append((r[0], r[1], c))
-        grads = backward(root_cts, [lf for lf in leaves if lf is not None])
-        it = iter(grads)
-        out = []
-        for x, lf in zip(flat, leaves):
-            if lf is None:
-                out.append(None if not isinstance(x, torch.Tensor) else torch.zeros_like(x))
-                continue
-            g = next(it)
-            out.append(torch.zeros_like(x) if g is None else g)
-        return tuple(pt.tree_unflatten(spec, out))
+        grads = backward(root_cts, leaves)
+        return [torch.zeros_like(x) if g is None else g for x, g in zip(flat, grads)]
 
-    output = pt.tree_unflatten(out_spec, primals_out)
-    if has_aux:
-        return output, vjp_fn, aux
-    return output, vjp_fn
+    return primals_out, out_spec, spec, pull, aux
 
 
 def _write_back(given, call):
@@ -300,8 +312,9 @@ def grad_and_value(
         diff = tuple(args[i] for i in nums)
         if holomorphic:
             _check_holomorphic_inputs(diff, call)
-        res = _vjp(f, diff, has_aux, call)
-        out, vjp_fn = res[0], res[1]
+        # flat values (as jacrev): no pytree round trip for the output and the seed
+        flat_out, out_spec, spec, pull, aux = _vjp_flat(f, diff, has_aux, call)
+        out = flat_out[0] if out_spec.is_leaf() else pt.tree_unflatten(out_spec, flat_out)
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise RuntimeError(
@@ -322,14 +335,15 @@ def grad_and_value(
             # a plain seed, not ones_like(out): out may be an outer level's wrapper, and a
             # *_like buffer of one is a constant of that level (Note [Buffers held by
             # kernels]), whose every later op would pass through that level for nothing
-            g = vjp_fn(torch.ones((), dtype=dtype_of(out), device=out.device))
+            seed = torch.ones((), dtype=dtype_of(out), device=out.device)
+            g = tuple(pt.tree_unflatten(spec, pull([seed])))
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
                 g = pt.tree_map(torch.conj_physical, g)
         else:  # an integer output does not depend differentiably on anything (as PyTorch)
             g = pt.tree_map(lambda x: torch.zeros_like(torch.as_tensor(x)), diff)
         g = g if isinstance(argnums, tuple) else g[0]
         if has_aux:
-            return g, (out, res[2])
+            return g, (out, aux)
         return g, out
 
     return wrapper
@@ -351,11 +365,14 @@ def _check_jacobian_dtypes(leaves, call, holomorphic, what):
     is not one complex matrix unless the map is holomorphic); with ``holomorphic=True`` (JAX),
     complex ones only."""
     for i, leaf in enumerate(leaves):
-        if not torch.is_tensor(leaf) or leaf.dtype.is_complex == holomorphic:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        dtype = dtype_of(leaf)  # Note [Reading a wrapper's metadata]
+        if dtype.is_complex == holomorphic:
             continue
         if holomorphic:
             raise TypeError(
-                f"{call} with holomorphic=True: expected complex {what}s; got {leaf.dtype} at "
+                f"{call} with holomorphic=True: expected complex {what}s; got {dtype} at "
                 f"flattened {what} index {i}. The complex derivative f'(z) needs a complex "
                 f"{what}; drop holomorphic=True for real functions."
             )
@@ -611,39 +628,51 @@ def jacrev(
         >>> ft.jacrev(lambda x: W @ x)(torch.ones(3)).shape    # [3, 3]
         torch.Size([3, 3])
     """
-    from ._vmap import vmap
+    from ._vmap import _vmap_call, check_chunk_size
+
+    check_chunk_size(chunk_size, "jacrev")  # here, as PyTorch, rather than at the call
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacrev({_name(func)}, argnums={argnums!r})"
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
+        diff = tuple(args[i] for i in nums)
         if holomorphic:
-            _check_holomorphic_inputs(tuple(args[i] for i in nums), call)
-        _check_jacobian_dtypes(pt.tree_leaves([args[i] for i in nums]), call, holomorphic, "input")
-        res = _vjp(f, tuple(args[i] for i in nums), has_aux, call)
-        out, vjp_fn = res[0], res[1]
-        flat_out, out_spec = pt.tree_flatten(out)
+            _check_holomorphic_inputs(diff, call)
+        flat_out, out_spec, in_spec, pull, aux = _vjp_flat(f, diff, has_aux, call, holomorphic)
         _check_jacobian_dtypes(flat_out, call, holomorphic, "output")
         sizes = [o.numel() for o in flat_out]
         total = sum(sizes)
-        dtype = flat_out[0].dtype
-        basis = torch.eye(total, dtype=dtype, device=flat_out[0].device)
-        cts = [
-            b.reshape((total,) + tuple(o.shape)).to(o.dtype)
-            for b, o in zip(basis.split(sizes, 1), flat_out)
-        ]
-        jac = vmap(vjp_fn, chunk_size=chunk_size)(pt.tree_unflatten(out_spec, cts))
-        flat_in_jac, in_spec = pt.tree_flatten(jac)
+        o = flat_out[0]
+        basis = torch.eye(total, dtype=o.dtype, device=o.device)
+        if len(flat_out) == 1:
+            cts = [basis if o.dim() == 1 else basis.reshape((total,) + tuple(o.shape))]
+        else:
+            cts = [
+                b.reshape((total,) + tuple(o.shape)).to(o.dtype)
+                for b, o in zip(basis.split(sizes, 1), flat_out)
+            ]
+
+        def vjp_fn(*flat_ct):  # flat in, flat out: no pytree round trips per side
+            return tuple(pull(flat_ct))
+
+        # jacrev's basis is its own: no outputs to re-register as views of it
+        flat_in_jac = _vmap_call(vjp_fn, 0, 0, "error", chunk_size, tuple(cts), {}, views=False)
         per_out = []
         for o, rows in zip(flat_out, _row_splits(sizes)):
-            leaves = [j[rows].reshape(tuple(o.shape) + tuple(j.shape[1:])) for j in flat_in_jac]
+            shape = tuple(o.shape)
+            leaves = []
+            for j in flat_in_jac:
+                j = j if len(sizes) == 1 else j[rows]
+                jshape = shape + tuple(j.shape[1:])
+                leaves.append(j if j.shape == jshape else j.reshape(jshape))
             if holomorphic:
                 leaves = [j.conj() for j in leaves]
             tree = pt.tree_unflatten(in_spec, leaves)
             per_out.append(tree if isinstance(argnums, tuple) else tree[0])
         result = pt.tree_unflatten(out_spec, per_out)
-        return (result, res[2]) if has_aux else result
+        return (result, aux) if has_aux else result
 
     return wrapper
 

@@ -56,16 +56,7 @@ def vmap(
             f"vmap(func, randomness={randomness!r}): expected one of {_RANDOMNESS}, "
             f"got {randomness!r}."
         )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
-        raise TypeError(
-            f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
-            f"got a {type(chunk_size).__name__}."
-        )
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(
-            f"vmap(func, chunk_size={chunk_size!r}): expected None or a positive int, "
-            f"got {chunk_size!r}."
-        )
+    check_chunk_size(chunk_size, "vmap")
     if not callable(func):
         raise TypeError(f"vmap(func): expected a callable, got {type(func).__name__}.")
 
@@ -91,6 +82,19 @@ def vmap(
         return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs, axis)
 
     return vmapped
+
+
+def check_chunk_size(chunk_size, transform):
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
+        raise TypeError(
+            f"{transform}(func, chunk_size={chunk_size!r}): expected None or a positive int, "
+            f"got a {type(chunk_size).__name__}."
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(
+            f"{transform}(func, chunk_size={chunk_size!r}): expected None or a positive int, "
+            f"got {chunk_size!r}."
+        )
 
 
 def _fname(func):
@@ -213,6 +217,7 @@ def _vmap_call(
     axis=(None, None),
     chunked=False,
     pmap=None,
+    views=True,
 ):
     (
         wrap_nested,
@@ -314,6 +319,7 @@ def _vmap_call(
             kwargs,
             batch_size,
             axis,
+            views,
         )
 
     interp = VmapInterpreter(batch_size, randomness)
@@ -356,7 +362,8 @@ def _vmap_call(
         if type(v) is torch.Tensor and not v.is_nested and not _shares_an_input(v, flat_args):
             return v
     out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
-    return _as_views_of_inputs(out, flat_args)
+    # views=False: the caller's own inputs, never seen by the user (jacrev's basis)
+    return _as_views_of_inputs(out, flat_args) if views else out
 
 
 def _shares_an_input(v, flat_args):
@@ -513,6 +520,7 @@ def _chunked(
     kwargs,
     batch_size,
     axis,
+    views=True,
 ):
     # randomness='same' means one draw for the whole batch, so every chunk draws from the same
     # generator state (PyTorch's chunks do too); 'different' chunks draw in sequence
@@ -537,6 +545,7 @@ def _chunked(
                 kwargs,
                 (axis[0], None if axis[1] is None else length),
                 chunked=True,
+                views=views,
             )
         )
     first_flat, out_spec = pt.tree_flatten(pieces[0])

@@ -147,3 +147,40 @@ def test_physical_pullbacks_step_aside():
     g = ft.vmap(ft.grad(lambda w, v: _unary_chain(v * w)), in_dims=(None, 1))
     rg = torch.func.vmap(torch.func.grad(lambda w, v: _unary_chain(v * w)), in_dims=(None, 1))
     torch.testing.assert_close(g(w, x[0].T), rg(w, x[0].T))
+
+
+def test_physical_pullbacks_with_plain_constants(monkeypatch):
+    """jacrev: the vjp is taken outside the vmap, so the tape holds plain values and only the
+    cotangents are batched (at dim 0, or elsewhere with in_dims); the pullback runs on the
+    physical cotangent with the constants broadcast, and agrees with PyTorch, also for torch's
+    autograd through it."""
+    import functransforms.autodiff.reverse as reverse
+
+    ran = []
+    orig = reverse._physical_pullback
+
+    def spy(rule, ct, node):
+        out = orig(rule, ct, node)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(reverse, "_physical_pullback", spy)
+    W = torch.randn(6, 4, dtype=torch.float64)
+
+    def f(v):
+        y = torch.relu(torch.tanh(torch.sin(W @ v) * 1.5))
+        return torch.sqrt(torch.nn.functional.gelu(y + 0.1) + 1.0) * torch.sigmoid(W @ v)
+
+    x = torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(ft.jacrev(f)(x), torch.func.jacrev(f)(x))
+    assert ran and all(ran)
+    out, pull = ft.vjp(f, x)
+    _, rpull = torch.func.vjp(f, x)
+    cts = torch.randn(6, 3, dtype=torch.float64)  # batch dim 1
+    torch.testing.assert_close(
+        ft.vmap(pull, in_dims=1)(cts), torch.func.vmap(rpull, in_dims=1)(cts)
+    )
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(ft.jacrev(f)(xg).sum(), xg)
+    (rg,) = torch.autograd.grad(torch.func.jacrev(f)(xg).sum(), xg)
+    torch.testing.assert_close(g, rg)
