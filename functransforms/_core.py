@@ -536,6 +536,16 @@ def metadata(t):
     return t.shape, t.stride(), t.dtype, t.device
 
 
+def metadata_conj(t):
+    """``(shape, stride, dtype, device, is_conj)`` of tensor ``t``, one guard for all five
+    (Note [Reading a wrapper's metadata]): what a wrapper of ``t`` needs, and the check
+    before it."""
+    if type(t) in SLOW_METADATA:
+        with plain_metadata():
+            return _shape(t), _stride(t), _dtype(t), _device(t), _is_conj(t)
+    return t.shape, t.stride(), t.dtype, t.device, t.is_conj()
+
+
 def dtype_conj(t):
     """``(dtype, is_conj)`` of tensor ``t`` (Note [Reading a wrapper's metadata])."""
     if type(t) in SLOW_METADATA:
