@@ -304,7 +304,7 @@ def _solve_fast(func, args, kwargs, batched_cls, wrap):
     if a is None or b is None:
         return None
     (pA, LA, iA), (pb, Lb, ib) = a, b
-    interp = iA or ib
+    interp = iA if iA is not None else ib
     if interp is None or (iA is not None and ib is not None and iA is not ib):
         return None
     nA, nb = len(LA), len(Lb)
