@@ -100,6 +100,9 @@ _C = torch._C
 disable_current_modes = _disable_current_modes
 # The depth of the mode stack: 0 means no mode is active (checked before paying for a mode).
 len_torch_dispatch_stack = _C._len_torch_dispatch_stack
+# the modes torch's pre-dispatch tracing pushes (what disable_current_modes pops besides the
+# stack above): with neither, there is nothing to disable (and no import of its mode classes)
+len_pre_dispatch_stack = torch._ops._len_torch_dispatch_stack_pre_dispatch
 
 # -- wrapper tensor subclasses (checked on 2.13.0, 2.15.0) ----------------------------------------
 # The one way to build a tensor subclass with its own metadata and no storage of its own.
