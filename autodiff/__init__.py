@@ -1,4 +1,5 @@
-"""Forward- and reverse-mode derivative rules, by op family. Importing registers them all."""
+"""Forward- and reverse-mode derivative rules, by op family (each family loads on first use:
+Note [Rule families load on first use], functransforms/_ops.py)."""
 
 import sys as _sys
 

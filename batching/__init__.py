@@ -1,4 +1,5 @@
-"""vmap's batching rules, by op family. Importing this package registers them all."""
+"""vmap's batching rules, by op family (each family loads on first use: Note [Rule families
+load on first use], functransforms/_ops.py)."""
 
 import sys as _sys
 
