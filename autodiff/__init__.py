@@ -1,4 +1,5 @@
-"""Forward- and reverse-mode derivative rules, by op family. Importing registers them all."""
+"""Forward- and reverse-mode derivative rules, by op family (each family loads on first use:
+Note [Rule families load on first use], functransforms/_ops.py)."""
 
 import sys as _sys
 
@@ -13,29 +14,14 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
         "clone's root goes on sys.path and the real package wins), or `pip install <clone>`."
     )
 
-from . import (  # noqa: F401  (registration)
-    collectives,
-    convolution,
-    elementwise,
-    fft,
-    indexing,
-    linalg,
-    linalg_eig,
-    linalg_lu,
-    linalg_qr,
-    nn,
-    normalization,
-    pooling,
-    random,
-    reductions,
-    scans,
-    sorting,
-    special,
-    views,
-)
-from ._registry import JVP_RULES, VJP_RULES, register_jvp_rule, register_vjp_rule
+# The rule families load on first use (Note [Rule families load on first use],
+# functransforms/_ops.py): `from . import elementwise` imports one explicitly.
+from ._registry import JVP_RULES, VJP_FORWARD, VJP_RULES, register_jvp_rule, register_vjp_rule
 from .forward import DualTensor, JvpInterpreter
 from .reverse import GradInterpreter, GradTensor
+
+for _registry in (JVP_RULES, VJP_RULES, VJP_FORWARD):
+    _registry.load_lazily()  # Note [Rule families load on first use] (functransforms/_ops.py)
 
 __all__ = [
     "JVP_RULES",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 
 import torch
 
@@ -427,9 +428,10 @@ def _physical(a, interp, bdim, shape):
 def _physical_pullback(rule, ct, node):
     """Note [Pointwise pullbacks on physical values]: the input cotangents, or None."""
     if not _batched:
-        from functransforms.batching._tensor import BatchedTensor, wrap_batched
-
-        _batched.append((BatchedTensor, wrap_batched))
+        batching = sys.modules.get("functransforms.batching._tensor")
+        if batching is None:  # no vmap has run (it imports batching): ct is not batched
+            return None
+        _batched.append((batching.BatchedTensor, batching.wrap_batched))
     cls, wrap = _batched[0]
     if type(ct) is not cls:
         return None

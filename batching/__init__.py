@@ -1,4 +1,5 @@
-"""vmap's batching rules, by op family. Importing this package registers them all."""
+"""vmap's batching rules, by op family (each family loads on first use: Note [Rule families
+load on first use], functransforms/_ops.py)."""
 
 import sys as _sys
 
@@ -13,24 +14,18 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
         "clone's root goes on sys.path and the real package wins), or `pip install <clone>`."
     )
 
-from . import (  # noqa: F401  (registration)
-    _nested,  # noqa: F401  (NestedBatchedTensor, before the first transform call)
-    collectives,
-    convolution,
+# The rule families load on first use (Note [Rule families load on first use],
+# functransforms/_ops.py); these are needed by every vmap: the wrapper classes, the derived
+# pointwise rule, random draws.
+from . import (  # noqa: F401
+    _nested,
     elementwise,
-    fft,
-    indexing,
-    linalg,
-    nn,
-    normalization,
-    pooling,
     random,
-    reductions,
-    scans,
-    sorting,
     views,
 )
 from ._registry import VMAP_RULES, register_vmap_rule
 from ._tensor import BatchedTensor, VmapInterpreter
+
+VMAP_RULES.load_lazily()  # Note [Rule families load on first use] (functransforms/_ops.py)
 
 __all__ = ["VMAP_RULES", "BatchedTensor", "VmapInterpreter", "register_vmap_rule"]

@@ -43,20 +43,27 @@ _torch_requires_grad = _compat.tensor_requires_grad  # not a wrapper's property
 
 def _is_pointwise_packet(name):
     """True when every functional ATen overload of ``name`` taking a tensor is a deterministic
-    pointwise op returning one fresh tensor."""
-    packet = getattr(_aten, name, None)
-    if not isinstance(packet, _compat.OpOverloadPacket):
+    pointwise op returning one fresh tensor. Asked through torch's C calls: the table asks
+    about every public name of torch, and ``getattr(torch.ops.aten, name)`` would make and keep
+    a packet and an ``OpOverload`` per overload (~4.7k objects at the first vmap: Note [Cold
+    start and torch's garbage] in benchmarks/bench_core.py)."""
+    qualname = "aten::" + name
+    try:
+        _, overloads = _compat.op_overload_names(qualname)
+    except RuntimeError:
+        return False
+    if overloads is None:
         return False
     seen = False
-    for overload in packet.overloads():
-        op = getattr(packet, overload)
-        schema = op._schema
+    for overload in overloads:
+        schema = _compat.op_schema(qualname, overload)
         if schema.is_mutable or not any(str(a.type).startswith("Tensor") for a in schema.arguments):
             continue
+        tags = _compat.op_overload_entry(qualname, overload)[2]
         returns = schema.returns
         if (
-            torch.Tag.pointwise not in op.tags
-            or torch.Tag.nondeterministic_seeded in op.tags
+            torch.Tag.pointwise not in tags
+            or torch.Tag.nondeterministic_seeded in tags
             or len(returns) != 1
             or str(returns[0].type) != "Tensor"
             or returns[0].alias_info is not None

@@ -110,12 +110,19 @@ def _register_random_kernels():
             packet = getattr(namespace, name, None)
             if not isinstance(packet, _compat.OpOverloadPacket):
                 continue
+            qualname = packet._qualified_op_name
             for overload in packet.overloads():
+                # the tags through torch's C call: an OpOverload object for each of the ~900
+                # packets' overloads would be made and kept (~2.9k objects at the first vmap,
+                # Note [Cold start and torch's garbage] in benchmarks/bench_core.py)
+                tags = _compat.op_overload_entry(
+                    qualname, "" if overload == "default" else overload
+                )[2]
+                if torch.Tag.nondeterministic_seeded not in tags:
+                    continue
                 op = getattr(packet, overload)
                 # composite ops are skipped: what they decompose into draws (or not: dropout
                 # with train=False), and is caught there
-                if torch.Tag.nondeterministic_seeded not in op.tags:
-                    continue
                 if not op.has_kernel_for_dispatch_key(_COMPOSITE):
                     lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
 

@@ -11,40 +11,52 @@ _here = _os.path.dirname(__file__)
 if not _os.path.isdir(_os.path.join(_here, "autodiff")):
     __path__.append(_os.path.dirname(_here))
 
-from . import (  # noqa: E402, F401  (registers the rules)
+from . import (  # noqa: E402, F401  (the interpreters of grad/vjp/jvp; determinism)
     autodiff,
-    batching,
     deterministic,  # noqa: E402, F401
 )
 from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
 from ._autograd_function import install as _install_autograd_function  # noqa: E402
-from ._collectives import (
-    all_gather,
-    all_to_all,
-    axis_index,
-    axis_size,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    psum,
-    psum_scatter,
-)
 from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
-from ._extras import checkpoint, debug_unwrap, linear_transpose
 from ._functionalize import functionalize
-from ._module import functional_call, replace_all_batch_norm_modules_, stack_module_state
-from ._pmap import pmap
-from ._rearrange import rearrange
 from ._vmap import vmap
 
 _install_autograd_function()  # Note [autograd.Function under transforms]
 
 # Note [Lazy parts of the package]: what no rule needs loads at first use (PEP 562), so
 # ``import functransforms`` stays cheap (cold start, docs/performance.md): ``jit`` (make_fx's
-# machinery is imported by its first trace anyway) and ``distributed`` (process launching).
-# After the first access the name is a plain module attribute.
-_LAZY = {"jit": "._jit", "distributed": ".distributed"}
+# machinery is imported by its first trace anyway), ``distributed`` (process launching), the
+# collectives and pmap (their custom ops), rearrange, the nn.Module helpers and the extras, and
+# the ``batching`` package (vmap's interpreter, wrapper classes and rules: ``vmap``'s first call
+# imports it; a first ``grad`` does not need it).
+# After the first access the name is a plain module attribute. (The rule families load on
+# first use too: Note [Rule families load on first use], _ops.py.)
+_LAZY = {
+    "jit": "._jit",
+    "distributed": ".distributed",
+    "batching": ".batching",  # vmap's interpreter and rules: imported by vmap's first call
+    "pmap": "._pmap",
+    "rearrange": "._rearrange",
+    **dict.fromkeys(
+        (
+            "all_gather",
+            "all_to_all",
+            "axis_index",
+            "axis_size",
+            "pmax",
+            "pmean",
+            "pmin",
+            "ppermute",
+            "psum",
+            "psum_scatter",
+        ),
+        "._collectives",
+    ),
+    **dict.fromkeys(
+        ("functional_call", "replace_all_batch_norm_modules_", "stack_module_state"), "._module"
+    ),
+    **dict.fromkeys(("checkpoint", "debug_unwrap", "linear_transpose"), "._extras"),
+}
 
 
 def __getattr__(name):
@@ -54,7 +66,7 @@ def __getattr__(name):
     import importlib
 
     mod = importlib.import_module(module, __name__)
-    value = mod if name == "distributed" else getattr(mod, name)
+    value = mod if name in ("distributed", "batching") else getattr(mod, name)
     globals()[name] = value
     return value
 

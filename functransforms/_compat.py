@@ -100,6 +100,9 @@ _C = torch._C
 disable_current_modes = _disable_current_modes
 # The depth of the mode stack: 0 means no mode is active (checked before paying for a mode).
 len_torch_dispatch_stack = _C._len_torch_dispatch_stack
+# the modes torch's pre-dispatch tracing pushes (what disable_current_modes pops besides the
+# stack above): with neither, there is nothing to disable (and no import of its mode classes)
+len_pre_dispatch_stack = torch._ops._len_torch_dispatch_stack_pre_dispatch
 
 # -- wrapper tensor subclasses (checked on 2.13.0, 2.15.0) ----------------------------------------
 # The one way to build a tensor subclass with its own metadata and no storage of its own.
@@ -250,6 +253,12 @@ set_fwd_grad_enabled = _C._set_fwd_grad_enabled
 # The classes of ``torch.ops.aten.sin.default`` and ``torch.ops.aten.sin``.
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
+# What OpOverloadPacket reads an op's overloads with, as C calls: ``(op, overload names)`` or
+# ``(None, None)`` of ``"ns::name"``, the schema and ``(op, op_dk, tags)`` of one overload (""
+# is the default): asking about many ops without making (and keeping) their Python objects
+op_overload_names = _C._jit_get_operation
+op_schema = _C._get_schema
+op_overload_entry = _C._get_operation_overload
 
 # -- nested tensors (checked on 2.13.0, 2.15.0) ---------------------------------------------------
 # What PyTorch's nested fallback nests per-component results with (a strided nested tensor,

@@ -15,6 +15,7 @@ Note [Levels]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -123,24 +124,34 @@ _ALSO_ENTERING = (
 )
 
 
+_entered: set = set()  # the wrapper classes whose per-op rules are registered
+
+
 def _install_entry():
     """Note [Entering through registered rules]: register each wrapper class's
-    ``__torch_dispatch__`` as its per-op rule, once, at the first transform call."""
+    ``__torch_dispatch__`` as its per-op rule, at the first transform call after the class
+    is defined (vmap's classes are defined by its first call: Note [Lazy parts of the
+    package], functransforms/__init__.py)."""
     global _entry_pending
     from . import _compat, _ops
 
     global _ABOVE_PYTHON
     _entry_pending = False
-    _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
+    if _ABOVE_PYTHON is None:
+        _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
     classes, todo = [], [TransformTensor]
     while todo:
         for sub in todo.pop().__subclasses__():
-            classes.append(sub)
+            if sub not in _entered:
+                classes.append(sub)
             todo.append(sub)
-    packets = {op.__qualname__.partition(".")[0] for r in _ops._REGISTRIES.values() for op in r}
+    if not classes:
+        return
+    _entered.update(classes)
+    # every op with a rule, its family loaded or not (Note [Rule families load on first use]),
+    # and the ops whose rules wait for torch to define them (Registry.register_when_defined)
+    packets, exact = _ops.rule_names()
     packets.update(f"{ns}::{name}" for name in _ALSO_ENTERING.split() for ns in ("aten", "prims"))
-    # ops whose rules wait for torch to define them (Registry.register_when_defined)
-    exact = [name for r in _ops._REGISTRIES.values() for name in r._by_name]
     _compat.register_subclass_dispatch_rules(
         classes, lambda c: c.__torch_dispatch__.__func__, packets, exact
     )
@@ -162,6 +173,11 @@ class TransformTensor(torch.Tensor):
     _interp: Interpreter
 
     __torch_function__ = _compat.disabled_torch_function_impl
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        global _entry_pending
+        _entry_pending = True  # its per-op rules, at the next transform call (_install_entry)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -349,7 +365,9 @@ def _probe_above_python():
         [_Probe], lambda c: c.__torch_dispatch__.__func__, {"aten::alias"}
     )
     probe = _compat.make_wrapper_subclass(_Probe, (0,))
-    with _compat.disable_current_modes(), _compat.DisableTorchFunction():
+    idle = not _compat.len_torch_dispatch_stack() and not _compat.len_pre_dispatch_stack()
+    modes = contextlib.nullcontext() if idle else _compat.disable_current_modes()  # cold start
+    with modes, _compat.DisableTorchFunction():
         empty = _compat.DispatchKeySet(_compat.DispatchKey.Undefined)
         with _ForceKeys(empty, empty):
             torch.ops.aten.alias.default(probe)

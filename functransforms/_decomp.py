@@ -119,6 +119,9 @@ def decomposition(func):
     """torch's decomposition of ``func``, or None."""
     d = _CACHE.get(func, False)
     if d is False:
+        from ._ops import load_for
+
+        load_for("decomposition", func)  # Note [Rule families load on first use]
         global _TABLE
         if _TABLE is None:
             _TABLE = _compat.decomposition_table()

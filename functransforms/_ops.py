@@ -174,6 +174,10 @@ class Registry(dict):
         self.what = what  # for the duplicate error
         self._derive = None
         self._by_name = {}  # "ns::name.overload" -> rule, for ops not defined yet
+        # "ns::name.overload" -> the families (bits of _rule_index.FAMILIES) that register a
+        # rule of the op here and load on its first lookup (Note [Rule families load on first
+        # use]); None: none left to load
+        self._lazy = None
 
     def register(self, *ops):
         """Decorator: register ``rule`` for each op in ``ops``; an op registered twice raises."""
@@ -195,7 +199,8 @@ class Registry(dict):
         not import the module at ``import functransforms`` (Note [Lazy parts of the package]).
         Until then the op cannot have been called, so nothing can miss the rule.
         ``define_pending()`` imports the modules and registers them all (docs/coverage.md)."""
-        if qualname in self._by_name or any(_qualname(op) == qualname for op in self):
+        self._load_key(_name_key(qualname))
+        if qualname in self._by_name or any(_qualname(op) == qualname for op in dict.keys(self)):
             raise ValueError(f"{self.decorator}: {qualname} already has {self.what}")
         op = _defined_op(qualname)
         if op is not None:  # already defined: an ordinary registration
@@ -207,6 +212,7 @@ class Registry(dict):
         """Import the modules of the rules registered by name, and register those rules."""
         import importlib
 
+        load_all_families()
         for qualname, (rule, module) in list(self._by_name.items()):
             try:
                 importlib.import_module(module)
@@ -215,6 +221,16 @@ class Registry(dict):
             op = _defined_op(qualname)
             if op is not None and self._by_name.pop(qualname, None) is not None:
                 self.register(op)(rule)
+
+    def load_lazily(self):
+        """From now on, reads load the families that register the op's rule first (Note [Rule
+        families load on first use]); records made before are refreshed (and their families
+        loaded). Called by the registry's package at the end of its import, when the families
+        can import it."""
+        from ._rule_index import INDEX
+
+        self._lazy = INDEX.get(self.slot)
+        self._refresh_all()
 
     def derive_with(self, derive):
         """Decorator: ``derive(func) -> rule or None`` gives a rule to ops registered without
@@ -226,7 +242,9 @@ class Registry(dict):
     def lookup(self, op):
         """The registered rule of ``op``, else the derived one, else None (uncached: records
         hold it)."""
-        rule = self.get(op)
+        if self._lazy is not None:
+            self._load(op)
+        rule = dict.get(self, op)
         if rule is None and self._by_name:
             rule, _ = self._by_name.pop(_qualname(op), (None, None))
             if rule is not None:
@@ -239,16 +257,78 @@ class Registry(dict):
         """The rule ``derive_with`` gives ``op``, or None (for docs/coverage.md)."""
         return None if self._derive is None else self._derive(op)
 
+    # Reads load the families that register the op's rule first (Note [Rule families load on
+    # first use]); whole-registry reads load them all. Interpreters never read here per op:
+    # they read the op's record (Note [One record per op]).
+    def _load(self, op):
+        key = _key(op)
+        if key is not None:
+            self._load_key(key)
+
+    def _load_key(self, key):
+        lazy = self._lazy
+        if lazy is not None:
+            mask = lazy.get(key)
+            if mask is not None and mask & ~_LOADED[0]:
+                load_families(mask)
+
+    def __contains__(self, op):
+        if self._lazy is not None:
+            self._load(op)
+        return dict.__contains__(self, op)
+
+    def __getitem__(self, op):
+        if self._lazy is not None:
+            self._load(op)
+        return dict.__getitem__(self, op)
+
+    def get(self, op, default=None):
+        if self._lazy is not None:
+            self._load(op)
+        return dict.get(self, op, default)
+
+    def __iter__(self):
+        load_all_families()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        load_all_families()
+        return dict.__len__(self)
+
+    def keys(self):
+        load_all_families()
+        return dict.keys(self)
+
+    def values(self):
+        load_all_families()
+        return dict.values(self)
+
+    def items(self):
+        load_all_families()
+        return dict.items(self)
+
+    def copy(self):
+        load_all_families()
+        return dict(dict.items(self))
+
+    def __repr__(self):
+        load_all_families()
+        return dict.__repr__(self)
+
     # every write clears the cached slot, so a late registration is seen
     def __setitem__(self, op, rule):
         super().__setitem__(op, rule)
         self._refresh(op)
 
     def __delitem__(self, op):
+        if self._lazy is not None:
+            self._load(op)
         super().__delitem__(op)
         self._refresh(op)
 
     def pop(self, op, *default):
+        if self._lazy is not None:
+            self._load(op)
         out = super().pop(op, *default)
         self._refresh(op)
         return out
@@ -263,11 +343,13 @@ class Registry(dict):
             self[op] = rule
 
     def popitem(self):
+        load_all_families()
         item = super().popitem()
         self._refresh(item[0])
         return item
 
     def clear(self):
+        load_all_families()
         super().clear()
         self._refresh_all()
 
@@ -286,6 +368,98 @@ class Registry(dict):
 def _qualname(op) -> str | None:
     schema = getattr(op, "_schema", None)  # registries may also hold non-ATen keys
     return None if schema is None else f"{schema.name}.{op._overloadname}"
+
+
+def _key(op) -> str | None:
+    """The key of ``op`` in a lazy index: ``"ns::name.overload"``, ``"ns::name"`` for the
+    default overload (``OpOverload._name``, as torch's own per-op tables)."""
+    return getattr(op, "_name", None)
+
+
+def _name_key(qualname) -> str:
+    """``_key`` of the op named ``"ns::name.overload"``."""
+    return qualname[: -len(".default")] if qualname.endswith(".default") else qualname
+
+
+# Note [Rule families load on first use]
+#     ``import functransforms`` used to import every rule family (~30 modules, ~8.5k objects):
+#     with torch's heap, that pushed the first transform call of a process past the garbage
+#     collector's threshold for a full collection (~75 ms: Note [Cold start and torch's
+#     garbage] in benchmarks/bench_core.py). Now most families load when a rule of one of their
+#     ops is first looked up: a generated index (functransforms/_rule_index.py, keyed by
+#     ``"ns::name.overload"`` per registry) names the families that register each op's rule, and
+#     every read of a registry (the record fill of ``facts``, ``op in RULES``, ``RULES[op]``,
+#     ``get``, ``register``'s duplicate check, ``decomposition(op)`` for our overrides) loads
+#     them first; reads of the whole registry (iteration, ``len``, ``keys``, coverage,
+#     ``define_pending``) load every family. So a lookup never misses a rule that eager import
+#     would have found, provided the index is current: tests/test_cold_start.py rebuilds it and
+#     compares (``python -m functransforms._rule_index_build --write`` regenerates it).
+_LOADED = [0]  # bits of _rule_index.FAMILIES loaded so far
+
+
+def load_families(mask):
+    """Import the rule families in ``mask`` (bits of ``_rule_index.FAMILIES``) not loaded yet."""
+    todo = mask & ~_LOADED[0]
+    if not todo:
+        return
+    import importlib
+
+    from ._rule_index import FAMILIES
+
+    for i, name in enumerate(FAMILIES):
+        if todo >> i & 1:
+            # a family being imported (sys.modules holds it) comes back as it is: no recursion
+            importlib.import_module("functransforms." + name)
+            _LOADED[0] |= 1 << i
+
+
+def load_for(kind, op):
+    """Load the families that register something for ``op`` in the index's table ``kind``
+    (a registry's slot, or ``"decomposition"``: our overrides of torch's decompositions)."""
+    from ._rule_index import INDEX
+
+    key = _key(op)
+    mask = INDEX.get(kind, {}).get(key) if key is not None else None
+    if mask is not None and mask & ~_LOADED[0]:
+        load_families(mask)
+
+
+def load_all_families():
+    """Import every rule family (Note [Rule families load on first use])."""
+    from ._rule_index import FAMILIES
+
+    load_families((1 << len(FAMILIES)) - 1)
+
+
+def rule_names():
+    """``(packets, exact)``: the ops that have a rule in some registry, loaded or not, as packet
+    names (``"aten::sin"``), and the rules registered by name for ops torch may not define yet
+    (``"ns::name.overload"``): Note [Entering through registered rules] in _core.py."""
+    from ._rule_index import BY_NAME, INDEX
+
+    packets = {
+        key.partition(".")[0]
+        for r in _REGISTRIES.values()
+        for key in map(_key, dict.keys(r))
+        if key is not None
+    }
+    exact = {name for r in _REGISTRIES.values() for name in r._by_name}
+    by_name = {_name_key(name) for name in BY_NAME}
+    for table in INDEX.values():
+        for key in table:
+            if key in by_name:
+                continue
+            packets.add(key.partition(".")[0])
+            if not key.startswith(("aten::", "prims::")):
+                # our custom ops (the collectives) are defined when their module first loads,
+                # maybe after this: register them by name as well
+                exact.add(key)
+    for name in BY_NAME:
+        if _defined_op(name) is None:
+            exact.add(name)
+        else:
+            packets.add(name.partition(".")[0])
+    return packets, exact
 
 
 def _defined_op(qualname):

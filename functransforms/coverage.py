@@ -121,13 +121,15 @@ def _opinfo_rows():
 
 
 def render() -> str:
-    import functransforms  # noqa: F401  (registers every rule)
+    import functransforms  # noqa: F401
     from functransforms._compat import DOCS_TORCH, TORCH_MINOR
     from functransforms.autodiff import JVP_RULES, VJP_RULES
     from functransforms.batching import VMAP_RULES
 
     for registry in (VMAP_RULES, JVP_RULES, VJP_RULES):
-        registry.define_pending()  # rules of ops torch defines on a lazy import
+        # every rule family (Note [Rule families load on first use]) and the rules of ops
+        # torch defines on a lazy import
+        registry.define_pending()
     ops = set(VMAP_RULES) | set(JVP_RULES) | set(VJP_RULES)
     rows = sorted(ops, key=str)
     counts = {"vmap": {}, "jvp": {}, "vjp": {}}

@@ -3,7 +3,7 @@ what was expected and what was received, then what to do."""
 
 from __future__ import annotations
 
-from ._ops import facts, op_name
+from ._ops import facts, load_all_families, op_name
 
 
 class TransformError(RuntimeError):
@@ -62,6 +62,15 @@ def missing_rule(func, call, kind, decorator, path=()):
             f"{call}: {name} writes into `out=`, and functions with out= arguments do not "
             "support automatic differentiation (as in torch and PyTorch). Do: drop `out=` "
             "and use the return value."
+        )
+    # Note [Rule families load on first use] (_ops.py): before reporting a missing rule, load
+    # every family; a rule found then means the index that names each op's family is stale
+    load_all_families()
+    if getattr(facts(func), f"{kind}_rule", None) is not None:
+        return RuntimeError(
+            f"{call}: {name} has a {kind} rule in a family that functransforms/_rule_index.py "
+            "does not name for it (the index is stale). Do: run `python -m "
+            "functransforms._rule_index_build --write` (a source checkout) or reinstall."
         )
     via = ""
     if path:

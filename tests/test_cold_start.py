@@ -143,3 +143,113 @@ def test_ops_torch_defines_after_the_first_call_enter_through_registered_rules()
         "ft.vmap(f)(torch.randn(3, 4, 3), torch.randint(0, 5, (3, 4)))"
     )
     assert _fresh(code) == ["False", "False"]
+
+
+# -- Note [Rule families load on first use] (functransforms/_ops.py) ------------------------------
+def _run(code):
+    return subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+
+
+def test_import_loads_no_rule_family_and_a_first_grad_only_its_own():
+    # would fail if the import went back to registering every family eagerly
+    code = (
+        "from functransforms._rule_index_build import FAMILIES\n"
+        "import functransforms as ft\n"
+        "loaded = lambda: sorted(m for m in FAMILIES if 'functransforms.' + m in sys.modules)\n"
+        "print(*loaded(), 'functransforms.batching' in sys.modules, sep=',')\n"
+        "ft.grad(lambda x: x.sin().sum())(torch.randn(3))\n"
+        "print(*loaded(), 'functransforms.batching' in sys.modules, sep=',')\n"
+        "ft.vmap(ft.grad(lambda x: x.sin().sum()))(torch.randn(2, 3))\n"
+        "print(*loaded(), sep=',')\n"
+    )
+    out = _run(code)
+    assert out[0] == "False"  # no family, no vmap machinery
+    assert out[1] == "autodiff.elementwise,autodiff.reductions,False"
+    assert out[2] == "autodiff.elementwise,autodiff.reductions,batching.reductions"
+
+
+def test_rule_index_is_current():
+    # the index names the family of every rule; a family changed without regenerating it fails
+    from functransforms import _rule_index
+    from functransforms._rule_index_build import _OUT, FAMILIES, build
+
+    assert tuple(_rule_index.FAMILIES) == FAMILIES
+    assert build() == _OUT.read_text(), (
+        "stale: run python -m functransforms._rule_index_build --write"
+    )
+
+
+_REGISTRY_DUMP = (
+    "from functransforms import _ops\n"
+    "import functransforms.batching\n"
+    "for slot, r in sorted(_ops._REGISTRIES.items()):\n"
+    "    print(slot, sorted(str(op) for op in dict.keys(r)))\n"
+)
+
+
+def test_forced_loading_gives_the_eager_registry():
+    # every module of batching/ and autodiff/ imported (as the packages used to) against the
+    # lazy families all loaded: the same ops in every registry (a new family file missing from
+    # FAMILIES would be in the first only)
+    modules = sorted(
+        f"functransforms.{pkg}.{p.stem}"
+        for pkg in ("autodiff", "batching")
+        for p in (ROOT / pkg).glob("*.py")
+        if p.stem != "__init__"
+    )
+    eager = _run(
+        f"import importlib, functransforms\nfor m in {modules!r}: importlib.import_module(m)\n"
+        + _REGISTRY_DUMP
+    )
+    lazy = _run(
+        "import functransforms.batching\nfrom functransforms._ops import load_all_families\n"
+        "load_all_families()\n" + _REGISTRY_DUMP
+    )
+    assert lazy == eager
+
+
+def test_lookups_find_the_rule_of_the_full_registry():
+    # each op's rule through its record (which loads only its own families) is the rule the
+    # registry holds once every family is loaded; the decomposition overrides likewise
+    code = (
+        "import functransforms.batching\n"
+        "from functransforms import _decomp, _ops, _rule_index\n"
+        "found = {}\n"
+        "for slot, table in _rule_index.INDEX.items():\n"
+        "    for key in table:\n"
+        "        name = key if '.' in key.partition('::')[2] else key + '.default'\n"
+        "        op = _ops._defined_op(name)\n"
+        "        if op is None:\n"
+        "            continue  # another torch version's op, or defined on a lazy import\n"
+        "        if slot == 'decomposition':\n"
+        "            found[slot, op] = _decomp.decomposition(op)\n"
+        "        else:\n"
+        "            found[slot, op] = getattr(_ops.facts(op), slot)\n"
+        "_ops.load_all_families()\n"
+        "bad = [(s, str(op)) for (s, op), rule in found.items() if rule is not (\n"
+        "    _decomp._OVERRIDES.get(op) if s == 'decomposition'\n"
+        "    else _ops._REGISTRIES[s].lookup(op))]\n"
+        "print(len(found), bad)\n"
+    )
+    n, bad = _run(code)[0].split(" ", 1)
+    assert int(n) > 900 and bad == "[]"
+
+
+def test_a_duplicate_of_a_lazily_loaded_rule_still_raises_at_once():
+    code = (
+        "import functransforms as ft\n"
+        "from functransforms.autodiff import register_vjp_rule, VJP_RULES\n"
+        "try:\n"
+        "    register_vjp_rule(torch.ops.aten.cumsum.default)(lambda *a: None)\n"
+        "except ValueError as e:\n"
+        "    print('raised', 'already has' in str(e))\n"
+        "print(torch.ops.aten.cumsum.default in VJP_RULES, len(VJP_RULES) > 300)\n"
+    )
+    out = _run(code)
+    assert out[0] == "raised True" and out[1] == "True True"
