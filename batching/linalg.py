@@ -334,6 +334,48 @@ def _solve_fast(func, args, kwargs, batched_cls, wrap):
 SHAPED_FUNCS[torch.linalg.solve] = _solve_fast
 
 
+# The same for the functions of one (batch of) square or general matrices that are also
+# composites reaching the dispatcher twice or more (a *_ex op and _linalg_check_errors, or a
+# decomposition): the vmap dim in front is one more batch dim, exactly as def_matrix_op's rule
+# says, and every output carries it. Each function is listed with the keywords (and the number
+# of positional arguments) it may take here; anything else, and every error, goes to the
+# ordinary path. Not eigvalsh (nor svdvals, eigvals): on a tensor subclass torch computes them
+# with the eigenvectors (a last-bit difference from the plain call), as the ordinary path does.
+def _matrix_fast(keywords, n_args=1):
+    def matrix_fast(func, args, kwargs, batched_cls, wrap):
+        if not 1 <= len(args) <= n_args or (kwargs and not kwargs.keys() <= keywords):
+            return None
+        x = args[0]
+        if type(x) is not batched_cls:
+            return None
+        v = _live_value(x, batched_cls)
+        if v is None or v.dim() < 3:
+            return None
+        if x._bdim:
+            v = v.movedim(x._bdim, 0)
+        try:
+            out = func(v, *args[1:], **kwargs) if kwargs else func(v, *args[1:])
+        except RuntimeError:
+            return None  # the ordinary path raises it
+        interp = x._interp
+        if isinstance(out, torch.Tensor):  # a wrapper of an inner level too
+            return wrap(out, 0, interp)
+        return type(out)(tuple(wrap(o, 0, interp) for o in out))
+
+    return matrix_fast
+
+
+for _fn, _keywords, _n_args in (
+    (torch.linalg.inv, (), 1),
+    (torch.linalg.cholesky, ("upper",), 1),
+    (torch.linalg.det, (), 1),
+    (torch.linalg.slogdet, (), 1),
+    (torch.linalg.eigh, ("UPLO",), 2),
+    (torch.linalg.matrix_exp, (), 1),
+):
+    SHAPED_FUNCS[_fn] = _matrix_fast(frozenset(_keywords), _n_args)
+
+
 @register_vmap_rule(aten.linalg_lu_solve.default)
 def linalg_lu_solve_vmap_rule(interp, args, bdims, kwargs):
     """lu_solve(LU, pivots, B): LU and pivots share one batch shape exactly (an unbatched one

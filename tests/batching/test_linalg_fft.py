@@ -332,6 +332,89 @@ def test_solve_fast_path_under_other_transforms(name, dtype):
     torch.testing.assert_close((A1.grad, b1.grad), (A2.grad, b2.grad))
 
 
+_MATRIX_FAST = {
+    "inv": (general, torch.linalg.inv),
+    "cholesky": (pd, torch.linalg.cholesky),
+    "cholesky_upper": (pd, lambda A: torch.linalg.cholesky(A, upper=True)),
+    "det": (general, torch.linalg.det),
+    "slogdet": (general, torch.linalg.slogdet),
+    "eigh": (pd, lambda A: _eigh(A)[:2]),
+    "eigh_U": (pd, lambda A: torch.linalg.eigh(A, "U")[0]),
+    "matrix_exp": (general, torch.linalg.matrix_exp),
+}
+
+
+_MATRIX_FAST_FUNCS = (
+    torch.linalg.inv,
+    torch.linalg.cholesky,
+    torch.linalg.det,
+    torch.linalg.slogdet,
+    torch.linalg.eigh,
+    torch.linalg.matrix_exp,
+)
+
+
+@pytest.mark.parametrize("dtype", [DT, CDT], ids=["real", "complex"])
+@pytest.mark.parametrize("name", list(_MATRIX_FAST))
+def test_matrix_fast_path_matches_ordinary_path(name, dtype, monkeypatch):
+    """One-matrix functions (inv, cholesky, det, slogdet, eigh, matrix_exp) take one
+    batched call on the physical value: the same values as the ordinary path, for every in_dim
+    and logical batch rank, and no trip through the dispatcher."""
+    from functransforms.batching import _fastpath
+
+    make, f = _MATRIX_FAST[name]
+    cases = []
+    for batch, d in [((), 0), ((), 1), ((2,), -1), ((2,), 1)]:
+        cases.append((stack([make(batch, dtype, gen(8)) for _ in range(B)], d), d))
+    fast = [ft.vmap(f, in_dims=d)(x) for x, d in cases]
+    with monkeypatch.context() as m:
+        for fn in _MATRIX_FAST_FUNCS:
+            m.delitem(_fastpath.SHAPED_FUNCS, fn)
+        slow = [ft.vmap(f, in_dims=d)(x) for x, d in cases]
+    for (x, d), o, r in zip(cases, fast, slow, strict=True):
+        torch.testing.assert_close(o, r, atol=0, rtol=0)
+        torch.testing.assert_close(o, torch.func.vmap(f, in_dims=d)(x))
+    x = cases[0][0]
+    _, calls = _dispatched_ops(f, (x,), 0, monkeypatch)
+    assert not [c for c in calls if "linalg" in str(c)], calls
+
+
+def test_matrix_fast_path_under_other_transforms():
+    """The physical call runs on inner levels' wrappers (grad, jvp, an inner vmap)."""
+    A = general((B,), g=gen(9))
+    t = torch.ones_like(A)
+    checks = [
+        lambda m: m.grad(lambda A: m.vmap(torch.linalg.inv)(A).sum())(A),
+        lambda m: m.jvp(m.vmap(torch.linalg.slogdet), (A,), (t,)),
+        lambda m: m.jvp(m.vmap(torch.linalg.matrix_exp), (A,), (t,)),
+        lambda m: m.vmap(m.vmap(torch.linalg.det))(A.unsqueeze(0).expand(2, B, N, N)),
+        lambda m: m.vmap(m.grad(lambda A: torch.linalg.det(A)))(A),
+    ]
+    for c in checks:
+        torch.testing.assert_close(c(ft), c(torch.func))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "ordinary"])
+def test_matrix_fast_path_errors_as_torch(fast, monkeypatch):
+    """A singular / non positive-definite example raises torch's error with its batch index."""
+    from functransforms.batching import _fastpath
+
+    if not fast:
+        monkeypatch.delitem(_fastpath.SHAPED_FUNCS, torch.linalg.inv)
+        monkeypatch.delitem(_fastpath.SHAPED_FUNCS, torch.linalg.cholesky)
+    A = general((B,))
+    A[2] = 0
+    with pytest.raises(torch.linalg.LinAlgError, match=r"\(Batch element 2\): The diagonal"):
+        ft.vmap(torch.linalg.inv)(A)
+    with pytest.raises(torch.linalg.LinAlgError, match=r"\(Batch element 2\): The factorization"):
+        ft.vmap(torch.linalg.cholesky)(torch.cat([pd((2,)), -pd((1,))]))
+    with pytest.raises(RuntimeError) as ours:
+        ft.vmap(torch.linalg.inv)(torch.randn(B, 3, 4))
+    with pytest.raises(RuntimeError) as ref:
+        torch.linalg.inv(torch.randn(3, 4))
+    assert str(ours.value) == str(ref.value)
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "ordinary"])
 def test_solve_errors_as_torch(fast, monkeypatch):
     """A singular example raises torch's error (with its index in the batch); shape and dtype
