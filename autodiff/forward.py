@@ -6,7 +6,14 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, dtype_conj, is_floating, metadata
+from functransforms._core import (
+    Interpreter,
+    TransformTensor,
+    dtype_conj,
+    is_floating,
+    metadata,
+    metadata_conj,
+)
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -20,6 +27,7 @@ from ._util import (
 )
 
 _mk = _compat.make_wrapper_subclass
+_STRIDED = torch.strided
 _fwd_enabled = _compat.is_fwd_grad_enabled
 _set_fwd = _compat.set_fwd_grad_enabled
 
@@ -46,10 +54,11 @@ class DualTensor(TransformTensor):
         )
 
 
-def wrap_dual(primal, tangent, interp):
+def wrap_dual(primal, tangent, interp, meta=None):
+    """A DualTensor of ``primal``; ``meta``: its ``metadata`` when the caller has it."""
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
-    r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
+    shape, stride, dtype, device = meta or metadata(primal)  # Note [Reading a wrapper's metadata]
+    r = _mk(DualTensor, shape, stride, None, None, dtype, _STRIDED, device)  # positional: faster
     r._primal = primal
     r._tangent = tangent
     r._interp = interp
@@ -89,19 +98,22 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if t is None:
             return out
         if isinstance(out, torch.Tensor):
-            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
+            # Note [Reading a wrapper's metadata]: one read for the check and the wrapper
+            shape, stride, dtype, device, conj = metadata_conj(out)
             if not (dtype.is_floating_point or dtype.is_complex):
                 return out
+            meta = (shape, stride, dtype, device)
             t_dtype, t_conj = dtype_conj(t)
             if conj or t_conj:  # Note [No lazy conjugate inside wrappers]
                 out, t = out.resolve_conj(), t.resolve_conj()
+                meta = None
             if t_dtype != dtype:
                 if t_dtype.is_complex and not dtype.is_complex:
                     t = t.real
                     t_dtype = t.dtype
                 if t_dtype != dtype:
                     t = t.to(dtype)
-            return wrap_dual(out, t, self)
+            return wrap_dual(out, t, self, meta)
         return type(out)(self._as_dual(o, ti) for o, ti in zip(out, t))
 
     def process(self, func, args, kwargs):

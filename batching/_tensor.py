@@ -32,7 +32,13 @@ from functransforms.errors import (  # raise_*: re-exported for rule modules
     raise_same_with_batched_parameters,  # noqa: F401  (re-exported)
 )
 
-from ._fastpath import POINTWISE_FUNCS, SHAPED_FUNCS, ensure_table, pointwise_fast
+from ._fastpath import (
+    ELEMENTWISE_RULES,
+    POINTWISE_FUNCS,
+    SHAPED_FUNCS,
+    ensure_table,
+    pointwise_fast,
+)
 from ._registry import WRITES_CHECKED_BY_RULE
 
 _no_torch_function = _compat.disabled_torch_function_impl
@@ -259,8 +265,11 @@ def wrap_batched(value, bdim, interp):
         BatchedTensor,
         shape[:bdim] + shape[bdim + 1 :],
         st[:bdim] + st[bdim + 1 :],
-        dtype=dtype,
-        device=device,
+        None,
+        None,
+        dtype,
+        _STRIDED,
+        device,
     )
     r._value = value
     r._bdim = bdim
@@ -307,6 +316,10 @@ class VmapInterpreter(Interpreter):
     def process(self, func, args, kwargs):
         """Autodidax's ``process_primitive``: unwrap this level, apply the op's rule, wrap."""
         f = facts(func)  # Note [One record per op]
+        if not kwargs and f.vmap_rule in ELEMENTWISE_RULES:
+            out = self._elementwise(func, args)  # Note [Pointwise ops reaching the interpreter]
+            if out is not None:
+                return out
         if f.written:
             WRITES[0] += 1  # Note [Conjugate views under vmap]: resolutions may go stale
             if f.inplace and getattr(args[0], "_lazy_conj", None) is not None:
@@ -337,6 +350,34 @@ class VmapInterpreter(Interpreter):
         if f.inplace_view:
             return _set_view_inplace(args[0], out, out_bdim)
         return self._as_batched(out, out_bdim)
+
+    def _elementwise(self, func, args):
+        """Note [Pointwise ops reaching the interpreter]: the op on the values when every tensor
+        argument is a BatchedTensor (not a lazy subclass) of this level, all with one batch dim
+        and one physical rank; else None."""
+        bdim = nd = -1
+        vals = []
+        for a in args:
+            if type(a) is BatchedTensor:
+                if a._interp is not self:
+                    return None
+                v = a._value
+                d = v.dim()
+                if bdim == -1:
+                    bdim, nd = a._bdim, d
+                elif a._bdim != bdim or d != nd:
+                    return None
+                vals.append(v)
+            elif isinstance(a, torch.Tensor) or type(a) is list or type(a) is tuple:
+                return None
+            else:
+                vals.append(a)
+        if bdim == -1:
+            return None
+        out = func(*vals)
+        return (
+            wrap_batched(out, bdim, self) if type(out) is _Tensor else self._as_batched(out, bdim)
+        )
 
     def _batched_kwargs(self, func, f, kwargs):
         """Whether a keyword argument is batched at this level (rules see positional arguments

@@ -15,6 +15,7 @@ import torch
 from functransforms._ops import facts
 from functransforms.errors import raise_data_dependent
 
+from ._fastpath import ELEMENTWISE_RULES
 from ._registry import VMAP_RULES, register_vmap_rule
 from ._util import expand_front, pad_to, promote_like_logical, to_front
 
@@ -47,6 +48,8 @@ def make_pointwise_rule(func):
                 new[i] = pad_to(to_front(new[i], b), nd)
         return func(*new, **kwargs), out_bdims(0)
 
+    if n_out == 1 and not func._schema.is_mutable:
+        ELEMENTWISE_RULES.add(pointwise_vmap_rule)  # Note [Pointwise ops reaching the interpreter]
     return pointwise_vmap_rule
 
 

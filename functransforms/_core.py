@@ -580,6 +580,16 @@ def dtype_of(t):
     return t.dtype
 
 
+def dtypes_of(a, b):
+    """``(a.dtype, b.dtype)`` under at most one guard (Note [Reading a wrapper's metadata]):
+    the backward sweep compares each cotangent's dtype with its input's, both BatchedTensors
+    under ``vmap(grad(f))``."""
+    if type(a) in SLOW_METADATA or type(b) in SLOW_METADATA:
+        with plain_metadata():
+            return _dtype(a), _dtype(b)
+    return a.dtype, b.dtype
+
+
 def is_floating(t) -> bool:
     """True for floating and complex dtypes: the values that can carry derivatives."""
     dtype = t.dtype

@@ -231,3 +231,73 @@ def test_out_into_a_batched_tensor_writes_each_example():
     x, o = torch.randn(4, 3), torch.zeros(4, 3)
     ft.vmap(lambda v, out: torch.sin(v, out=out))(x, o)
     torch.testing.assert_close(o, x.sin())
+
+
+# Note [Pointwise ops reaching the interpreter]: ATen pointwise ops that reach
+# VmapInterpreter.process (called as ops, or handed down by another level's rule)
+aten = torch.ops.aten
+ATEN_CASES = [
+    # (function, args, in_dims, whether the shortcut applies)
+    (lambda a: aten.sin.default(a), (torch.randn(4, 3),), 1, True),
+    (lambda a, b: aten.mul.Tensor(a, b), (torch.randn(4, 3), torch.randn(4, 3)), 1, True),
+    (lambda a, b: aten.add.Tensor(a, b), (torch.randn(4, 1, 3), torch.randn(4, 2, 3)), 0, True),
+    (lambda a: aten.mul.Tensor(a, 2.5), (torch.arange(4),), 0, True),
+    (lambda a: aten.add.Tensor(a, 1, alpha=2), (torch.randn(4, 3),), 0, False),  # kwargs
+    (
+        lambda a, b: aten.mul.Tensor(a, b),
+        (torch.randn(4, dtype=torch.float16), torch.randn(4, dtype=torch.float64)),
+        0,
+        True,
+    ),
+    (lambda a, b: aten.mul.Tensor(a, b), (torch.randn(4, 3), torch.randn(3, 4)), (0, 1), False),
+    (lambda a, b: aten.sub.Tensor(a, b), (torch.randn(4, 3), torch.randn(4)), 0, False),  # ranks
+    (lambda a, b: aten.div.Tensor(a, b), (torch.randn(4, 3), torch.randn(3)), (0, None), False),
+    (
+        lambda a, b: aten.where.self(a > 0, a, b),
+        (torch.randn(4, 3), torch.randn(4, 3)),
+        0,
+        True,
+    ),
+    # z.conj() under vmap is a wrapper of a resolved value: the shortcut applies to it
+    (lambda z: aten.mul.Tensor(z, z.conj()), (torch.randn(4, 3, dtype=torch.complex64),), 0, True),
+    (lambda z: aten.mul.Tensor(z, z.conj()), (torch.randn(3, 4, dtype=torch.complex64),), 1, True),
+]
+
+
+@pytest.mark.parametrize("f,args,in_dims,applies", ATEN_CASES)
+def test_aten_pointwise_same_answer_as_the_rule(f, args, in_dims, applies, monkeypatch):
+    from functransforms.batching import _fastpath
+
+    taken = []
+    elementwise = _tensor.VmapInterpreter._elementwise
+
+    def counting(self, func, a):
+        out = elementwise(self, func, a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_tensor.VmapInterpreter, "_elementwise", counting)
+    fast = ft.vmap(f, in_dims=in_dims)(*args)
+    expected = torch.func.vmap(f, in_dims=in_dims)(*args)
+    assert any(taken) == applies
+    monkeypatch.setattr(_fastpath, "ELEMENTWISE_RULES", set())
+    monkeypatch.setattr(_tensor, "ELEMENTWISE_RULES", set())
+    slow = ft.vmap(f, in_dims=in_dims)(*args)
+    for got in (fast, slow):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
+
+
+def test_pointwise_ops_handed_down_by_other_levels():
+    x, v = torch.randn(4, 3), torch.randn(4, 3)
+    f = lambda a: (a.sin() * a.exp() + a / (1 + a * a)).sum()  # noqa: E731
+    for ours, theirs in (
+        (ft.vmap(ft.grad(f)), torch.func.vmap(torch.func.grad(f))),
+        (ft.vmap(ft.jacfwd(f)), torch.func.vmap(torch.func.jacfwd(f))),
+        (ft.vmap(ft.hessian(f)), torch.func.vmap(torch.func.hessian(f))),
+    ):
+        torch.testing.assert_close(ours(x), theirs(x))
+    jv = ft.vmap(lambda a, t: ft.jvp(f, (a,), (t,))[1])(x, v)
+    torch.testing.assert_close(
+        jv, torch.func.vmap(lambda a, t: torch.func.jvp(f, (a,), (t,))[1])(x, v)
+    )

@@ -62,6 +62,15 @@ _UNARY = [
     lambda v: v.unsqueeze(0),
     lambda v: v.unsqueeze(-1),
     lambda v: torch.unsqueeze(v, 2),
+    lambda v: v.mT,
+    lambda v: v.mH,
+    lambda v: v.adjoint(),
+    lambda v: torch.adjoint(v),
+    lambda v: v.to(torch.float64),
+    lambda v: v * float(v.to(torch.float32) is v),  # torch returns self: the fast path too
+    lambda v: v.to(torch.int64) + v.to(torch.bool),
+    lambda v: v.to(torch.complex64).mH,
+    lambda v: v.to(torch.float16, copy=True),  # a keyword: the ordinary path
 ]
 
 
@@ -70,6 +79,53 @@ _UNARY = [
 def test_unary_same_answer_as_the_dispatch_path(i, bdim, monkeypatch):
     x = torch.randn(4, 3, 5, 2).movedim(0, bdim)
     _both_paths(_UNARY[i], (x,), bdim, monkeypatch)
+
+
+_SWAPS = [
+    lambda v: v.t(),
+    lambda v: torch.t(v),
+    lambda v: v.T,
+    lambda v: v.mT,
+    lambda v: v.mH,
+    lambda v: v.adjoint(),
+    lambda v: v.mT.mul_(2),  # writes through the view into the batched input's clone
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+@pytest.mark.parametrize("shape", [(3,), (3, 5), (2, 3, 5)])
+@pytest.mark.parametrize("bdim", [0, 1])
+@pytest.mark.parametrize("i", range(len(_SWAPS)))
+def test_matrix_transposes_same_answer_as_the_dispatch_path(i, bdim, shape, dtype, monkeypatch):
+    x = torch.randn(4, *shape, dtype=dtype).movedim(0, bdim)
+    fn = _SWAPS[i]
+    f = lambda v: fn(v.clone())  # noqa: E731
+    try:
+        ref = torch.func.vmap(f, in_dims=bdim)(x)
+    except RuntimeError:  # t() of a 3-d value, mT of a vector
+        for m in (None, {}):
+            with monkeypatch.context() as c:
+                if m is not None:
+                    c.setattr(_tensor, "SHAPED_FUNCS", m)
+                with pytest.raises(RuntimeError):
+                    ft.vmap(f, in_dims=bdim)(x)
+        return
+    out = _both_paths(f, (x,), bdim, monkeypatch)
+    assert out.is_conj() == ref.is_conj()
+
+
+def test_matrix_transposes_are_views(dispatch_count):
+    x = torch.randn(4, 3, 5)
+
+    def f(v):
+        v = v.clone()
+        v.mT.mul_(2)
+        v.t().add_(1)
+        return v.mH + v.T.t().mT
+
+    torch.testing.assert_close(ft.vmap(f)(x), torch.func.vmap(f)(x))
+    assert torch.ops.aten.transpose.int not in dispatch_count
+    assert torch.ops.aten.t.default not in dispatch_count
 
 
 _MM = [  # (logical shape of a or None when plain, its plain shape; same for b)
