@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, dtype_of
+from functransforms._core import SLOW_METADATA, TransformTensor, dtype_of
 from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import (
     missing_rule,
@@ -32,7 +32,10 @@ def unbroadcast(ct, shape):
 
 def match_dtype(ct, x):
     """A cotangent for ``x`` has x's dtype: the real part for a real ``x`` (docs/complex.md)."""
-    ct_dtype, x_dtype = dtype_of(ct), dtype_of(x)  # Note [Reading a wrapper's metadata]
+    # Note [Reading a wrapper's metadata]; plain tensors read inline (one call per pushed
+    # cotangent of every backward sweep)
+    ct_dtype = dtype_of(ct) if type(ct) in SLOW_METADATA else ct.dtype
+    x_dtype = dtype_of(x) if type(x) in SLOW_METADATA else x.dtype
     if ct_dtype == x_dtype:
         return ct
     if ct_dtype.is_complex and not x_dtype.is_complex:

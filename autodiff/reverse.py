@@ -96,6 +96,8 @@ class GradTensor(TransformTensor):
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         p = self._primal
+        if type(p) is _Tensor:  # the common case first: this runs for every op
+            return p.requires_grad
         return not isinstance(p, TransformTensor) and _torch_requires_grad(p)
 
     def _describe(self):
@@ -146,6 +148,7 @@ class GradFn:
 
 
 _torch_requires_grad = _compat.tensor_requires_grad
+_Tensor = torch.Tensor
 
 
 def wrap_grad(primal, node, idx, interp):
