@@ -51,8 +51,12 @@ class DualTensor(TransformTensor):
 
 def wrap_dual(primal, tangent, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
-    r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
+    # Note [Reading a wrapper's metadata]; a plain primal inline (every op wraps one)
+    if type(primal) is _Tensor:
+        r = _mk(DualTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
+    else:
+        shape, stride, dtype, device = metadata(primal)
+        r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._tangent = tangent
     r._interp = interp
@@ -92,10 +96,17 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         if t is None:
             return out
         if isinstance(out, torch.Tensor):
-            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
+            # Note [Reading a wrapper's metadata]; plain tensors inline (every op)
+            if type(out) is _Tensor:
+                dtype, conj = out.dtype, out.is_conj()
+            else:
+                dtype, conj = dtype_conj(out)
             if not (dtype.is_floating_point or dtype.is_complex):
                 return out
-            t_dtype, t_conj = dtype_conj(t)
+            if type(t) is _Tensor:
+                t_dtype, t_conj = t.dtype, t.is_conj()
+            else:
+                t_dtype, t_conj = dtype_conj(t)
             if conj or t_conj:  # Note [No lazy conjugate inside wrappers]
                 out, t = out.resolve_conj(), t.resolve_conj()
             if t_dtype != dtype:

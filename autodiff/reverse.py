@@ -153,8 +153,12 @@ _Tensor = torch.Tensor
 
 def wrap_grad(primal, node, idx, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    shape, stride, dtype, device = metadata(primal)  # Note [Reading a wrapper's metadata]
-    r = _mk(GradTensor, shape, stride, dtype=dtype, device=device)
+    # Note [Reading a wrapper's metadata]; a plain primal inline (every op wraps one)
+    if type(primal) is _Tensor:
+        r = _mk(GradTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
+    else:
+        shape, stride, dtype, device = metadata(primal)
+        r = _mk(GradTensor, shape, stride, dtype=dtype, device=device)
     r._primal = primal
     r._node = node
     r._idx = idx
@@ -222,7 +226,10 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
-            dtype, conj = dtype_conj(out)  # Note [Reading a wrapper's metadata]
+            if type(out) is _Tensor:  # Note [Reading a wrapper's metadata]
+                dtype, conj = out.dtype, out.is_conj()
+            else:
+                dtype, conj = dtype_conj(out)
             if not (dtype.is_floating_point or dtype.is_complex):
                 return out
             if conj:  # Note [No lazy conjugate inside wrappers]
