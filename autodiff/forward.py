@@ -6,7 +6,14 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import Interpreter, TransformTensor, dtype_conj, is_floating, metadata
+from functransforms._core import (
+    SLOW_METADATA,
+    Interpreter,
+    TransformTensor,
+    dtype_conj,
+    is_floating,
+    metadata,
+)
 from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
@@ -51,12 +58,13 @@ class DualTensor(TransformTensor):
 
 def wrap_dual(primal, tangent, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    # Note [Reading a wrapper's metadata]; a plain primal inline (every op wraps one)
-    if type(primal) is _Tensor:
-        r = _mk(DualTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
-    else:
+    # Note [Reading a wrapper's metadata]: only a BatchedTensor needs the helper (every op
+    # wraps its output: the others are read inline)
+    if type(primal) in SLOW_METADATA:
         shape, stride, dtype, device = metadata(primal)
         r = _mk(DualTensor, shape, stride, dtype=dtype, device=device)
+    else:
+        r = _mk(DualTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
     r._primal = primal
     r._tangent = tangent
     r._interp = interp
@@ -97,16 +105,16 @@ class JvpInterpreter(InplaceMixin, Interpreter):
             return out
         if isinstance(out, torch.Tensor):
             # Note [Reading a wrapper's metadata]; plain tensors inline (every op)
-            if type(out) is _Tensor:
-                dtype, conj = out.dtype, out.is_conj()
-            else:
+            if type(out) in SLOW_METADATA:
                 dtype, conj = dtype_conj(out)
+            else:
+                dtype, conj = out.dtype, out.is_conj()
             if not (dtype.is_floating_point or dtype.is_complex):
                 return out
-            if type(t) is _Tensor:
-                t_dtype, t_conj = t.dtype, t.is_conj()
-            else:
+            if type(t) in SLOW_METADATA:
                 t_dtype, t_conj = dtype_conj(t)
+            else:
+                t_dtype, t_conj = t.dtype, t.is_conj()
             if conj or t_conj:  # Note [No lazy conjugate inside wrappers]
                 out, t = out.resolve_conj(), t.resolve_conj()
             if t_dtype != dtype:

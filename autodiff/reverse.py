@@ -30,6 +30,7 @@ from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
 from functransforms._core import (
+    SLOW_METADATA,
     Interpreter,
     TransformTensor,
     below_torch_autograd,
@@ -153,12 +154,13 @@ _Tensor = torch.Tensor
 
 def wrap_grad(primal, node, idx, interp):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
-    # Note [Reading a wrapper's metadata]; a plain primal inline (every op wraps one)
-    if type(primal) is _Tensor:
-        r = _mk(GradTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
-    else:
+    # Note [Reading a wrapper's metadata]: only a BatchedTensor needs the helper (every op
+    # wraps its output: the others are read inline)
+    if type(primal) in SLOW_METADATA:
         shape, stride, dtype, device = metadata(primal)
         r = _mk(GradTensor, shape, stride, dtype=dtype, device=device)
+    else:
+        r = _mk(GradTensor, primal.shape, primal.stride(), dtype=primal.dtype, device=primal.device)
     r._primal = primal
     r._node = node
     r._idx = idx
@@ -226,10 +228,10 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 out = self._fresh_buffer(out)
             return out
         if isinstance(out, torch.Tensor):
-            if type(out) is _Tensor:  # Note [Reading a wrapper's metadata]
-                dtype, conj = out.dtype, out.is_conj()
-            else:
+            if type(out) in SLOW_METADATA:  # Note [Reading a wrapper's metadata]
                 dtype, conj = dtype_conj(out)
+            else:
+                dtype, conj = out.dtype, out.is_conj()
             if not (dtype.is_floating_point or dtype.is_complex):
                 return out
             if conj:  # Note [No lazy conjugate inside wrappers]
