@@ -406,7 +406,7 @@ PHYSICAL_PULLBACKS: set = set()
 _batched = []  # (BatchedTensor, wrap_batched), imported at first use (batching imports autodiff)
 
 
-def _physical(a, interp, bdim, shape):
+def _physical(a, interp, bdim, shape, device):
     """The physical value of ``a`` if it may enter the pullback as one, a stand-in as it is,
     a plain constant with a size-1 batch dim, else None."""
     cls = _batched[0][0]
@@ -425,7 +425,8 @@ def _physical(a, interp, bdim, shape):
         return None
     if a.is_meta:
         return a
-    if a.is_complex() or a.is_nested or a.layout != torch.strided:
+    # (another device: a 0-d CPU value mixes with CUDA ones, its unsqueezed view would not)
+    if a.is_complex() or a.is_nested or a.layout != torch.strided or a.device != device:
         return None
     logical = a.shape
     if len(logical) + 1 != len(shape) or logical != shape[:bdim] + shape[bdim + 1 :]:
@@ -445,17 +446,17 @@ def _physical_pullback(rule, ct, node):
     interp, bdim, v = ct._interp, ct._bdim, ct._value
     if type(v) is not torch.Tensor or not interp.alive or v.is_complex() or below_torch_autograd():
         return None
-    shape = v.shape
+    shape, device = v.shape, v.device
     primals = []
     for p in node.primals:
         if isinstance(p, torch.Tensor):
-            p = _physical(p, interp, bdim, shape)
+            p = _physical(p, interp, bdim, shape, device)
             if p is None:
                 return None
         elif type(p) is list or type(p) is tuple:
             return None
         primals.append(p)
-    out = _physical(node.out, interp, bdim, shape)
+    out = _physical(node.out, interp, bdim, shape, device)
     if out is None or any(isinstance(k, torch.Tensor) for k in node.kwargs.values()):
         return None
     cts = rule(v, primals, node.kwargs, out, node.needs)
