@@ -357,7 +357,8 @@ NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no deri
 #     the same shape and dtype, which is all a rule may ask of them), so e.g. a convolution's
 #     output, read by the following relu only through that relu's output, is freed as in
 #     torch (peak memory of per-sample gradients of a CNN: benchmarks/bench_surface.py).
-#     Nodes share one stand-in per shape and dtype (``_STANDINS``): nothing writes to them.
+#     Nodes share one stand-in per shape and dtype (``_STANDINS``): nothing writes to them
+#     (not under a TorchDispatchMode, which must see the same ops in every run).
 
 
 _STANDINS: dict = {}  # (shape, dtype) -> meta tensor; shared: rules only read their metadata
@@ -367,6 +368,10 @@ def _standin(t):
     # one stand-in per shape and dtype: building a meta tensor costs ~3-7 us, a lookup ~0.3
     if not isinstance(t, torch.Tensor):
         return t
+    if _compat.len_torch_dispatch_stack():
+        # a mode sees every op (a jit trace, the determinism checker's runs, fake tensors):
+        # each run makes its own, as the mode expects
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
     key = (t.shape, t.dtype)
     try:
         s = _STANDINS.get(key)
