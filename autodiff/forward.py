@@ -29,6 +29,7 @@ from ._util import (
 _mk = _compat.make_wrapper_subclass
 _STRIDED = torch.strided
 _fwd_enabled = _compat.is_fwd_grad_enabled
+_Tensor = torch.Tensor
 _set_fwd = _compat.set_fwd_grad_enabled
 
 
@@ -43,6 +44,8 @@ class DualTensor(TransformTensor):
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         p, t = self._primal, self._tangent
+        if type(p) is _Tensor and type(t) is _Tensor:  # the common case: runs for every op
+            return p.requires_grad or t.requires_grad
         return (not isinstance(p, TransformTensor) and p.requires_grad) or (
             not isinstance(t, TransformTensor) and t.requires_grad
         )

@@ -95,6 +95,8 @@ class GradTensor(TransformTensor):
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         p = self._primal
+        if type(p) is _Tensor:  # the common case first: this runs for every op
+            return p.requires_grad
         return not isinstance(p, TransformTensor) and _torch_requires_grad(p)
 
     def _describe(self):
@@ -145,6 +147,7 @@ class GradFn:
 
 
 _torch_requires_grad = _compat.tensor_requires_grad
+_Tensor = torch.Tensor
 
 
 def wrap_grad(primal, node, idx, interp, meta=None):
@@ -349,7 +352,8 @@ NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no deri
 #     the same shape and dtype, which is all a rule may ask of them), so e.g. a convolution's
 #     output, read by the following relu only through that relu's output, is freed as in
 #     torch (peak memory of per-sample gradients of a CNN: benchmarks/bench_surface.py).
-#     Nodes share one stand-in per shape and dtype (``_STANDINS``): nothing writes to them.
+#     Nodes share one stand-in per shape and dtype (``_STANDINS``): nothing writes to them
+#     (not under a TorchDispatchMode, which must see the same ops in every run).
 
 
 _STANDINS: dict = {}  # (shape, dtype) -> meta tensor; shared: rules only read their metadata
@@ -359,6 +363,10 @@ def _standin(t):
     # one stand-in per shape and dtype: building a meta tensor costs ~3-7 us, a lookup ~0.3
     if not isinstance(t, torch.Tensor):
         return t
+    if _compat.len_torch_dispatch_stack():
+        # a mode sees every op (a jit trace, the determinism checker's runs, fake tensors):
+        # each run makes its own, as the mode expects
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
     key = (t.shape, t.dtype)
     try:
         s = _STANDINS.get(key)
@@ -398,7 +406,7 @@ PHYSICAL_PULLBACKS: set = set()
 _batched = []  # (BatchedTensor, wrap_batched), imported at first use (batching imports autodiff)
 
 
-def _physical(a, interp, bdim, shape):
+def _physical(a, interp, bdim, shape, device):
     """The physical value of ``a`` if it may enter the pullback as one, a stand-in as it is,
     a plain constant with a size-1 batch dim, else None."""
     cls = _batched[0][0]
@@ -417,7 +425,8 @@ def _physical(a, interp, bdim, shape):
         return None
     if a.is_meta:
         return a
-    if a.is_complex() or a.is_nested or a.layout != torch.strided:
+    # (another device: a 0-d CPU value mixes with CUDA ones, its unsqueezed view would not)
+    if a.is_complex() or a.is_nested or a.layout != torch.strided or a.device != device:
         return None
     logical = a.shape
     if len(logical) + 1 != len(shape) or logical != shape[:bdim] + shape[bdim + 1 :]:
@@ -438,17 +447,17 @@ def _physical_pullback(rule, ct, node):
     interp, bdim, v = ct._interp, ct._bdim, ct._value
     if type(v) is not torch.Tensor or not interp.alive or v.is_complex() or below_torch_autograd():
         return None
-    shape = v.shape
+    shape, device = v.shape, v.device
     primals = []
     for p in node.primals:
         if isinstance(p, torch.Tensor):
-            p = _physical(p, interp, bdim, shape)
+            p = _physical(p, interp, bdim, shape, device)
             if p is None:
                 return None
         elif type(p) is list or type(p) is tuple:
             return None
         primals.append(p)
-    out = _physical(node.out, interp, bdim, shape)
+    out = _physical(node.out, interp, bdim, shape, device)
     if out is None or any(isinstance(k, torch.Tensor) for k in node.kwargs.values()):
         return None
     cts = rule(v, primals, node.kwargs, out, node.needs)

@@ -701,7 +701,7 @@ def jacfwd(
         tensor([[1., 0.],
                 [0., 1.]])
     """
-    from ._vmap import vmap
+    from ._vmap import _RANDOMNESS, _vmap_call
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -726,7 +726,13 @@ def jacfwd(
             r = _jvp(f, flat_in, list(t), in_spec, has_aux, call)
             return (r[1], r[2]) if has_aux else r[1]
 
-        pushed = vmap(push, randomness=randomness)(*tans)
+        if randomness not in _RANDOMNESS:
+            raise RuntimeError(
+                f"{call}: randomness={randomness!r}: expected one of {_RANDOMNESS}, "
+                f"got {randomness!r}."
+            )
+        # as jacrev: no vmap() wrapper per call, no views-of-inputs pass over its own basis
+        pushed = _vmap_call(push, 0, 0, randomness, None, tuple(tans), {}, views=False)
         aux = None
         if has_aux:
             pushed, aux = pushed
