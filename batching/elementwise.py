@@ -159,6 +159,22 @@ for _op in (
 ):
     def_pointwise(_op)
 
+# Pointwise kernels without the tag whose decompositions an outer jvp would differentiate in
+# place of the kernel's own rule (autodiff/elementwise.py): at their kinks the decompositions'
+# masks differ from torch's formulas (jacfwd(jacrev) of elu at 0 gave 1, torch 0.5; of
+# prelu at 0 the other one-sided slope). Batched as pointwise, the kernel reaches the outer
+# level whole. (prelu's weight arrives broadcastable, right-aligned, from aten.prelu.)
+for _op in (
+    aten.elu_backward.default,
+    aten.softplus_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.hardswish.default,
+    aten.hardswish_backward.default,
+    aten._prelu_kernel.default,
+    aten._prelu_kernel_backward.default,
+):
+    def_pointwise(_op)
+
 
 @register_vmap_rule(aten.log_sigmoid_backward.default)
 def log_sigmoid_backward_vmap_rule(interp, args, bdims, kwargs):
