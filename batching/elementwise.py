@@ -176,6 +176,15 @@ for _op in (
     def_pointwise(_op)
 
 
+@register_vmap_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward_vmap_rule(interp, args, bdims, kwargs):
+    """log_sigmoid_forward(x) -> (out, buffer), pointwise but untagged: its decomposition
+    min(x, 0) - log1p(exp(-|x|)) reached an outer level in place of the op's rule (hessian of
+    a vmapped F.logsigmoid at 0: |x|'s 0, not -1/4). The CUDA kernel's buffer is empty."""
+    out, buffer = aten.log_sigmoid_forward.default(args[0], **kwargs)
+    return (out, buffer), (bdims[0], bdims[0] if buffer.numel() else None)
+
+
 @register_vmap_rule(aten.log_sigmoid_backward.default)
 def log_sigmoid_backward_vmap_rule(interp, args, bdims, kwargs):
     """log_sigmoid_backward(g, x, buffer) carries no pointwise tag, and torch's decomposition
