@@ -494,10 +494,10 @@ def eager_under_compile(fn):
 
     @functools.wraps(fn)
     def entry(*args, **kwargs):
-        if _compat.functorch_interpreter() is not None:
-            _raise_inside_torch_func()
         dynamo = sys.modules.get("torch._dynamo")
         if dynamo is None or not torch.compiler.is_compiling():  # True only while tracing
+            if _compat.functorch_interpreter() is not None:  # not while dynamo traces: it
+                _raise_inside_torch_func()  # would trace this call
             return fn(*args, **kwargs)
         if not disabled:
             disabled.append(dynamo.disable(fn, recursive=True))
