@@ -285,8 +285,10 @@ def _gelu_deriv2(x, approximate="none"):
 
 
 def _softplus_deriv2(x, beta=1, threshold=20):
+    # torch's softplus_double_backward masks with x * beta < threshold: 0 at the threshold,
+    # where the first derivative still takes the sigmoid branch
     z = torch.sigmoid(x * beta)
-    return torch.where(x * beta > threshold, torch.zeros_like(z), beta * z * (1 - z))
+    return torch.where(x * beta < threshold, beta * z * (1 - z), torch.zeros_like(z))
 
 
 def _elu_derivs(s, alpha, scale, input_scale, is_result):
@@ -400,9 +402,11 @@ def _mish_pullback(g, x, o):
 
 
 def _hardswish_derivs(x):
+    # torch's kernel: 0 for x <= -3, x / 3 + 1/2 inside, 1 for x >= 3 (the ends were swapped
+    # here: 1.5 at x = 3, -0.5 at -3, seen by reverse-over-reverse at the kinks)
     inner = (x > -3) & (x < 3)
-    d = torch.where(x <= 3, x / 3 + 0.5, torch.ones_like(x))
-    d = torch.where(x < -3, torch.zeros_like(x), d)
+    d = torch.where(x < 3, x / 3 + 0.5, torch.ones_like(x))
+    d = torch.where(x <= -3, torch.zeros_like(x), d)
     return d, torch.where(inner, torch.full_like(x, 1 / 3), torch.zeros_like(x))
 
 

@@ -162,6 +162,31 @@ for _op in (
 ):
     def_pointwise(_op)
 
+# Pointwise kernels without the tag whose decompositions an outer jvp would differentiate in
+# place of the kernel's own rule (autodiff/elementwise.py): at their kinks the decompositions'
+# masks differ from torch's formulas (jacfwd(jacrev) of elu at 0 gave 1, torch 0.5; of
+# prelu at 0 the other one-sided slope). Batched as pointwise, the kernel reaches the outer
+# level whole. (prelu's weight arrives broadcastable, right-aligned, from aten.prelu.)
+for _op in (
+    aten.elu_backward.default,
+    aten.softplus_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.hardswish.default,
+    aten.hardswish_backward.default,
+    aten._prelu_kernel.default,
+    aten._prelu_kernel_backward.default,
+):
+    def_pointwise(_op)
+
+
+@register_vmap_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward_vmap_rule(interp, args, bdims, kwargs):
+    """log_sigmoid_forward(x) -> (out, buffer), pointwise but untagged: its decomposition
+    min(x, 0) - log1p(exp(-|x|)) reached an outer level in place of the op's rule (hessian of
+    a vmapped F.logsigmoid at 0: |x|'s 0, not -1/4). The CUDA kernel's buffer is empty."""
+    out, buffer = aten.log_sigmoid_forward.default(args[0], **kwargs)
+    return (out, buffer), (bdims[0], bdims[0] if buffer.numel() else None)
+
 
 @register_vmap_rule(aten.log_sigmoid_backward.default)
 def log_sigmoid_backward_vmap_rule(interp, args, bdims, kwargs):

@@ -77,6 +77,28 @@ def_loss(aten.binary_cross_entropy.default, 3)
 def_loss(aten.binary_cross_entropy_with_logits.default, 4)
 
 
+@register_vmap_rule(aten.binary_cross_entropy_backward.default)
+def binary_cross_entropy_backward_vmap_rule(interp, args, bdims, kwargs):
+    """binary_cross_entropy_backward(grad, x, target, weight, reduction): the kernel on
+    batch-aligned operands with reduction 'none' (grad broadcast over the example), divided by
+    the example's size for 'mean'. Its decomposition would reach an outer jvp in place of the
+    kernel's rule (Note [binary_cross_entropy at 0 and 1], autodiff/nn.py): at x = 0 or 1 the
+    hessian of F.binary_cross_entropy was the decomposition's clamp, not torch's formula."""
+    a = list(args)
+    reduction = a[4] if len(a) > 4 else kwargs.get("reduction", _MEAN)
+    weight = a[3] if len(a) > 3 else kwargs.get("weight")
+    wb = bdims[3] if len(a) > 3 else None
+    tensors = [a[0], a[1], a[2]] + ([weight] if weight is not None else [])
+    tb = [bdims[0], bdims[1], bdims[2]] + ([wb] if weight is not None else [])
+    fronted = _expanded_to_common_front(interp, tensors, tb)
+    g, x, t = fronted[:3]
+    w = fronted[3] if weight is not None else None
+    out = aten.binary_cross_entropy_backward.default(g, x, t, w, _NONE)
+    if reduction == _MEAN:
+        out = out / max(x[0].numel(), 1)
+    return out, 0
+
+
 @register_vmap_rule(aten.nll_loss_forward.default)
 def nll_loss_forward_vmap_rule(interp, args, bdims, kwargs):
     """nll_loss(x, t, weight, reduction, ignore_index) -> (loss, total_weight), as an

@@ -495,6 +495,21 @@ def innermost(values) -> Interpreter | None:
     return _innermost(values, None)
 
 
+def _raise_inside_torch_func():
+    """torch.func's wrappers (functorch's TensorWrapper / BatchedTensorImpl) have no storage and
+    do not reach ``__torch_dispatch__`` as tensors we can wrap: a transform of ours inside one of
+    PyTorch's failed deep inside with an internal error ("Cannot access storage of
+    TensorWrapper"). The other nesting works (PyTorch's transforms inside ours)."""
+    from functransforms.errors import TransformError
+
+    raise TransformError(
+        "a functransforms transform was called inside a torch.func transform (torch.func.grad, "
+        "vmap, jvp, jacrev, ...), whose tensors it cannot see through. Expected: functransforms "
+        "transforms outside, or torch.func only. Do: use the functransforms transform for the "
+        "outer one too (same signature), e.g. ft.grad(ft.vmap(f)); torch.func inside ours works."
+    )
+
+
 def eager_under_compile(fn):
     """Note [torch.compile around our transforms]: under ``torch.compile``, run ``fn`` (a
     transform's entry point) eagerly, as one graph break, instead of letting dynamo trace into
@@ -514,6 +529,8 @@ def eager_under_compile(fn):
     def entry(*args, **kwargs):
         dynamo = sys.modules.get("torch._dynamo")
         if dynamo is None or not torch.compiler.is_compiling():  # True only while tracing
+            if _compat.functorch_interpreter() is not None:  # not while dynamo traces: it
+                _raise_inside_torch_func()  # would trace this call
             return fn(*args, **kwargs)
         if not disabled:
             disabled.append(dynamo.disable(fn, recursive=True))

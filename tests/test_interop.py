@@ -553,6 +553,11 @@ _DRAWS = {
     "normal": lambda r: torch.normal(0.0, 1.0, (3,), dtype=r.dtype) + r,
     "inside_grad": lambda r: ft.grad(lambda y: (y * torch.randn(3, dtype=y.dtype)).sum())(r),
 }
+# torch.func's reference of a draw inside our grad is the same draw inside its own grad (ours
+# inside torch.func's vmap raises a TransformError first)
+_TF_DRAWS = {
+    "inside_grad": lambda r: tf.grad(lambda y: (y * torch.randn(3, dtype=y.dtype)).sum())(r),
+}
 
 
 @pytest.mark.parametrize("case", sorted(_DRAWS))
@@ -562,7 +567,7 @@ def test_randomness_error_detects_every_draw(case):
     x = torch.zeros(4, 3, dtype=torch.float64)
     f = _DRAWS[case]
     with pytest.raises(RuntimeError, match="randomness error mode"):  # torch.func raises too
-        tf.vmap(f)(x)
+        tf.vmap(_TF_DRAWS.get(case, f))(x)
     with pytest.raises(RandomnessError, match=r"draws random numbers.*randomness='error'"):
         ft.vmap(f)(x)
     torch.randn(2)  # and outside vmap, drawing works again
@@ -905,3 +910,21 @@ def test_clone_root_on_sys_path_imports_the_real_package(tmp_path):
     r = _run_beside_clone(tmp_path, code, pythonpath=True)
     assert r.returncode == 0, r.stderr
     assert "torch.Size([2, 1])" in r.stdout
+
+
+def test_ours_inside_torch_func_raises_a_clear_error():
+    """torch.func's wrappers have no storage: our transforms inside theirs failed deep inside
+    ("Cannot access storage of TensorWrapper"); now a TransformError says what to do. Theirs
+    inside ours works."""
+    from functransforms.errors import TransformError
+
+    x = torch.randn(3, 2, dtype=torch.float64)
+    for outer in [
+        lambda: tf.grad(lambda x: ft.vmap(torch.sin)(x).sum())(x),
+        lambda: tf.vmap(ft.grad(lambda y: (y**3).sum()))(x),
+        lambda: tf.jvp(ft.jacrev(torch.sin), (x,), (x,)),
+    ]:
+        with pytest.raises(TransformError, match="inside a torch.func transform"):
+            outer()
+    _close(ft.vmap(tf.grad(lambda y: (y**3).sum()))(x), 3 * x**2)
+    _close(ft.grad(lambda x: tf.vmap(torch.sin)(x).sum())(x), x.cos())

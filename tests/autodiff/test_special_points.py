@@ -344,13 +344,9 @@ def test_infinities_match_torch_func(name):
     assert not bad, f"{name}: ours differs from torch.func at +-inf:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vmap has no batching rule for binary_cross_entropy_backward: under jacrev's vmap it "
-    "runs torch's decomposition (its clamp), so the jvp level sees the clamp, not torch's double "
-    "backward; d2/dx2 at x = target = 0 is 1/(3 eps), torch 0",
-)
 def test_binary_cross_entropy_hessian_at_0_through_jacrev():
+    """binary_cross_entropy_backward has a vmap rule running the kernel (before, its
+    decomposition's clamp reached the jvp level: d2/dx2 at x = target = 0 was 1/(3 eps))."""
     x = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)
     y = x.clone()
 
@@ -398,3 +394,58 @@ def test_segment_max_tie_with_initial_split_among_the_data():
 
     torch.testing.assert_close(ft.grad(f)(x), torch.func.grad(f)(x))
     torch.testing.assert_close(ft.grad(f)(x), x.new_tensor([1.0, 0.0, 0.5, 0.5, 1.0]))
+
+
+_KINK_ACTIVATIONS = {
+    "elu": lambda x: torch.nn.functional.elu(x, alpha=0.5),
+    "selu": torch.nn.functional.selu,
+    "celu": lambda x: torch.nn.functional.celu(x, 0.7),
+    "hardswish": torch.nn.functional.hardswish,
+    "softplus": lambda x: torch.nn.functional.softplus(x, beta=2, threshold=5),
+    "prelu": lambda x: torch.nn.functional.prelu(x.reshape(1, -1), x.new_tensor([0.25])),
+    "logsigmoid": torch.nn.functional.logsigmoid,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_KINK_ACTIVATIONS))
+def test_second_order_of_activations_at_their_kinks(name):
+    """The sweep's jvp of vjp runs no vmap: hessian (jacfwd of jacrev) and jacrev of jacrev do.
+    Under vmap elu_backward, softplus_backward, hardswish_backward and prelu's kernels ran
+    their decompositions, whose masks at the kinks are not torch's (hessian of elu at 0: 1,
+    torch 0.5), and hardswish_backward's derivative in its grad had the ends swapped (1.5 at
+    x = 3, torch 1)."""
+    a = _KINK_ACTIVATIONS[name]
+    x = torch.tensor([-3.0, -1.0, 0.0, 0.5, 3.0, 20.0, 2.5, 1e-3], dtype=torch.float64)
+
+    def f(x):
+        y = a(x)
+        return (y * y).sum() + y.sum()
+
+    for ours, ref in [
+        (ft.hessian(f), torch.func.hessian(f)),
+        (ft.jacrev(ft.jacrev(f)), torch.func.jacrev(torch.func.jacrev(f))),
+    ]:
+        torch.testing.assert_close(ours(x), ref(x))
+    xs = x.reshape(2, 4)
+    loop = torch.stack([torch.func.hessian(f)(r) for r in xs])
+    torch.testing.assert_close(ft.vmap(ft.hessian(f))(xs), loop)
+    # the outer level sees the op the inner vmap batched (log_sigmoid_forward decomposed: 0)
+    h = ft.hessian(lambda xs: ft.vmap(f)(xs).sum())(xs)  # [2, 4, 2, 4], block diagonal
+    torch.testing.assert_close(torch.stack([h[i, :, i] for i in range(2)]), loop)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_hessian_of_binary_cross_entropy_at_zero_and_one(reduction):
+    """Under vmap binary_cross_entropy_backward ran its decomposition (a clamp of x (1 - x)),
+    so the hessian at x = 0 or 1 was the clamp's, not torch's formula (Note
+    [binary_cross_entropy at 0 and 1])."""
+    t = torch.tensor([0.2, 0.0, 1.0, 1.0, 0.5], dtype=torch.float64)
+    p = torch.tensor([0.0, 1e-7, 0.5, 1.0, 1 - 1e-7], dtype=torch.float64)
+    f = lambda p: torch.nn.functional.binary_cross_entropy(
+        p, t, weight=t + 1, reduction=reduction
+    ).sum()
+    torch.testing.assert_close(ft.hessian(f)(p), torch.func.hessian(f)(p))
+    ps = torch.stack([p, p.flip(0)])
+    torch.testing.assert_close(
+        ft.vmap(ft.hessian(f))(ps), torch.stack([torch.func.hessian(f)(r) for r in ps])
+    )
