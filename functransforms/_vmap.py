@@ -8,6 +8,7 @@ from collections.abc import Hashable
 
 import torch
 
+from . import _core
 from . import _pytree as pt
 from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
 from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
@@ -223,6 +224,8 @@ def _import_batching():
     """The batching machinery vmap calls, imported at the first call (functransforms.batching
     imports this package) and kept: an import statement per call cost 0.7 us."""
     global _BATCHING
+    global ensure_table
+    from functransforms.batching._fastpath import ensure_table
     from functransforms.batching._nested import wrap_nested
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
     from functransforms.batching.random import (
@@ -240,6 +243,7 @@ _GENERAL = object()  # _lean_call's answer for a call it leaves to _vmap_call
 _modules = sys.modules
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
+_new = object.__new__
 
 
 def _lean_facts(func, in_dims, out_dims, randomness):
@@ -247,6 +251,7 @@ def _lean_facts(func, in_dims, out_dims, randomness):
     name (for errors, as ``_vmap_call`` builds it), in_dims, randomness and the thread-local
     dispatch key of the randomness guard (None for randomness='same')."""
     error_guard_key = (_BATCHING or _import_batching())[6]
+    ensure_table()  # what VmapInterpreter() does, done once: _lean_call builds it inline
     # the name _vmap_call gives the interpreter (out_dims omitted when in_dims is a tuple)
     if type(in_dims) is tuple:
         call = _call_repr(func, in_dims)
@@ -291,10 +296,22 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
         return _GENERAL
 
     _, BatchedTensor, VmapInterpreter, wrap_batched = _BATCHING[:4]
-    interp = VmapInterpreter(batch_size, randomness, call)
+    # VmapInterpreter(batch_size, randomness, call), its __enter__ and __exit__, inline: five
+    # Python frames fewer (the table ensure_table builds was built by _lean_facts; the test
+    # test_lean_interpreter_matches_the_class keeps the attributes those methods set in step)
+    interp = _new(VmapInterpreter)
+    interp.level = next(_core._level_counter)
+    interp.alive = True
+    interp.batch_size = batch_size
+    interp.randomness = randomness
+    interp.call = call
     interp.axis_name = axis_name
     interp.chunked = False
-    with interp:
+    if _core._entry_pending:
+        _core._install_entry()
+    stack = _core._state.stack
+    stack.append(interp)
+    try:
         wrapped = []
         for x, m in zip(args, mapped):
             if m is None:
@@ -324,10 +341,28 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
                 out = func(*wrapped, **kwargs)
             finally:
                 _set_included(key, prev)
+    finally:
+        popped = stack.pop()
+        assert popped is interp, "interpreter stack corrupted"
+        interp.alive = False
+        if interp._on_exit:
+            for fn in reversed(interp._on_exit):
+                fn()
     if type(out) is BatchedTensor and out._interp is interp and out._bdim == out_dims == 0:
         v = out._value
-        if type(v) is _Tensor and not v.is_nested and not _shares_an_input(v, args):
-            return v
+        if type(v) is _Tensor and not v.is_nested:
+            # _shares_an_input, inline: a fresh result (no input's storage) is returned as is
+            p = 0 if v.is_meta else v.untyped_storage().data_ptr()
+            for x in args if p else ():
+                if (
+                    type(x) is _Tensor
+                    and not x.is_nested
+                    and not x.is_meta
+                    and x.untyped_storage().data_ptr() == p
+                ):
+                    break
+            else:
+                return v
     out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
     return _as_views_of_inputs(out, args)
 
