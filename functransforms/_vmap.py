@@ -81,7 +81,7 @@ def vmap(
                 f"got a {type(axis_name).__name__}."
             ) from None
     axis = (axis_name, axis_size)
-    # Note [vmap's lean path]
+    # Note [vmap's lean path] (docs/design.md): calls that fit skip _vmap_call's generality
     lean = (
         chunk_size is None
         and axis_size is None
