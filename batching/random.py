@@ -143,6 +143,14 @@ class no_random_ops:
         return False
 
 
+def error_guard_key():
+    """The key ``no_random_ops`` includes, its kernels registered: vmap's lean path (Note
+    [vmap's lean path], functransforms/_vmap.py) sets it itself, without the object."""
+    if not _libs:
+        _register_random_kernels()
+    return _RANDOM_KEY_ENUM
+
+
 def _has_tensor(args, kwargs):
     return any(isinstance(a, torch.Tensor) for a in args) or any(
         isinstance(v, torch.Tensor) for v in kwargs.values()

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Hashable
 
 import torch
 
+from . import _core
 from . import _pytree as pt
+from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
+from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
+from ._compat import make_wrapper_subclass as _mk
 from ._core import eager_under_compile
 from ._typing import Dims, Func, Randomness
 
@@ -76,9 +81,32 @@ def vmap(
                 f"got a {type(axis_name).__name__}."
             ) from None
     axis = (axis_name, axis_size)
+    # Note [vmap's lean path] (docs/design.md): calls that fit skip _vmap_call's generality
+    lean = (
+        chunk_size is None
+        and axis_size is None
+        and randomness != "different"
+        and type(out_dims) is int
+        and (
+            type(in_dims) is int
+            or (type(in_dims) is tuple and all(d is None or type(d) is int for d in in_dims))
+        )
+    )
+    # what the lean path needs beyond the arguments, built at its first call (not here: a
+    # vmap(f) made for one call would pay for it twice): (the call's name, the per-input dims)
+    facts = []
 
     @functools.wraps(func)
     def vmapped(*args, **kwargs):
+        if lean:
+            # eager_under_compile's test (the general path below is wrapped by it)
+            dynamo = _modules.get("torch._dynamo")
+            if dynamo is None or not torch.compiler.is_compiling():
+                if not facts:
+                    facts.append(_lean_facts(func, in_dims, out_dims, randomness))
+                out = _lean_call(func, facts[0], out_dims, axis_name, args, kwargs)
+                if out is not _GENERAL:
+                    return out
         return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs, axis)
 
     return vmapped
@@ -196,13 +224,147 @@ def _import_batching():
     """The batching machinery vmap calls, imported at the first call (functransforms.batching
     imports this package) and kept: an import statement per call cost 0.7 us."""
     global _BATCHING
+    global ensure_table
+    from functransforms.batching._fastpath import ensure_table
     from functransforms.batching._nested import wrap_nested
     from functransforms.batching._tensor import BatchedTensor, VmapInterpreter, wrap_batched
-    from functransforms.batching.random import different_randomness, no_random_ops
+    from functransforms.batching.random import (
+        different_randomness,
+        error_guard_key,
+        no_random_ops,
+    )
 
     _BATCHING = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
-    _BATCHING += (no_random_ops,)
+    _BATCHING += (no_random_ops, error_guard_key)
     return _BATCHING
+
+
+_GENERAL = object()  # _lean_call's answer for a call it leaves to _vmap_call
+_modules = sys.modules
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_new = object.__new__
+
+
+def _lean_facts(func, in_dims, out_dims, randomness):
+    """What every lean call of ``vmap(func, in_dims, out_dims, randomness)`` shares: the call's
+    name (for errors, as ``_vmap_call`` builds it), in_dims, randomness and the thread-local
+    dispatch key of the randomness guard (None for randomness='same')."""
+    error_guard_key = (_BATCHING or _import_batching())[6]
+    ensure_table()  # what VmapInterpreter() does, done once: _lean_call builds it inline
+    # the name _vmap_call gives the interpreter (out_dims omitted when in_dims is a tuple)
+    if type(in_dims) is tuple:
+        call = _call_repr(func, in_dims)
+    else:
+        call = _call_repr(func, in_dims, out_dims)
+    return call, in_dims, randomness, error_guard_key() if randomness == "error" else None
+
+
+def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
+    """``_vmap_call`` for positional tensors whose in_dims are ints (or None) that fit them, and
+    an int out_dims (Note [vmap's lean path]); anything else returns ``_GENERAL`` before any
+    side effect, and ``_vmap_call`` handles it (and raises its errors)."""
+    call, in_dims, randomness, key = facts
+    if type(in_dims) is int:
+        dims = (in_dims,) * len(args)
+    elif len(in_dims) == len(args):
+        dims = in_dims
+    else:
+        return _GENERAL
+    batch_size = None
+    mapped = []
+    for x, d in zip(args, dims):
+        if not isinstance(x, _Tensor):
+            return _GENERAL
+        if d is None:
+            mapped.append(None)
+            continue
+        if x.is_nested:
+            return _GENERAL
+        shape = x.shape
+        n = len(shape)
+        if not -n <= d < n:
+            return _GENERAL
+        if d < 0:
+            d += n
+        if batch_size is None:
+            batch_size = shape[d]
+        elif shape[d] != batch_size:
+            return _GENERAL
+        mapped.append((d, shape))
+    if batch_size is None:
+        return _GENERAL
+
+    _, BatchedTensor, VmapInterpreter, wrap_batched = _BATCHING[:4]
+    # VmapInterpreter(batch_size, randomness, call), its __enter__ and __exit__, inline: five
+    # Python frames fewer (the table ensure_table builds was built by _lean_facts; the test
+    # test_lean_interpreter_matches_the_class keeps the attributes those methods set in step)
+    interp = _new(VmapInterpreter)
+    interp.level = next(_core._level_counter)
+    interp.alive = True
+    interp.batch_size = batch_size
+    interp.randomness = randomness
+    interp.call = call
+    interp.axis_name = axis_name
+    interp.chunked = False
+    if _core._entry_pending:
+        _core._install_entry()
+    stack = _core._state.stack
+    stack.append(interp)
+    try:
+        wrapped = []
+        for x, m in zip(args, mapped):
+            if m is None:
+                wrapped.append(x)
+                continue
+            d, shape = m
+            if type(x) is _Tensor and not (x.is_conj() or x.is_neg()):
+                # wrap_batched's common case, inline
+                st = x.stride()
+                if d == 0:
+                    shape, st = shape[1:], st[1:]
+                else:
+                    shape, st = shape[:d] + shape[d + 1 :], st[:d] + st[d + 1 :]
+                r = _mk(BatchedTensor, shape, st, None, None, x.dtype, _STRIDED, x.device)
+                r._value = x
+                r._bdim = d
+                r._interp = interp
+                wrapped.append(r)
+            else:
+                wrapped.append(wrap_batched(x, d, interp))
+        if key is None:
+            out = func(*wrapped, **kwargs)
+        else:  # Note [Random ops by their tags]: no_random_ops, inline
+            prev = _is_included(key)
+            _set_included(key, True)
+            try:
+                out = func(*wrapped, **kwargs)
+            finally:
+                _set_included(key, prev)
+    finally:
+        popped = stack.pop()
+        assert popped is interp, "interpreter stack corrupted"
+        interp.alive = False
+        if interp._on_exit:
+            for fn in reversed(interp._on_exit):
+                fn()
+    if type(out) is BatchedTensor and out._interp is interp and out._bdim == out_dims == 0:
+        v = out._value
+        if type(v) is _Tensor and not v.is_nested:
+            # _shares_an_input, inline: a fresh result (no input's storage) is returned as is
+            p = 0 if v.is_meta else v.untyped_storage().data_ptr()
+            for x in args if p else ():
+                if (
+                    type(x) is _Tensor
+                    and not x.is_nested
+                    and not x.is_meta
+                    and x.untyped_storage().data_ptr() == p
+                ):
+                    break
+            else:
+                return v
+    out = _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTensor)
+    return _as_views_of_inputs(out, args)
 
 
 @eager_under_compile
@@ -226,6 +388,7 @@ def _vmap_call(
         wrap_batched,
         different_randomness,
         no_random_ops,
+        _,
     ) = _BATCHING or _import_batching()
 
     if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
