@@ -12,6 +12,7 @@ from . import _core
 from . import _pytree as pt
 from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
 from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
+from ._compat import functorch_interpreter as _functorch_interpreter
 from ._compat import make_wrapper_subclass as _mk
 from ._core import eager_under_compile
 from ._typing import Dims, Func, Randomness
@@ -102,6 +103,8 @@ def vmap(
             # eager_under_compile's test (the general path below is wrapped by it)
             dynamo = _modules.get("torch._dynamo")
             if dynamo is None or not torch.compiler.is_compiling():
+                if _functorch_interpreter() is not None:
+                    _core._raise_inside_torch_func()
                 if not facts:
                     facts.append(_lean_facts(func, in_dims, out_dims, randomness))
                 out = _lean_call(func, facts[0], out_dims, axis_name, args, kwargs)
