@@ -246,7 +246,7 @@ _BACKEND_ONLY = re.compile(
 # The C setters, not the context managers: entering/leaving a level sets a flag without the
 # context manager's Python frames (on the per-call path).
 set_grad_enabled = _C._set_grad_enabled
-# torch.func's innermost active transform, None outside them (checked on 2.13.0, 2.15.0)
+# PyTorch's (functorch's) innermost active transform, None outside them (checked on 2.13.0, 2.15.0)
 functorch_interpreter = _C._functorch.peek_interpreter_stack
 is_fwd_grad_enabled = _C._is_fwd_grad_enabled
 set_fwd_grad_enabled = _C._set_fwd_grad_enabled

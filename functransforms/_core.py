@@ -496,9 +496,9 @@ def innermost(values) -> Interpreter | None:
 
 
 def _raise_inside_torch_func():
-    """torch.func's wrappers (functorch's TensorWrapper / BatchedTensorImpl) have no storage and
-    do not reach ``__torch_dispatch__`` as tensors we can wrap: a transform of ours inside one of
-    PyTorch's failed deep inside with an internal error ("Cannot access storage of
+    """PyTorch's transform wrappers (functorch's TensorWrapper, BatchedTensorImpl) have no storage
+    and do not reach ``__torch_dispatch__`` as tensors we can wrap: a transform of ours inside
+    one of PyTorch's failed deep inside with an internal error ("Cannot access storage of
     TensorWrapper"). The other nesting works (PyTorch's transforms inside ours)."""
     from functransforms.errors import TransformError
 
