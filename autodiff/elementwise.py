@@ -11,7 +11,7 @@ import torch
 
 from functransforms import _compat
 
-from ._registry import VJP_RULES, register_jvp_rule, register_vjp_rule
+from ._registry import register_jvp_rule, register_vjp_rule
 from ._util import conj_if_complex, unbroadcast
 from .reverse import NONDIFFERENTIABLE, PHYSICAL_PULLBACKS
 
@@ -187,8 +187,11 @@ def _softplus_deriv(x, out, beta=1, threshold=20):
     return torch.where(x * beta > threshold, torch.ones_like(z), z)
 
 
-def _relu_mask(x, out):
-    return (out > 0).to(out.dtype)
+def _relu_pullback(g, x, out):
+    # torch's threshold_backward(g, out, 0) as one select: exactly 0 where out <= 0, g
+    # elsewhere (a NaN output passes g), with no float copy of the mask (its transient was a
+    # conv activation's size: 2% of the per-sample-gradient CNN's peak memory)
+    return torch.where(out <= 0, 0.0, g)
 
 
 def _pow_scalar_deriv(x, out, p):
@@ -445,7 +448,7 @@ for _op, _d in (
     (aten.acosh.default, lambda x, o: torch.rsqrt(x - 1) * torch.rsqrt(x + 1)),
     (aten.atanh.default, pullback(lambda g, x, o: g / conj_if_complex(1 - x.pow(2)))),
     (aten.sigmoid.default, pullback(lambda g, x, o: aten.sigmoid_backward(g, o), _OUT_ONLY)),
-    (aten.relu.default, _relu_mask),
+    (aten.relu.default, pullback(_relu_pullback, _OUT_ONLY)),
     (aten.sqrt.default, pullback(lambda g, x, o: g / (2 * conj_if_complex(o)), _OUT_ONLY)),
     (aten.rsqrt.default, lambda x, o: -0.5 * o * o * o),
     (aten.reciprocal.default, lambda x, o: -o * o),
@@ -484,9 +487,6 @@ for _op, _d in (
     (aten.div.Scalar, pullback(lambda g, x, o, s: g / _conj_scalar(s))),
 ):
     def_unary(_op, _d)
-# relu's derivative reads only its output: its input (often a convolution's output) need not
-# stay alive until the backward pass (Note [What a vjp rule keeps], reverse.py)
-VJP_RULES[aten.relu.default].keeps = ((), True)
 
 def_nondifferentiable(
     aten.floor.default,
