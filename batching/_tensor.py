@@ -213,28 +213,15 @@ def _tensor_index(index):
 
 
 def _wrap_fresh(out, bdim, interp):
-    """The inline fast path's result ``out`` as a wrapper of ``interp``'s level (anything but
-    a plain tensor without lazy bits goes through ``wrap_batched``; a non-tensor is returned)."""
-    if type(out) is not _Tensor:
-        return out
-    if out.is_conj() or out.is_neg():
-        return wrap_batched(out, bdim, interp)
-    shape, st = out.shape, out.stride()
-    if bdim == 0:
-        shape, st = shape[1:], st[1:]
-    else:
-        shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
-    # dtype and device positionally: keywords cost _make_wrapper_subclass ~0.5 us of parsing
-    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, out.device)
-    r._value = out
-    r._bdim = bdim
-    r._interp = interp
-    return r
+    """The inline fast path's result ``out`` as a wrapper of ``interp``'s level; a non-tensor
+    result is returned as it is."""
+    return wrap_batched(out, bdim, interp) if type(out) is _Tensor else out
 
 
 def wrap_batched(value, bdim, interp):
     if type(value) is torch.Tensor and not (value.is_conj() or value.is_neg()):
-        # the common case, on the per-op path: a plain value (an op's result), no lazy bits
+        # the common case, on the per-op path: a plain value (an op's result), no lazy bits;
+        # dtype and device positionally: keywords cost _make_wrapper_subclass ~0.5 us of parsing
         shape, st = value.shape, value.stride()
         if bdim == 0:
             shape, st = shape[1:], st[1:]

@@ -13,7 +13,6 @@ from . import _pytree as pt
 from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
 from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
 from ._compat import functorch_interpreter as _functorch_interpreter
-from ._compat import make_wrapper_subclass as _mk
 from ._core import eager_under_compile
 from ._typing import Dims, Func, Randomness
 
@@ -245,7 +244,6 @@ def _import_batching():
 _GENERAL = object()  # _lean_call's answer for a call it leaves to _vmap_call
 _modules = sys.modules
 _Tensor = torch.Tensor
-_STRIDED = torch.strided
 _new = object.__new__
 
 
@@ -294,7 +292,7 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
             batch_size = shape[d]
         elif shape[d] != batch_size:
             return _GENERAL
-        mapped.append((d, shape))
+        mapped.append(d)
     if batch_size is None:
         return _GENERAL
 
@@ -320,21 +318,7 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
             if m is None:
                 wrapped.append(x)
                 continue
-            d, shape = m
-            if type(x) is _Tensor and not (x.is_conj() or x.is_neg()):
-                # wrap_batched's common case, inline
-                st = x.stride()
-                if d == 0:
-                    shape, st = shape[1:], st[1:]
-                else:
-                    shape, st = shape[:d] + shape[d + 1 :], st[:d] + st[d + 1 :]
-                r = _mk(BatchedTensor, shape, st, None, None, x.dtype, _STRIDED, x.device)
-                r._value = x
-                r._bdim = d
-                r._interp = interp
-                wrapped.append(r)
-            else:
-                wrapped.append(wrap_batched(x, d, interp))
+            wrapped.append(wrap_batched(x, m, interp))
         if key is None:
             out = func(*wrapped, **kwargs)
         else:  # Note [Random ops by their tags]: no_random_ops, inline
