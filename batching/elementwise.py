@@ -22,11 +22,24 @@ from ._util import expand_front, pad_to, promote_like_logical, to_front
 aten = torch.ops.aten
 
 
+# Pointwise-tagged kernels that do not broadcast their tensor arguments: CPU gelu_backward goes
+# to oneDNN, which raises for shapes [3] and [4, 3] and crashes the process when the [3] is an
+# expanded (stride-0) gradient, the shape vmap(grad(gelu)) hands it. They get the arguments
+# expanded (views, no copy) to the common shape.
+_NO_BROADCAST = {aten.gelu_backward.default}
+
+
+def _expand_tensors(args):
+    shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, torch.Tensor)))
+    return [a.expand(shape) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def make_pointwise_rule(func):
     """The rule of Note [Batching pointwise ops] for ``func``, returned unregistered: the
     interpreter builds it on first use for every op tagged ``torch.Tag.pointwise``
     (``_derived_rule`` in _tensor.py), which spares cold start a scan of all ops."""
     n_out = len(func._schema.returns)  # frexp returns (mantissa, exponent): one bdim each
+    no_broadcast = func in _NO_BROADCAST
 
     def out_bdims(b):
         return b if n_out == 1 else (b,) * n_out
@@ -46,6 +59,8 @@ def make_pointwise_rule(func):
         for i, b in enumerate(bdims):
             if b is not None:
                 new[i] = pad_to(to_front(new[i], b), nd)
+        if no_broadcast:
+            new = _expand_tensors(new)
         return func(*new, **kwargs), out_bdims(0)
 
     if n_out == 1 and not func._schema.is_mutable:

@@ -1,0 +1,221 @@
+"""Realistic programs run with functransforms and with torch.func (or plain autograd where
+torch.func raises or is wrong), compared leaf by leaf: values, dtypes, shapes and requires_grad.
+
+Each program is ``prog(lib)`` with ``lib`` either module, so both libraries run the same code.
+Programs that found bugs are marked in their names' comments; the others guard behaviour that
+agrees today.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.func as tf
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+import functransforms as ft
+
+D = torch.float64
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rnd(*shape, dtype=D, seed=0):
+    return torch.randn(shape, generator=_gen(seed), dtype=dtype)
+
+
+def assert_same(ours, ref, rtol=1e-6, atol=1e-8):
+    lo, so = tree_flatten(ours)
+    lr, sr = tree_flatten(ref)
+    assert so == sr
+    for a, b in zip(lo, lr):
+        if not isinstance(b, torch.Tensor):
+            assert a == b
+            continue
+        assert isinstance(a, torch.Tensor)
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def run_both(prog, **tol):
+    torch.manual_seed(0)
+    ref = prog(tf)
+    torch.manual_seed(0)
+    ours = prog(ft)
+    assert_same(ours, ref, **tol)
+
+
+# -- models with buffers ------------------------------------------------------------------------
+def _bn_model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+X, Y = rnd(8, 4, seed=1), rnd(8, 2, seed=2)
+
+
+def _params_bufs(model):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return params, {k: v.clone() for k, v in model.named_buffers()}
+
+
+def bn_eval_hessian(m):
+    model = _bn_model().eval()
+    with torch.no_grad():
+        model[1].running_mean.copy_(rnd(6, seed=3))
+        model[1].running_var.copy_(rnd(6, seed=4).abs() + 0.5)
+    params, bufs = _params_bufs(model)
+    loss = lambda p: F.mse_loss(m.functional_call(model, (p, bufs), (X,)), Y)  # noqa: E731
+    return m.hessian(loss)(params), bufs
+
+
+def ensemble_bn_train_stacked_buffers(m):
+    models = [_bn_model() for _ in range(3)]
+    for i, mm in enumerate(models):
+        with torch.no_grad():
+            mm[1].running_mean.fill_(i)
+    params, bufs = m.stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    f = lambda p, b, x: m.functional_call(base, (p, b), (x,))  # noqa: E731
+    return m.vmap(f, in_dims=(0, 0, None))(params, bufs, X), bufs
+
+
+def ensemble_bn_eval_grad(m):
+    models = [_bn_model().eval() for _ in range(3)]
+    for i, mm in enumerate(models):
+        with torch.no_grad():
+            mm[1].running_mean.fill_(i)
+            mm[1].running_var.fill_(i + 1)
+    params, bufs = m.stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def loss(p, b, x, y):
+        return F.mse_loss(m.functional_call(base, (p, b), (x,)), y)
+
+    return m.vmap(m.grad(loss), in_dims=(0, 0, None, None))(params, bufs, X, Y)
+
+
+def per_sample_grads_bn_eval(m):
+    model = _bn_model().eval()
+    params, bufs = _params_bufs(model)
+
+    def loss(p, x, y):
+        return F.mse_loss(m.functional_call(model, (p, bufs), (x[None],)), y[None])
+
+    return m.vmap(m.grad(loss), in_dims=(None, 0, 0))(params, X, Y)
+
+
+# -- transform API details --------------------------------------------------------------------
+def linearize_twice(m):
+    out, jf = m.linearize(lambda a: (a.sin() * a.cumsum(0)).exp(), rnd(5))
+    return out, jf(torch.ones(5, dtype=D)), jf(torch.arange(5.0, dtype=D))
+
+
+def vjp_has_aux_pytree(m):
+    f = lambda a, b: ((a @ b).tanh(), {"n": a.norm(), "s": [b.sum()]})  # noqa: E731
+    out, fn, aux = m.vjp(f, rnd(3, 4), rnd(4, 2, seed=1), has_aux=True)
+    return out, fn(torch.ones(3, 2, dtype=D)), aux
+
+
+def jac_argnums_has_aux(m):
+    f = lambda a, b: ((a[:, None] * b).sum(0), (a.sum(), b.max()))  # noqa: E731
+    a, b = rnd(3), rnd(3, 2, seed=1)
+    return m.jacrev(f, argnums=(0, 1), has_aux=True)(a, b), m.jacfwd(
+        f, argnums=(0, 1), has_aux=True
+    )(a, b)
+
+
+def jacrev_chunked(m):
+    f = lambda a: (a.outer(a).softmax(-1), a.sum())  # noqa: E731
+    return m.jacrev(f, chunk_size=2)(rnd(5)), m.jacrev(f, chunk_size=1)(rnd(5))
+
+
+def vmap_pytree_in_out_dims(m):
+    def f(d, s):
+        return {"o": d["a"] * s + d["b"], "t": (d["a"].sum(), d["c"])}
+
+    d = {"a": rnd(4, 3), "b": rnd(3, seed=1), "c": rnd(2, 4, seed=2)}
+    dims = ({"a": 0, "b": None, "c": 1}, None)
+    return m.vmap(f, in_dims=dims, out_dims={"o": 1, "t": (0, 0)})(d, 2.0)
+
+
+def dropout_module_randomness(m):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.5), nn.Linear(5, 1))
+    params = dict(model.named_parameters())
+    xs = torch.randn(4, 3)
+    f = lambda x: m.functional_call(model, params, (x,))  # noqa: E731
+    outs = []
+    for r in ("different", "same"):
+        torch.manual_seed(0)
+        outs.append(m.vmap(f, randomness=r)(xs))
+    torch.manual_seed(0)
+    g = m.grad(lambda p, x: m.functional_call(model, p, (x,)).sum())
+    outs.append(m.vmap(g, in_dims=(None, 0), randomness="different")(params, xs))
+    return outs
+
+
+# -- low precision and complex ------------------------------------------------------------------
+def _lowp(dt):
+    x, w = rnd(4, 3).to(dt), rnd(3, 2, seed=1).to(dt)
+
+    def prog(m):
+        gelu_grads = m.vmap(m.grad(lambda w, x: F.gelu(x @ w).sum()), (None, 0))(w, x)
+        jvp = m.jvp(lambda w: (x @ w).softmax(-1), (w,), (torch.ones_like(w),))
+        return gelu_grads, m.grad(lambda w: (x @ w).relu().sum())(w), jvp
+
+    return prog
+
+
+Z, WC = rnd(3, dtype=torch.complex128), rnd(3, 3, dtype=torch.complex128, seed=1)
+
+
+def complex_real_losses(m):
+    return (
+        m.grad(lambda W: (W @ Z).abs().sum())(WC),
+        m.grad(lambda z: torch.vdot(z, WC @ z).real)(Z),
+        m.grad(lambda z: torch.view_as_real(z * z).pow(2).sum())(Z),
+        m.grad(lambda z: torch.fft.fft(z).abs().pow(2).sum())(Z),
+        m.grad(lambda W: torch.linalg.slogdet(W)[1])(WC),
+        m.grad(lambda W: torch.linalg.solve(W, Z).abs().sum())(WC),
+        m.vmap(m.grad(lambda z, w: (w * z).abs().sum()), (None, 0))(Z, WC),
+        m.jvp(lambda z: (z * z.conj()).exp() * z, (Z,), (Z.flip(0),)),
+    )
+
+
+PROGRAMS = {
+    "bn_eval_hessian": bn_eval_hessian,
+    "ensemble_bn_train_stacked_buffers": ensemble_bn_train_stacked_buffers,
+    "ensemble_bn_eval_grad": ensemble_bn_eval_grad,
+    "per_sample_grads_bn_eval": per_sample_grads_bn_eval,
+    "linearize_twice": linearize_twice,
+    "vjp_has_aux_pytree": vjp_has_aux_pytree,
+    "jac_argnums_has_aux": jac_argnums_has_aux,
+    "jacrev_chunked": jacrev_chunked,
+    "vmap_pytree_in_out_dims": vmap_pytree_in_out_dims,
+    "dropout_module_randomness": dropout_module_randomness,
+    # vmap(grad(gelu)) crashed the process (oneDNN's gelu_backward got an unbatched stride-0
+    # gradient of shape [3] beside the batched [B, 3] input)
+    "vmap_grad_gelu_float32": _lowp(torch.float32),
+    "vmap_grad_gelu_bfloat16": _lowp(torch.bfloat16),
+    "vmap_grad_gelu_float16": _lowp(torch.float16),
+    "complex_real_losses": complex_real_losses,
+}
+_TOL = {"vmap_grad_gelu_bfloat16": 2e-2, "vmap_grad_gelu_float16": 1e-2}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_program_matches_torch_func(name):
+    t = _TOL.get(name)
+    run_both(PROGRAMS[name], **({} if t is None else {"rtol": t, "atol": t}))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_vmap_grad_gelu_float32_unbatched_gradient(approximate):
+    x = rnd(4, 3, dtype=torch.float32)
+    f = lambda a: F.gelu(a, approximate=approximate).sum()  # noqa: E731
+    assert torch.equal(ft.vmap(ft.grad(f))(x), tf.vmap(tf.grad(f))(x))
