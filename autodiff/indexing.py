@@ -64,12 +64,16 @@ def masked_scatter_vjp_rule(ct, primals, kwargs, out, needs):
     gx = gs = None
     if needs[0]:
         gx = unbroadcast(ct.masked_fill(mask, 0), x.shape)
-    if needs[2]:  # the first k entries of source went to the k masked positions, in order
-        picked = aten.masked_select.default(ct, mask)
-        pad = source.numel() - picked.shape[0]
-        if pad:
-            picked = torch.cat([picked, picked.new_zeros(pad)])
-        gs = picked.reshape(source.shape)
+    if needs[2]:
+        # The first k entries of source went to the k masked positions, in order: the masked
+        # position with r masked positions before it sends its cotangent to source[r]. Sizes
+        # stay fixed (unmasked positions send 0 to a slot past the end, dropped), unlike
+        # masked_select's, so the vjp batches under vmap when the mask is batched.
+        n = source.numel()
+        m = mask.expand(ct.shape).reshape(-1)
+        rank = torch.where(m, m.cumsum(0) - 1, n)
+        sent = torch.where(m, ct.reshape(-1), 0)
+        gs = sent.new_zeros(n + 1).scatter_add(0, rank, sent)[:n].reshape(source.shape)
     return gx, None, gs
 
 

@@ -219,3 +219,16 @@ def test_vmap_grad_gelu_float32_unbatched_gradient(approximate):
     x = rnd(4, 3, dtype=torch.float32)
     f = lambda a: F.gelu(a, approximate=approximate).sum()  # noqa: E731
     assert torch.equal(ft.vmap(ft.grad(f))(x), tf.vmap(tf.grad(f))(x))
+
+
+def test_vmap_grad_masked_scatter_source_with_batched_mask():
+    # raised DataDependentError: the source's vjp used masked_select (a size per example)
+    a, src = rnd(3, 4), rnd(3, 5, seed=1)
+    mask = torch.rand(3, 4, generator=_gen(2)) > 0.5
+    loss = lambda a, m, s: a.masked_scatter(m, s).pow(2).sum()  # noqa: E731
+    for argnums in (0, 2, (0, 2)):
+        ours = ft.vmap(ft.grad(loss, argnums=argnums))(a, mask, src)
+        assert_same(ours, tf.vmap(tf.grad(loss, argnums=argnums))(a, mask, src))
+    cube = lambda s, m: a[0].masked_scatter(m, s).pow(3).sum()  # noqa: E731
+    loop = [torch.autograd.functional.hessian(lambda s: cube(s, m), s) for s, m in zip(src, mask)]
+    torch.testing.assert_close(ft.vmap(ft.hessian(cube))(src, mask), torch.stack(loop))
