@@ -230,5 +230,6 @@ def test_vmap_grad_masked_scatter_source_with_batched_mask():
         ours = ft.vmap(ft.grad(loss, argnums=argnums))(a, mask, src)
         assert_same(ours, tf.vmap(tf.grad(loss, argnums=argnums))(a, mask, src))
     cube = lambda s, m: a[0].masked_scatter(m, s).pow(3).sum()  # noqa: E731
-    loop = [torch.autograd.functional.hessian(lambda s: cube(s, m), s) for s, m in zip(src, mask)]
+    hess = torch.autograd.functional.hessian
+    loop = [hess(lambda s, m=m: cube(s, m), s) for s, m in zip(src, mask)]
     torch.testing.assert_close(ft.vmap(ft.hessian(cube))(src, mask), torch.stack(loop))
