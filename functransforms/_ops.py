@@ -111,7 +111,21 @@ def _functional_variant(func):
     packet = getattr(getattr(torch.ops, namespace or "aten"), base[:-1], None)
     if packet is None:
         return None
-    return getattr(packet, func._overloadname, None)
+    same = getattr(packet, func._overloadname, None)
+    if same is not None and _arg_types(same) == _arg_types(func):
+        return same
+    # The overload of the same name may take other arguments (pow_.Scalar is pow(Tensor,
+    # Scalar), pow.Scalar is pow(Scalar, Tensor)) or not exist (pow_.Tensor, floor_divide_.
+    # Tensor): the functional form is the overload with the in-place one's argument types.
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        if _arg_types(candidate) == _arg_types(func):
+            return candidate
+    return None
+
+
+def _arg_types(func):
+    return [(str(a.type), a.kwarg_only) for a in func._schema.arguments]
 
 
 # ops that make a new plain buffer from a tracked value (Note [Buffers held by kernels])

@@ -233,3 +233,32 @@ def test_vmap_grad_masked_scatter_source_with_batched_mask():
     hess = torch.autograd.functional.hessian
     loop = [hess(lambda s, m=m: cube(s, m), s) for s, m in zip(src, mask)]
     torch.testing.assert_close(ft.vmap(ft.hessian(cube))(src, mask), torch.stack(loop))
+
+
+_INPLACE_POW = {
+    # raised "aten::pow() Expected a value of type 'number'": pow_.Scalar(Tensor, Scalar) was
+    # run as pow.Scalar(Scalar, Tensor), the functional overload of the same name
+    "pow_scalar": lambda b, e: b[0].pow_(2),
+    "ipow": lambda b, e: b.__ipow__(3),
+    "float_power_scalar": lambda b, e: b[0].float_power_(2.5),
+    # raised a missing rule: pow_.Tensor's functional form is pow.Tensor_Tensor
+    "pow_tensor": lambda b, e: b[1].pow_(e),
+    "float_power_tensor": lambda b, e: b[0].float_power_(e),
+    "ldexp": lambda b, e: b.ldexp_(torch.tensor([1, 2, 0, 1])),
+}
+
+
+@pytest.mark.parametrize("name", list(_INPLACE_POW))
+def test_inplace_overloads_with_renamed_functional_form(name):
+    x, e = rnd(3, 4).abs() + 0.5, rnd(4, seed=1).abs() + 0.5
+    xs = torch.stack([x, 1.1 * x])
+
+    def f(a):
+        b = a.clone()
+        _INPLACE_POW[name](b, e)
+        return (b * b).sum()
+
+    def prog(m):
+        return m.grad(f)(x), m.hessian(f)(x), m.vmap(m.grad(f))(xs)
+
+    run_both(prog)
