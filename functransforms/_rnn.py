@@ -168,9 +168,17 @@ def _groups(name, params, has_biases, has_proj, count):
     return out
 
 
-def _stack(name, step, x, hiddens, params, has_biases, has_proj, num_layers, dropout, train,
-           bidirectional, batch_first, sizes=None):  # fmt: skip
-    """The layers and directions of a whole-sequence op: ``(output, final states)``."""
+def _run(name, step, x, hx, params, flags, batch_first, sizes):
+    """A whole-sequence op: its layers and directions, ``(output, final states...)``.
+    ``flags``: ``(has_biases, num_layers, dropout, train, bidirectional)`` as torch passes them."""
+    has_biases, num_layers, dropout, train, bidirectional = flags
+    if step is _lstm_step:
+        if len(hx) != 2:
+            raise RuntimeError(f"{name}: expected two hidden states (h, c), got {len(hx)}")
+        hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
+        has_proj = hx[0].shape[-1] != hx[1].shape[-1]
+    else:
+        hiddens, has_proj = hx.unbind(0), False
     dirs = 2 if bidirectional else 1
     groups = _groups(name, params, has_biases, has_proj, num_layers * dirs)
     if len(hiddens) != num_layers * dirs:
@@ -196,92 +204,35 @@ def _stack(name, step, x, hiddens, params, has_biases, has_proj, num_layers, dro
             x = torch.dropout(x, dropout, True)
     if batch_first:
         x = x.transpose(0, 1)
-    return x, finals
+    if step is _lstm_step:
+        return x, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
+    return x, torch.stack(finals)
 
 
 def _sequence(name, step):
-    def padded(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-               batch_first):  # fmt: skip
-        out, finals = _stack(name, step, input, hx.unbind(0), params, has_biases, False,
-                             num_layers, dropout, train, bidirectional, batch_first)  # fmt: skip
-        return out, torch.stack(finals)
+    """The ``.input`` (padded) and ``.data`` (packed) overloads of a whole-sequence op."""
 
-    def packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
-               bidirectional):  # fmt: skip
-        out, finals = _stack(name, step, data, hx.unbind(0), params, has_biases, False,
-                             num_layers, dropout, train, bidirectional, False,
-                             _sizes(batch_sizes))  # fmt: skip
-        return out, torch.stack(finals)
+    def padded(input, hx, params, has_biases, num_layers, dropout, train, bidir, batch_first):
+        flags = (has_biases, num_layers, dropout, train, bidir)
+        return _run(name, step, input, hx, params, flags, batch_first, None)
+
+    def packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidir):
+        if isinstance(batch_sizes, TransformTensor):
+            raise ValueError(
+                f"{name}: a packed sequence's batch_sizes under a transform: expected the "
+                "plain tensor pack_padded_sequence makes, got a transformed value. Do: pack "
+                "inside the transformed function from a plain lengths tensor."
+            )
+        flags = (has_biases, num_layers, dropout, train, bidir)
+        return _run(name, step, data, hx, params, flags, False, batch_sizes.tolist())
 
     return padded, packed
-
-
-def _sizes(batch_sizes):
-    if isinstance(batch_sizes, TransformTensor):
-        raise ValueError(
-            "a packed sequence's batch_sizes under a transform: expected the plain tensor "
-            "pack_padded_sequence makes, got a transformed value. Do: pack inside the "
-            "transformed function from a plain lengths tensor."
-        )
-    return batch_sizes.tolist()
-
-
-def _lstm_hiddens(hx):
-    if len(hx) != 2:
-        raise RuntimeError(f"lstm: expected two hidden states (h, c), got {len(hx)}")
-    h, c = hx
-    return list(zip(h.unbind(0), c.unbind(0))), h.shape[-1] != c.shape[-1]
-
-
-def _lstm_finals(out, finals):
-    return out, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
-
-
-def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    hiddens, has_proj = _lstm_hiddens(hx)
-    return _lstm_finals(
-        *_stack(
-            "lstm",
-            _lstm_step,
-            input,
-            hiddens,
-            params,
-            has_biases,
-            has_proj,
-            num_layers,
-            dropout,
-            train,
-            bidirectional,
-            batch_first,
-        )  # fmt: skip
-    )
-
-
-def _lstm_packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
-                 bidirectional):  # fmt: skip
-    hiddens, has_proj = _lstm_hiddens(hx)
-    return _lstm_finals(
-        *_stack(
-            "lstm",
-            _lstm_step,
-            data,
-            hiddens,
-            params,
-            has_biases,
-            has_proj,
-            num_layers,
-            dropout,
-            train,
-            bidirectional,
-            False,
-            _sizes(batch_sizes),
-        )  # fmt: skip
-    )
 
 
 _rnn_tanh, _rnn_tanh_packed = _sequence("rnn_tanh", _tanh_step)
 _rnn_relu, _rnn_relu_packed = _sequence("rnn_relu", _relu_step)
 _gru, _gru_packed = _sequence("gru", _gru_step)
+_lstm, _lstm_packed = _sequence("lstm", _lstm_step)
 
 KERNELS = {
     "rnn_tanh_cell": _cell("rnn_tanh_cell", _tanh_step),
