@@ -7,15 +7,10 @@ Note [RNN kernels under transforms]
     only the input side carries a transform's value (a constant hidden state and constant
     weights: grad or jvp with respect to the input, vmap over the input), that write puts a
     wrapper into a plain buffer the kernel keeps computing with in C++, where no rule sees it:
-    the transforms refuse it (Note [Buffers held by kernels], ``autodiff/_util.py``). A
-    composite op never reaches ``__torch_dispatch__`` whole, and the autodiff wrappers have no
-    ``__torch_function__`` (their per-op cost), so these ops get a kernel of ours one level
-    above autograd, at the ``PythonTLSSnapshot`` key: torch calls it only when an argument is a
-    tensor subclass with ``__torch_dispatch__`` or a dispatch mode is on, never for plain
-    tensors, and only for these ops (no cost for programs without recurrent layers). With a
-    transform's wrapper among the arguments it computes the recurrence below with out-of-place
-    ops, each of which dispatches through the transforms' own rules; otherwise (a fake tensor,
-    another library's subclass or mode) it hands the call on to torch's kernel unchanged.
+    the transforms refuse it (Note [Buffers held by kernels], ``autodiff/_util.py``). So these ops
+    are composite kernels of ours (Note [Composite kernels of ours], ``_composites.py``): with a
+    transform's value among the arguments they run the recurrence below with out-of-place ops,
+    each of which goes through the transforms' rules.
 
     The formulas and gate orders are torch's (the C++ cells in ``aten/src/ATen/native/RNN.cpp``,
     as ``torch/_decomp/decompositions.py`` restates them): RNN ``h' = act(W_ih x + b_ih + W_hh h
@@ -32,10 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _compat
 from ._core import TransformTensor
-
-aten = torch.ops.aten
 
 
 # -- cells ----------------------------------------------------------------------------------------
@@ -234,7 +226,7 @@ _rnn_relu, _rnn_relu_packed = _sequence("rnn_relu", _relu_step)
 _gru, _gru_packed = _sequence("gru", _gru_step)
 _lstm, _lstm_packed = _sequence("lstm", _lstm_step)
 
-KERNELS = {
+KERNELS = {  # registered by _composites.install
     "rnn_tanh_cell": _cell("rnn_tanh_cell", _tanh_step),
     "rnn_relu_cell": _cell("rnn_relu_cell", _relu_step),
     "gru_cell": _cell("gru_cell", _gru_step),
@@ -248,42 +240,3 @@ KERNELS = {
     "lstm.input": _lstm,
     "lstm.data": _lstm_packed,
 }
-
-
-# -- registration ---------------------------------------------------------------------------------
-def _transformed(args):
-    for a in args:
-        if isinstance(a, TransformTensor):
-            return True
-        if type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, TransformTensor):
-                    return True
-    return False
-
-
-def _kernel(op, impl):
-    after = _compat.dispatch_keyset_full_after(_compat.DispatchKey.PythonTLSSnapshot)
-
-    def kernel(keyset, *args, **kwargs):
-        if _transformed(args) or _transformed(kwargs.values()):
-            return impl(*args, **kwargs)
-        return op.redispatch(keyset & after, *args, **kwargs)  # torch's own kernel
-
-    return kernel
-
-
-_LIB = None
-
-
-def install():
-    """Register the kernels (Note [RNN kernels under transforms]); once per process, at the
-    first transform call."""
-    global _LIB
-    if _LIB is not None:
-        return
-    _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - a key no torch kernel uses
-    for name, impl in KERNELS.items():
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(aten, packet), overload or "default")
-        _LIB.impl(name, _kernel(op, impl), "PythonTLSSnapshot", with_keyset=True)

@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torch.utils._pytree import tree_map
 
 import functransforms as ft
-from functransforms import _rnn
+from functransforms import _composites
 
 I, H, B, T = 3, 4, 2, 4
 
@@ -234,8 +234,8 @@ def test_plain_tensors_never_reach_the_kernel(monkeypatch):
     modes only, and hands anything without a transform's wrapper back to torch's kernel."""
     ft.grad(lambda x: x.sum())(torch.ones(2))  # the kernels are registered by now
     seen = []
-    real = _rnn._transformed
-    monkeypatch.setattr(_rnn, "_transformed", lambda a: seen.append(1) or real(a))
+    real = _composites._transformed
+    monkeypatch.setattr(_composites, "_transformed", lambda a: seen.append(1) or real(a))
     m = nn.GRUCell(I, H)
     x = torch.randn(B, I)
     ref = m(x)
