@@ -71,6 +71,7 @@ __all__ = [
     "dispatch_tls_local_include_set",
     "dispatch_tls_set_dispatch_key_excluded",
     "dispatch_tls_set_dispatch_key_included",
+    "dispatch_keyset_full_after",
     "elementwise_dtypes",
     "fake_tensor_mode",
     "has_internal_overlap",
@@ -190,6 +191,9 @@ dispatch_tls_is_dispatch_key_excluded = _C._dispatch_tls_is_dispatch_key_exclude
 dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_included
 dispatch_tls_set_dispatch_key_excluded = _C._dispatch_tls_set_dispatch_key_excluded
 dispatch_tls_set_dispatch_key_included = _C._dispatch_tls_set_dispatch_key_included
+# The keys below one key: what a kernel registered at that key redispatches to (Note [RNN
+# kernels under transforms], functransforms/_rnn.py).
+dispatch_keyset_full_after = _C._dispatch_keyset_full_after
 
 
 # -- per-op subclass dispatch rules (checked on 2.13.0, 2.15.0) ---------------------------------

@@ -133,12 +133,13 @@ def _install_entry():
     is defined (vmap's classes are defined by its first call: Note [Lazy parts of the
     package], functransforms/__init__.py)."""
     global _entry_pending
-    from . import _compat, _ops
+    from . import _compat, _composites, _ops
 
     global _ABOVE_PYTHON
     _entry_pending = False
     if _ABOVE_PYTHON is None:
         _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
+        _composites.install()  # once, as the probe: Note [Composite kernels of ours]
     classes, todo = [], [TransformTensor]
     while todo:
         for sub in todo.pop().__subclasses__():

@@ -1,0 +1,89 @@
+"""Composite torch kernels that cannot run on the transforms' wrappers, replaced by ours.
+
+Note [Composite kernels of ours]
+    A CompositeImplicitAutograd op is decomposed by its C++ kernel above ``__torch_dispatch__``,
+    so no rule of ours ever sees it whole. Most such kernels are harmless: their pieces reach
+    the rules. A few are not, because the C++ kernel does something with a wrapper that only
+    works on a real tensor: the recurrent kernels write a transformed value into a buffer they
+    keep computing with in C++ (Note [RNN kernels under transforms], ``_rnn.py``);
+    ``tensor_split`` with a tensor of split points reads that tensor's memory directly (a
+    wrapper has none: torch's internal "data is not allocated" error). The autodiff wrappers
+    have no ``__torch_function__`` (its cost on every op), so these ops get a kernel of ours at
+    the ``PythonTLSSnapshot`` dispatch key, the one key above autograd that wrapper
+    subclasses carry: torch calls it only when an argument is a tensor subclass with
+    ``__torch_dispatch__`` or a dispatch mode is on (never for plain tensors), and only for
+    the ops in ``KERNELS`` (no cost for other programs). With a transform's wrapper among the
+    arguments it runs our kernel; otherwise (a fake tensor, another library's subclass or
+    mode) it hands the call on to torch's kernel unchanged. Registered once per process, at
+    the first transform call (``_core._install_entry``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compat, _rnn
+from ._core import TransformTensor
+from .errors import DataDependentError
+
+
+def _tensor_split(self, tensor_indices_or_sections, dim=0):
+    """torch's kernel, reading the split points through the transforms: a tensor of split
+    points batched under vmap would give each example its own pieces' shapes, which one
+    batched result cannot hold (torch.func refuses it too: no batching rule)."""
+    points = tensor_indices_or_sections
+    if isinstance(points, TransformTensor) and points._interp.name == "vmap":
+        raise DataDependentError(
+            f"{points._interp.call}: torch.tensor_split(x, indices_or_sections, dim) with a "
+            "batched tensor of split points: each example would split at its own points, into "
+            "pieces of other shapes (torch.func raises too). Expected: split points as Python "
+            "ints or an unbatched tensor. Do: pass the points from outside vmap "
+            "(in_dims=None), or slice with a mask (torch.where) instead."
+        )
+    if points.dim() > 1 or points.dtype != torch.long:
+        return None  # torch's kernel raises its own error on the plain primal below
+    values = points.tolist()  # a Dual/GradTensor hands over its primal (integers: constants)
+    return torch.tensor_split(self, values, dim)
+
+
+KERNELS = dict(_rnn.KERNELS)
+KERNELS["tensor_split.tensor_indices_or_sections"] = _tensor_split
+
+
+def _transformed(args):
+    for a in args:
+        if isinstance(a, TransformTensor):
+            return True
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, TransformTensor):
+                    return True
+    return False
+
+
+def _kernel(op, impl):
+    after = _compat.dispatch_keyset_full_after(_compat.DispatchKey.PythonTLSSnapshot)
+
+    def kernel(keyset, *args, **kwargs):
+        if _transformed(args) or _transformed(kwargs.values()):
+            out = impl(*args, **kwargs)
+            if out is not None:
+                return out
+        return op.redispatch(keyset & after, *args, **kwargs)  # torch's own kernel
+
+    return kernel
+
+
+_LIB = None
+
+
+def install():
+    """Register the kernels of ``KERNELS`` (Note [Composite kernels of ours]); once."""
+    global _LIB
+    if _LIB is not None:
+        return
+    _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - a key no torch kernel uses
+    for name, impl in KERNELS.items():
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        _LIB.impl(name, _kernel(op, impl), "PythonTLSSnapshot", with_keyset=True)
