@@ -262,3 +262,27 @@ def test_inplace_overloads_with_renamed_functional_form(name):
         return m.grad(f)(x), m.hessian(f)(x), m.vmap(m.grad(f))(xs)
 
     run_both(prog)
+
+
+# -- programs where torch.func is wrong: ours against plain autograd / the eager values --------
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, float("inf")])
+def test_jacobian_of_cdist_matches_autograd(p):
+    # torch.func's jacrev of cdist is wrong (torch 2.13 and 2.15: vmap over _cdist_backward's
+    # cotangent); torch.func.vmap(grad) agrees with the loop
+    x, y = rnd(5, 3), rnd(4, 3, seed=1)
+    f = lambda x: torch.cdist(x, y, p=p)  # noqa: E731
+    ref = torch.autograd.functional.jacobian(f, x)
+    torch.testing.assert_close(ft.jacrev(f)(x), ref)
+    torch.testing.assert_close(ft.jacfwd(f)(x), ref)  # torch.func: no forward rule
+
+
+def test_linearize_with_dropout_uses_the_outputs_mask():
+    # torch.func's linearize draws a new dropout mask on every jvp_fn call, so its tangents
+    # belong to no mask of the output; ours are the derivative of the function that ran
+    x = torch.ones(4, 6, dtype=D)
+    torch.manual_seed(0)
+    out, jvp_fn = ft.linearize(lambda a: F.dropout(a, 0.5), x)
+    t = jvp_fn(torch.ones_like(x))
+    assert torch.equal(t, out) and torch.equal(jvp_fn(torch.ones_like(x)), t)
+    torch.manual_seed(0)
+    assert torch.equal(out, F.dropout(x, 0.5))
