@@ -30,11 +30,25 @@ def softmax_jvp_rule(primals, tangents, kwargs):
     return y, None if t is None else y * (t - (t * y).sum(dim, keepdim=True))
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _accumulate_in_float(ct, out):
+    """torch's softmax backward kernels read half-precision values into float32 and round
+    once at the end; the same formula in float16/bfloat16 ops rounds every step (a bfloat16
+    log_softmax gradient was 1 ulp off torch.func's). Returns the operands and the dtype to
+    round to (None: compute as they are)."""
+    if out.dtype in _HALF or ct.dtype in _HALF:
+        return ct.float(), out.float(), out.dtype
+    return ct, out, None
+
+
 @register_vjp_rule(aten._softmax.default)
 def softmax_vjp_rule(ct, primals, kwargs, out, needs):
     dim = primals[1]
-    y = out.conj() if out.is_complex() else out
-    return y * (ct - (ct * y).sum(dim, keepdim=True)), None, None
+    ct, y, half = _accumulate_in_float(ct, out.conj() if out.is_complex() else out)
+    g = y * (ct - (ct * y).sum(dim, keepdim=True))
+    return g if half is None else g.to(half), None, None
 
 
 @register_jvp_rule(aten._safe_softmax.default)
@@ -70,7 +84,9 @@ def log_softmax_jvp_rule(primals, tangents, kwargs):
 @register_vjp_rule(aten._log_softmax.default)
 def log_softmax_vjp_rule(ct, primals, kwargs, out, needs):
     dim = primals[1]
-    return ct - out.exp() * ct.sum(dim, keepdim=True), None, None
+    ct, y, half = _accumulate_in_float(ct, out)
+    g = ct - y.exp() * ct.sum(dim, keepdim=True)
+    return g if half is None else g.to(half), None, None
 
 
 def _nll_weights(x, target, weight, ignore_index):
