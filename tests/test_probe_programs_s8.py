@@ -325,3 +325,20 @@ def test_half_precision_layer_norm_input_gradient_matches_torch(dtype):
     ws = torch.stack([w, 2 * w])
     loop = torch.stack([tf.grad(loss)(x) for x in ws])
     assert (ft.vmap(ft.grad(loss))(ws) != loop).float().mean() <= 0.01
+
+
+def test_gamma_rsample_reparameterization_gradients():
+    # raised MissingRuleError (no rule for _standard_gamma); torch differentiates the draw in
+    # its concentration (implicit reparameterization), as Gamma/Chi2 rsample in VAEs rely on
+    dist = torch.distributions
+    a = rnd(3, 6).abs() + 1
+
+    def prog(m):
+        f = lambda a: dist.Gamma(a, 2.0).rsample().pow(2).sum()  # noqa: E731
+        g = lambda r: dist.Gamma(2.0 + 0 * r, r).rsample().sum() + dist.Chi2(r).rsample().sum()  # noqa: E731
+        torch.manual_seed(0)
+        per_sample = m.vmap(m.grad(f), randomness="different")(a)
+        torch.manual_seed(0)
+        return per_sample, m.grad(g)(a[0]), m.jacrev(torch._standard_gamma)(a[0])
+
+    run_both(prog)
