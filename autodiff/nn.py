@@ -428,7 +428,9 @@ override(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)(_ctc_l
 #     recurrence one step at a time (gates i, f, g, o as torch orders them), so grad, jvp,
 #     second order and vmap (per-sample gradients of an LSTM, which PyTorch cannot batch)
 #     all come from the rules of ordinary ops. torch hands the kernel a sequence-first input
-#     [T, B, I] whatever its batch_first flag says (it transposes before the call).
+#     [T, B, I] whatever its batch_first flag says (it transposes before the call). Under a
+#     transform nn.LSTM itself no longer gets here (aten::lstm is a kernel of ours: Note
+#     [Composite kernels of ours], functransforms/_composites.py); direct calls of the op do.
 def _mkldnn_rnn_layer(
     input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode, hidden_size, *rest
 ):
