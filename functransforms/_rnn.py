@@ -98,6 +98,8 @@ def _lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
 def _layer(step, x, h, p, reverse):
     """One layer, one direction, over a padded sequence ``x [T, B, I]``: ``(out [T, B, H], h)``."""
     w_ih, w_hh, b_ih, b_hh, w_hr = p
+    if x.shape[0] == 0:
+        raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # as torch
     gis = F.linear(x, w_ih, b_ih).unbind(0)
     outs = [None] * len(gis)
     for t in reversed(range(len(gis))) if reverse else range(len(gis)):

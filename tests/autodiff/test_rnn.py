@@ -229,6 +229,15 @@ def test_wrong_input_size_raises_as_torch():
         ft.jvp(m, (x,), (x,))
 
 
+def test_empty_sequence_raises_as_torch():
+    m = nn.GRU(I, H).double()
+    x = torch.randn(0, B, I, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="sequence length to be larger than 0"):
+        m(x)
+    with pytest.raises(RuntimeError, match="sequence length to be larger than 0"):
+        ft.jvp(lambda x: m(x)[0], (x,), (x,))
+
+
 def test_plain_tensors_never_reach_the_kernel(monkeypatch):
     """The kernel sits at PythonTLSSnapshot: torch calls it for subclasses and under dispatch
     modes only, and hands anything without a transform's wrapper back to torch's kernel."""
