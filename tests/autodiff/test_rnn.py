@@ -260,6 +260,19 @@ def test_plain_tensors_never_reach_the_kernel(monkeypatch):
     torch.testing.assert_close(m(x), ref)
 
 
+def test_torch_compile_of_a_plain_gru_after_a_transform():
+    """aot_autograd traces with fake and functional tensors under the Python dispatcher: our
+    kernel sees no transform's wrapper and hands the call to torch's."""
+    ft.grad(lambda x: x.sum())(torch.ones(2))  # the kernels are registered by now
+    torch.manual_seed(0)
+    m = nn.GRUCell(I, H)
+    x = torch.randn(B, I)
+    out = torch.compile(m, backend="aot_eager")(x)
+    torch.testing.assert_close(out, m(x))
+    (g,) = torch.autograd.grad(out.sum(), m.weight_hh)
+    torch.testing.assert_close(g, torch.autograd.grad(m(x).sum(), m.weight_hh)[0])
+
+
 def test_jit_of_a_transformed_gru():
     m, x = _make("GRU", "float64")
     f = lambda x: m(x)[0].sin().sum()  # noqa: E731
