@@ -458,6 +458,29 @@ def _mkldnn_rnn_layer(
 override(aten.mkldnn_rnn_layer.default)(_mkldnn_rnn_layer)
 
 
+def _pack_padded_sequence(input, lengths, batch_first):
+    """torch's packing (``PackedSequence.cpp``) as slices and one cat: each run of time steps
+    that keeps the same sequences, ``input[t0:t1, :b]``, flattened to rows.
+    torch's kernel has a backward kernel only (no forward mode, no batching rule). The
+    batch sizes, and every check of ``lengths`` with torch's message, come from torch's
+    kernel run on a plain stand-in of the input's first two dims (a constant: integers)."""
+    x = input.transpose(0, 1) if batch_first else input
+    # an empty or 1-d input keeps its shape: torch's kernel raises as on the real input
+    shape = x.shape[:2] if x.dim() >= 2 and x.numel() else x.shape
+    stand_in = torch.zeros(shape, dtype=torch.int8, device=lengths.device)
+    _, batch_sizes = aten._pack_padded_sequence.default(stand_in, lengths, False)
+    sizes = batch_sizes.tolist()
+    steps, t0 = [], 0
+    for t1 in range(1, len(sizes) + 1):
+        if t1 == len(sizes) or sizes[t1] != sizes[t0]:
+            steps.append(x[t0:t1, : sizes[t0]].reshape((-1,) + tuple(x.shape[2:])))
+            t0 = t1
+    return torch.cat(steps), batch_sizes
+
+
+override(aten._pack_padded_sequence.default)(_pack_padded_sequence)
+
+
 # -- binary_cross_entropy -------------------------------------------------------------------------
 # Derivative rules of losses whose derivatives at the edges of their domain are torch's
 # conventions, not a decomposition's: binary_cross_entropy at probabilities 0 and 1.
