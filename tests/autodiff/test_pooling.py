@@ -253,3 +253,35 @@ def test_max_pool_vjp_is_one_kernel_call():
         ops = _graph_ops(fn, x)
         assert ops.count("aten.max_pool2d_with_indices_backward.default") == 1, ops
         assert not [o for o in ops if "scatter" in o or "new_zeros" in o], ops
+
+
+def test_per_sample_cnn_gradient_graph_has_no_scatter():
+    """The per-sample gradients of torch.func's tutorial CNN (benchmarks/bench_surface.py (a),
+    whose peak memory must stay <= torch.func's) run max pooling's backward as torch's one
+    kernel call, as torch.func's graph does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 8, 3),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 5 * 5, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 10),
+        torch.nn.LogSoftmax(dim=1),
+    )
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, t = torch.randn(3, 1, 14, 14), torch.randint(10, (3,))
+
+    def loss(p, x, t):
+        out = ft.functional_call(model, p, (x.unsqueeze(0),))
+        return F.nll_loss(out, t.unsqueeze(0))
+
+    per_sample = ft.vmap(ft.grad(loss), in_dims=(None, 0, 0))
+    ops = _graph_ops(lambda x, t: per_sample(params, x, t), x, t)
+    assert ops.count("aten.max_pool2d_with_indices_backward.default") == 1, ops
+    assert not [o for o in ops if "scatter" in o or "new_zeros" in o], ops
+    ref = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, t)
+    assert_trees_close(per_sample(params, x, t), ref)
