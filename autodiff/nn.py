@@ -30,11 +30,25 @@ def softmax_jvp_rule(primals, tangents, kwargs):
     return y, None if t is None else y * (t - (t * y).sum(dim, keepdim=True))
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _accumulate_in_float(ct, out):
+    """torch's softmax backward kernels read half-precision values into float32 and round
+    once at the end; the same formula in float16/bfloat16 ops rounds every step (a bfloat16
+    log_softmax gradient was 1 ulp off torch.func's). Returns the operands and the dtype to
+    round to (None: compute as they are)."""
+    if out.dtype in _HALF or ct.dtype in _HALF:
+        return ct.float(), out.float(), out.dtype
+    return ct, out, None
+
+
 @register_vjp_rule(aten._softmax.default)
 def softmax_vjp_rule(ct, primals, kwargs, out, needs):
     dim = primals[1]
-    y = out.conj() if out.is_complex() else out
-    return y * (ct - (ct * y).sum(dim, keepdim=True)), None, None
+    ct, y, half = _accumulate_in_float(ct, out.conj() if out.is_complex() else out)
+    g = y * (ct - (ct * y).sum(dim, keepdim=True))
+    return g if half is None else g.to(half), None, None
 
 
 @register_jvp_rule(aten._safe_softmax.default)
@@ -70,7 +84,9 @@ def log_softmax_jvp_rule(primals, tangents, kwargs):
 @register_vjp_rule(aten._log_softmax.default)
 def log_softmax_vjp_rule(ct, primals, kwargs, out, needs):
     dim = primals[1]
-    return ct - out.exp() * ct.sum(dim, keepdim=True), None, None
+    ct, y, half = _accumulate_in_float(ct, out)
+    g = ct - y.exp() * ct.sum(dim, keepdim=True)
+    return g if half is None else g.to(half), None, None
 
 
 def _nll_weights(x, target, weight, ignore_index):
@@ -428,7 +444,9 @@ override(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)(_ctc_l
 #     recurrence one step at a time (gates i, f, g, o as torch orders them), so grad, jvp,
 #     second order and vmap (per-sample gradients of an LSTM, which PyTorch cannot batch)
 #     all come from the rules of ordinary ops. torch hands the kernel a sequence-first input
-#     [T, B, I] whatever its batch_first flag says (it transposes before the call).
+#     [T, B, I] whatever its batch_first flag says (it transposes before the call). Under a
+#     transform nn.LSTM itself no longer gets here (aten::lstm is a kernel of ours: Note
+#     [Composite kernels of ours], functransforms/_composites.py); direct calls of the op do.
 def _mkldnn_rnn_layer(
     input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode, hidden_size, *rest
 ):
@@ -454,6 +472,29 @@ def _mkldnn_rnn_layer(
 
 
 override(aten.mkldnn_rnn_layer.default)(_mkldnn_rnn_layer)
+
+
+def _pack_padded_sequence(input, lengths, batch_first):
+    """torch's packing (``PackedSequence.cpp``) as slices and one cat: each run of time steps
+    that keeps the same sequences, ``input[t0:t1, :b]``, flattened to rows.
+    torch's kernel has a backward kernel only (no forward mode, no batching rule). The
+    batch sizes, and every check of ``lengths`` with torch's message, come from torch's
+    kernel run on a plain stand-in of the input's first two dims (a constant: integers)."""
+    x = input.transpose(0, 1) if batch_first else input
+    # an empty or 1-d input keeps its shape: torch's kernel raises as on the real input
+    shape = x.shape[:2] if x.dim() >= 2 and x.numel() else x.shape
+    stand_in = torch.zeros(shape, dtype=torch.int8, device=lengths.device)
+    _, batch_sizes = aten._pack_padded_sequence.default(stand_in, lengths, False)
+    sizes = batch_sizes.tolist()
+    steps, t0 = [], 0
+    for t1 in range(1, len(sizes) + 1):
+        if t1 == len(sizes) or sizes[t1] != sizes[t0]:
+            steps.append(x[t0:t1, : sizes[t0]].reshape((-1,) + tuple(x.shape[2:])))
+            t0 = t1
+    return torch.cat(steps), batch_sizes
+
+
+override(aten._pack_padded_sequence.default)(_pack_padded_sequence)
 
 
 # -- binary_cross_entropy -------------------------------------------------------------------------

@@ -9,9 +9,10 @@ Note [Pooling derivatives]
     - *max-like* (``max_pool{2,3}d_with_indices``, ``adaptive_max_pool{2,3}d``,
       ``fractional_max_pool{2,3}d``) return ``(out, indices)`` where ``indices`` are flat
       positions in each plane's spatial dims. The jvp gathers the tangent at the indices, the vjp
-      scatter-adds the cotangent there: both are ordinary indexing ops with their own rules, so
-      higher orders and batching need nothing else (ties follow the op's own indices, as
-      torch's).
+      scatter-adds the cotangent there (ties follow the op's own indices, as torch's). The
+      scatter-add is torch's backward kernel where there is one (Note [Max pooling's backward
+      kernel]); the fractional ops keep the scatter-add, an ordinary indexing op with its own
+      rules.
     - *average-like* (``avg_pool{2,3}d``, ``_adaptive_avg_pool{2,3}d``) are linear: the jvp is
       the op on the tangent and the vjp is torch's ``*_backward`` kernel, which is linear in
       its ``grad_output``; that kernel's own vjp is the forward op again, so the two ops are
@@ -33,16 +34,24 @@ def _planes(t, spatial):
     return t.reshape(tuple(t.shape[: t.dim() - spatial]) + (-1,))
 
 
-def def_max_pool(op, spatial):
-    """``op(x, ...) -> (out, indices)``, ``indices`` flat over the last ``spatial`` dims."""
+def _gather_planes(t, idx, spatial):
+    """``t``'s entries at each plane's flat ``idx``: max pooling's jvp, and the vjp (in the
+    cotangent) of its backward kernel."""
+    return _planes(t, spatial).gather(-1, _planes(idx, spatial)).reshape(idx.shape)
+
+
+def def_max_pool(op, spatial, backward=None, backward_args=None):
+    """``op(x, ...) -> (out, indices)``, ``indices`` flat over the last ``spatial`` dims.
+
+    ``backward``: torch's kernel ``backward(ct, x, *backward_args(primals, kwargs), indices)``
+    (Note [Max pooling's backward kernel]); without one, the vjp scatter-adds."""
 
     def max_pool_jvp_rule(primals, tangents, kwargs):
         out, idx = op(*primals, **kwargs)
         t = tangents[0]
         if t is None:
             return (out, idx), None
-        picked = _planes(t, spatial).gather(-1, _planes(idx, spatial))
-        return (out, idx), (picked.reshape(out.shape), None)
+        return (out, idx), (_gather_planes(t, idx, spatial), None)
 
     def max_pool_vjp_rule(cts, primals, kwargs, out, needs):
         ct = cts[0]
@@ -50,6 +59,8 @@ def def_max_pool(op, spatial):
         if ct is None or not needs[0]:
             return (None,) + rest
         x, idx = primals[0], out[1]
+        if backward is not None:
+            return (backward(ct, x, *backward_args(primals, kwargs), idx),) + rest
         flat = x.shape[: x.dim() - spatial] + (-1,)
         g = ct.new_zeros(x.shape).reshape(flat)
         g = g.scatter_add(-1, _planes(idx, spatial), _planes(ct, spatial))
@@ -57,17 +68,80 @@ def def_max_pool(op, spatial):
 
     register_jvp_rule(op)(max_pool_jvp_rule)
     register_vjp_rule(op)(max_pool_vjp_rule)
+    if backward is None:
+        return
+
+    # the kernel is linear in grad_output (its first argument) and constant in the rest: the
+    # input only chooses the indices, which are fixed (torch's derivatives.yaml: self gets 0)
+    def max_pool_backward_jvp_rule(primals, tangents, kwargs):
+        g = backward(*primals, **kwargs)
+        t = tangents[0]
+        return g, None if t is None else backward(t, *primals[1:], **kwargs)
+
+    def max_pool_backward_vjp_rule(ct, primals, kwargs, out, needs):
+        rest = (None,) * (len(primals) - 1)
+        if not needs[0]:
+            return (None,) + rest
+        return (_gather_planes(ct, primals[-1], spatial),) + rest
+
+    register_jvp_rule(backward)(max_pool_backward_jvp_rule)
+    register_vjp_rule(backward)(max_pool_backward_vjp_rule)
 
 
-for _op, _k in (
-    (aten.max_pool2d_with_indices.default, 2),
-    (aten.max_pool3d_with_indices.default, 3),
-    (aten.adaptive_max_pool2d.default, 2),
-    (aten.adaptive_max_pool3d.default, 3),
-    (aten.fractional_max_pool2d.default, 2),
-    (aten.fractional_max_pool3d.default, 3),
-):
-    def_max_pool(_op, _k)
+def _max_pool_args(spatial):
+    """``max_pool*d_with_indices``'s optional arguments spelled out for its backward kernel,
+    which has no defaults: (kernel_size, stride, padding, dilation, ceil_mode)."""
+    names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+    defaults = (None, [], 0, 1, False)
+
+    def full(v):
+        v = [v] if isinstance(v, int) else list(v)
+        return v * spatial if len(v) == 1 else v
+
+    def args(primals, kwargs):
+        given = list(primals[1:])
+        vals = given + [kwargs.get(n, d) for n, d in zip(names, defaults)][len(given) :]
+        k = full(vals[0])
+        stride = full(vals[1]) if isinstance(vals[1], int) or len(vals[1]) else k
+        return k, stride, full(vals[2]), full(vals[3]), bool(vals[4])
+
+    return args
+
+
+# Note [Max pooling's backward kernel]
+#     The vjps of max_pool{2,3}d_with_indices and adaptive_max_pool{2,3}d call torch's backward
+#     kernel: one output the input's size, where the scatter-add formulation allocated two (the
+#     zeros and scatter_add's result) and freed one. In the per-sample-gradient CNN
+#     (benchmarks/bench_surface.py (a)) that transient was the size of the second conv's
+#     activation and sat at the allocator's high point. The kernels get rules of their own
+#     (above: linear in grad_output, a gather is their transpose) and a batching rule
+#     (batching/pooling.py), so every order of derivative and vmap go through ordinary rules.
+def_max_pool(
+    aten.max_pool2d_with_indices.default,
+    2,
+    aten.max_pool2d_with_indices_backward.default,
+    _max_pool_args(2),
+)
+def_max_pool(
+    aten.max_pool3d_with_indices.default,
+    3,
+    aten.max_pool3d_with_indices_backward.default,
+    _max_pool_args(3),
+)
+def_max_pool(
+    aten.adaptive_max_pool2d.default,
+    2,
+    aten.adaptive_max_pool2d_backward.default,
+    lambda primals, kwargs: (),
+)
+def_max_pool(
+    aten.adaptive_max_pool3d.default,
+    3,
+    aten.adaptive_max_pool3d_backward.default,
+    lambda primals, kwargs: (),
+)
+def_max_pool(aten.fractional_max_pool2d.default, 2)
+def_max_pool(aten.fractional_max_pool3d.default, 3)
 
 
 def def_linear_pool(op, backward, spatial, adaptive):

@@ -1,12 +1,13 @@
 """Derivative rules of random ops: a draw is a constant of the level (no derivative flows
-into it or through its parameters), so each op is declared non-differentiable. vmap's rules for
+into it or through its parameters), so each op is declared non-differentiable, except the
+reparameterized gamma draw, which torch differentiates in its concentration. vmap's rules for
 the same ops are in batching/random.py (Note [Batching random ops])."""
 
 from __future__ import annotations
 
 import torch
 
-from .elementwise import def_nondifferentiable
+from .elementwise import def_nondifferentiable, def_unary
 
 aten = torch.ops.aten
 
@@ -30,3 +31,13 @@ def_nondifferentiable(
     aten.exponential.default,
     aten.uniform.default,
 )
+
+
+def _standard_gamma_deriv(alpha, out, generator=None):
+    """d sample / d alpha at a fixed uniform: torch's implicit reparameterization gradient
+    (Gamma/Beta ``rsample``); torch has no derivative of it, so nor do we (a second order
+    raises MissingRuleError)."""
+    return aten._standard_gamma_grad.default(alpha, out)
+
+
+def_unary(aten._standard_gamma.default, _standard_gamma_deriv)

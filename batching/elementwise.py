@@ -22,11 +22,12 @@ from ._util import expand_front, pad_to, promote_like_logical, to_front
 aten = torch.ops.aten
 
 
-# Pointwise-tagged kernels that do not broadcast their tensor arguments: CPU gelu_backward goes
-# to oneDNN, which raises for shapes [3] and [4, 3] and crashes the process when the [3] is an
-# expanded (stride-0) gradient, the shape vmap(grad(gelu)) hands it. They get the arguments
-# expanded (views, no copy) to the common shape.
-_NO_BROADCAST = {aten.gelu_backward.default}
+# Pointwise kernels that do not broadcast their tensor arguments: CPU gelu_backward goes to
+# oneDNN, which raises for shapes [3] and [4, 3] and crashes the process when the [3] is an
+# expanded (stride-0) gradient, the shape vmap(grad(gelu)) hands it; _standard_gamma_grad
+# resizes its output to its first argument's shape (with a deprecation warning). They get the
+# arguments expanded (views, no copy) to the common shape.
+_NO_BROADCAST = {aten.gelu_backward.default, aten._standard_gamma_grad.default}
 
 
 def _expand_tensors(args):
@@ -190,6 +191,7 @@ for _op in (
     aten.hardswish_backward.default,
     aten._prelu_kernel.default,
     aten._prelu_kernel_backward.default,
+    aten._standard_gamma_grad.default,  # Gamma.rsample's derivative, per-sample under vmap
 ):
     def_pointwise(_op)
 

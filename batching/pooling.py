@@ -71,6 +71,32 @@ for _op, _k in (
     def_pool_backward(_op, _k)
 
 
+def def_max_pool_backward(op, spatial):
+    """``op(grad_output, self, ..., indices)``: the three tensors fold (planes are independent
+    and the indices are flat within each plane). The indices are made contiguous: unbatched
+    ones are expanded, and adaptive_max_pool3d_backward reads expanded (stride-0) indices
+    out of bounds (a segfault, torch 2.13)."""
+
+    def max_pool_backward_vmap_rule(interp, args, bdims, kwargs):
+        B = interp.batch_size
+        go, fold = _fold(args[0], bdims[0], B, spatial)
+        x, _ = _fold(args[1], bdims[1], B, spatial)
+        idx, _ = _fold(args[-1], bdims[-1], B, spatial)
+        out = op(go, x, *args[2:-1], idx.contiguous(), **kwargs)
+        return (split_dim(out, 0, B) if fold else out), 0
+
+    register_vmap_rule(op)(max_pool_backward_vmap_rule)
+
+
+for _op, _k in (
+    (aten.max_pool2d_with_indices_backward.default, 2),
+    (aten.max_pool3d_with_indices_backward.default, 3),
+    (aten.adaptive_max_pool2d_backward.default, 2),
+    (aten.adaptive_max_pool3d_backward.default, 3),
+):
+    def_max_pool_backward(_op, _k)
+
+
 def def_fractional_max_pool(op, spatial):
     """``op(x, kernel_size, output_size, random_samples)``: the samples (``[N, C, spatial]``)
     fold like the input; unbatched samples are shared by every example."""

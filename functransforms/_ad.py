@@ -197,7 +197,7 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
         shape, _, dtype, _ = metadata(o)
         out_meta.append((shape, dtype, dtype.is_floating_point or dtype.is_complex))
 
-    def pull(flat_ct):
+    def pull(flat_ct, release=False):
         root_cts = []
         for r, c, (shape, dtype, floating) in zip(roots, flat_ct, out_meta):
             if not isinstance(c, torch.Tensor):
@@ -222,7 +222,7 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
                 )
             if r is not None:
                 root_cts.append((r[0], r[1], c))
-        grads = backward(root_cts, leaves)
+        grads = backward(root_cts, leaves, release)
         return [torch.zeros_like(x) if g is None else g for x, g in zip(flat, grads)]
 
     return primals_out, out_spec, spec, pull, aux
@@ -336,7 +336,8 @@ def grad_and_value(
             # *_like buffer of one is a constant of that level (Note [Buffers held by
             # kernels]), whose every later op would pass through that level for nothing
             seed = torch.ones((), dtype=dtype_of(out), device=out.device)
-            g = tuple(pt.tree_unflatten(spec, pull([seed])))
+            # the only sweep of this graph: it may release what it saved as it goes
+            g = tuple(pt.tree_unflatten(spec, pull([seed], release=True)))
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
                 g = pt.tree_map(torch.conj_physical, g)
         else:  # an integer output does not depend differentiably on anything (as PyTorch)

@@ -26,6 +26,8 @@ from . import _compat, _rnn
 from ._core import TransformTensor
 from .errors import DataDependentError
 
+aten = torch.ops.aten
+
 
 def _tensor_split(self, tensor_indices_or_sections, dim=0):
     """torch's kernel, reading the split points through the transforms: a tensor of split
@@ -46,8 +48,36 @@ def _tensor_split(self, tensor_indices_or_sections, dim=0):
     return torch.tensor_split(self, values, dim)
 
 
+def _pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_length):
+    """torch's unpacking (``nn.utils.rnn.pad_packed_sequence``) out of place: the kernel
+    copies each run of time steps into a buffer it made (InplaceError under the transforms).
+    Each step's rows, padded to the largest batch, stacked; then the padding steps up to
+    ``total_length``. The lengths come from torch's kernel on a plain stand-in (integers)."""
+    if isinstance(batch_sizes, TransformTensor) or data.dim() < 1:
+        return None  # torch's kernel raises its own error
+    sizes = batch_sizes.tolist()
+    stand_in = torch.zeros(sum(sizes), dtype=torch.int8)
+    _, lengths = aten._pad_packed_sequence.default(
+        stand_in, batch_sizes, False, 0, total_length
+    )  # torch's checks (total_length too short) and its lengths
+    features = tuple(data.shape[1:])
+    steps = []
+    for piece in torch.split(data, sizes):
+        missing = sizes[0] - piece.shape[0]
+        if missing:
+            fill = torch.full((missing, *features), padding_value, dtype=data.dtype)
+            piece = torch.cat([piece, fill.to(data.device)])
+        steps.append(piece)
+    out = torch.stack(steps)
+    if total_length > len(sizes):
+        fill = torch.full((total_length - len(sizes), sizes[0], *features), padding_value)
+        out = torch.cat([out, fill.to(dtype=data.dtype, device=data.device)])
+    return (out.transpose(0, 1) if batch_first else out), lengths
+
+
 KERNELS = dict(_rnn.KERNELS)
 KERNELS["tensor_split.tensor_indices_or_sections"] = _tensor_split
+KERNELS["_pad_packed_sequence"] = _pad_packed_sequence
 
 
 def _transformed(args):
@@ -85,5 +115,5 @@ def install():
     _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - a key no torch kernel uses
     for name, impl in KERNELS.items():
         packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        op = getattr(getattr(aten, packet), overload or "default")
         _LIB.impl(name, _kernel(op, impl), "PythonTLSSnapshot", with_keyset=True)

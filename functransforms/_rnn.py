@@ -42,7 +42,8 @@ def _relu_step(gi, h, w_hh, b_hh, w_hr=None):
 
 
 def _gru_step(gi, h, w_hh, b_hh, w_hr=None):
-    i_r, i_z, i_n = gi.chunk(3, -1)
+    # a whole layer hands over its gates split once (one op per layer, not one per step)
+    i_r, i_z, i_n = gi if type(gi) is tuple else gi.chunk(3, -1)
     h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, -1)
     r = torch.sigmoid(h_r + i_r)
     z = torch.sigmoid(h_z + i_z)
@@ -98,7 +99,13 @@ def _lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
 def _layer(step, x, h, p, reverse):
     """One layer, one direction, over a padded sequence ``x [T, B, I]``: ``(out [T, B, H], h)``."""
     w_ih, w_hh, b_ih, b_hh, w_hr = p
-    gis = F.linear(x, w_ih, b_ih).unbind(0)
+    if x.shape[0] == 0:
+        raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # as torch
+    gis = F.linear(x, w_ih, b_ih)
+    if step is _gru_step:
+        gis = tuple(zip(*(g.unbind(0) for g in gis.chunk(3, -1))))
+    else:
+        gis = gis.unbind(0)
     outs = [None] * len(gis)
     for t in reversed(range(len(gis))) if reverse else range(len(gis)):
         h = step(gis[t], h, w_hh, b_hh, w_hr)

@@ -1,12 +1,15 @@
 """Pooling under jvp, vjp, grad, second order and vmap(grad), against torch.func in float64
 (Note [Pooling derivatives]). Inputs are random floats, so max pooling has no ties."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from _ad_helpers import assert_trees_close, compare_with_torch_func
 
 import functransforms as ft
+from functransforms.errors import FallbackWarning
 from functransforms.testing import check_grads
 
 F64 = torch.float64
@@ -162,3 +165,123 @@ def test_pool_backward_kernels_are_differentiable_and_batched(op, args):
     compare_with_torch_func(lambda go: f(go, x), (go,), check=False)
     gos = torch.randn((3,) + tuple(go.shape), dtype=F64)
     assert_trees_close(ft.vmap(f, (0, None))(gos, x), torch.func.vmap(f, (0, None))(gos, x))
+
+
+aten = torch.ops.aten
+# (forward producing (out, indices), its backward kernel's arguments between self and indices)
+MAX_KERNELS = {
+    "max_pool2d": (
+        lambda x: aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1], [1, 1], True),
+        aten.max_pool2d_with_indices_backward.default,
+        ([3, 3], [2, 2], [1, 1], [1, 1], True),
+        2,
+    ),
+    "max_pool3d": (
+        lambda x: aten.max_pool3d_with_indices(x, [2, 2, 2]),
+        aten.max_pool3d_with_indices_backward.default,
+        ([2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False),
+        3,
+    ),
+    "adaptive_max_pool2d": (
+        lambda x: aten.adaptive_max_pool2d(x, [3, 3]),
+        aten.adaptive_max_pool2d_backward.default,
+        (),
+        2,
+    ),
+    "adaptive_max_pool3d": (
+        lambda x: aten.adaptive_max_pool3d(x, [2, 2, 2]),
+        aten.adaptive_max_pool3d_backward.default,
+        (),
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAX_KERNELS))
+def test_max_pool_backward_kernels_are_differentiable_and_batched(name):
+    """Note [Max pooling's backward kernel]: the vjps call torch's kernels, which are linear in
+    grad_output with a gather as transpose; they batch with no per-example fallback, also with
+    unbatched indices (which adaptive_max_pool3d_backward must not read expanded)."""
+    fwd, op, args, nd = MAX_KERNELS[name]
+    x = _x(nd)
+    out, idx = fwd(x)
+    go = torch.randn_like(out)
+
+    def f(go, x, idx):
+        return op(go, x, *args, idx)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        compare_with_torch_func(lambda go: f(go, x, idx), (go,), check=False)
+        check_grads(lambda go: f(go, x, idx), (go,), order=2)
+        gos, xs = torch.randn((3,) + tuple(go.shape), dtype=F64), _x(nd).expand(3, *x.shape)
+        idxs = torch.stack([idx, fwd(x.flip(-1))[1], fwd(-x)[1]])
+        for in_dims, a in [
+            ((0, None, None), (gos, x, idx)),
+            ((0, 0, 0), (gos, xs, idxs)),
+            ((None, None, 0), (go, x, idxs)),
+        ]:
+            assert_trees_close(ft.vmap(f, in_dims)(*a), torch.func.vmap(f, in_dims)(*a))
+        # vmap of the second-order pass through the kernel (vjp of the vjp, per example)
+        v = torch.randn((3,) + tuple(x.shape), dtype=F64)
+
+        def hvp(x, v):
+            g = ft.grad(lambda x: (fwd(x)[0] ** 3).sum())
+            return ft.jvp(g, (x,), (v,))[1]
+
+        def hvp_ref(x, v):
+            g = torch.func.grad(lambda x: (fwd(x)[0] ** 3).sum())
+            return torch.func.jvp(g, (x,), (v,))[1]
+
+        xs3 = torch.randn((3,) + tuple(x.shape), dtype=F64)
+        assert_trees_close(ft.vmap(hvp)(xs3, v), torch.func.vmap(hvp_ref)(xs3, v))
+
+
+def _graph_ops(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = make_fx(fn)(*args)
+    return [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+
+
+def test_max_pool_vjp_is_one_kernel_call():
+    """The vjp of max pooling allocates one input-sized result (torch's kernel), not zeros and a
+    scatter-add (Note [Max pooling's backward kernel]): this fails if the rule goes back."""
+    x = torch.randn(4, 3, 8, 8)
+    per_example = ft.vmap(ft.grad(lambda x: F.max_pool2d(x, 2).pow(2).sum()))
+    for fn in (ft.grad(lambda x: F.max_pool2d(x, 2).pow(2).sum()), per_example):
+        ops = _graph_ops(fn, x)
+        assert ops.count("aten.max_pool2d_with_indices_backward.default") == 1, ops
+        assert not [o for o in ops if "scatter" in o or "new_zeros" in o], ops
+
+
+def test_per_sample_cnn_gradient_graph_has_no_scatter():
+    """The per-sample gradients of torch.func's tutorial CNN (benchmarks/bench_surface.py (a),
+    whose peak memory must stay <= torch.func's) run max pooling's backward as torch's one
+    kernel call, as torch.func's graph does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 8, 3),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 5 * 5, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 10),
+        torch.nn.LogSoftmax(dim=1),
+    )
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, t = torch.randn(3, 1, 14, 14), torch.randint(10, (3,))
+
+    def loss(p, x, t):
+        out = ft.functional_call(model, p, (x.unsqueeze(0),))
+        return F.nll_loss(out, t.unsqueeze(0))
+
+    per_sample = ft.vmap(ft.grad(loss), in_dims=(None, 0, 0))
+    ops = _graph_ops(lambda x, t: per_sample(params, x, t), x, t)
+    assert ops.count("aten.max_pool2d_with_indices_backward.default") == 1, ops
+    assert not [o for o in ops if "scatter" in o or "new_zeros" in o], ops
+    ref = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, t)
+    assert_trees_close(per_sample(params, x, t), ref)

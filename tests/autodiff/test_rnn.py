@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.func as tf
 import torch.nn as nn
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_map
 
 import functransforms as ft
@@ -204,6 +204,60 @@ def test_packed_sequences(kind, bidirectional):
     torch.testing.assert_close(ft.vmap(f)(ds), torch.stack([f(v) for v in ds]).detach())
 
 
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_pack_run_pad_pipeline(kind, batch_first):
+    """pack_padded_sequence -> RNN -> pad_packed_sequence on a padded input, unsorted lengths,
+    a padding value and a total length: torch.func raises on every transform here; plain
+    autograd, finite differences and loops are the oracle."""
+    torch.manual_seed(0)
+    m = getattr(nn, kind)(I, H, 2, bidirectional=True, batch_first=batch_first).double()
+    lengths = torch.tensor([2, 5, 3])
+    x = torch.randn((3, 5, I) if batch_first else (5, 3, I), dtype=torch.float64)
+
+    def f(x):
+        pk = pack_padded_sequence(x, lengths, batch_first=batch_first, enforce_sorted=False)
+        out, h = m(pk)
+        h = h[0] if isinstance(h, tuple) else h
+        pad, lens = pad_packed_sequence(out, batch_first, padding_value=-2.0, total_length=6)
+        assert lens.tolist() == lengths.tolist()
+        return pad, h
+
+    def loss(x):
+        pad, h = f(x)
+        return pad.sin().sum() + h.cos().sum()
+
+    xr = x.clone().requires_grad_(True)
+    (ref,) = torch.autograd.grad(loss(xr), xr)
+    torch.testing.assert_close(ft.grad(loss)(x), ref)
+    t = torch.randn_like(x)
+    eps = 1e-6
+    fd = (loss(x + eps * t) - loss(x - eps * t)) / (2 * eps)
+    torch.testing.assert_close(ft.jvp(loss, (x,), (t,))[1], fd.detach(), rtol=1e-6, atol=1e-8)
+    xs = torch.stack([x, x.cos()])
+    ours = ft.vmap(f)(xs)
+    for i in range(2):
+        torch.testing.assert_close(tree_map(lambda v, i=i: v[i], ours), f(xs[i]))
+    grads = ft.vmap(ft.grad(loss))(xs)
+    for i in range(2):
+        xi = xs[i].clone().requires_grad_(True)
+        torch.testing.assert_close(grads[i], torch.autograd.grad(loss(xi), xi)[0])
+
+
+def test_packing_errors_are_torchs():
+    x = torch.randn(5, 3, I, dtype=torch.float64)
+    unsorted = torch.tensor([2, 5, 3])
+    with pytest.raises(RuntimeError, match="sorted in decreasing order"):
+        ft.grad(lambda x: pack_padded_sequence(x, unsorted).data.sum())(x)
+    pk = pack_padded_sequence(x, torch.tensor([5, 3, 2]))
+    with pytest.raises(ValueError, match="total_length"):  # nn.utils.rnn's own check
+        ft.grad(
+            lambda d: pad_packed_sequence(PackedSequence(d, pk.batch_sizes), total_length=2)[
+                0
+            ].sum()
+        )(pk.data)
+
+
 def test_dropout_between_layers_draws_as_torch():
     """Training-mode dropout between layers is torch.dropout on each layer's output but the
     last: under the same seed, the same mask as torch.func's (torch's kernel)."""
@@ -229,6 +283,15 @@ def test_wrong_input_size_raises_as_torch():
         ft.jvp(m, (x,), (x,))
 
 
+def test_empty_sequence_raises_as_torch():
+    m = nn.GRU(I, H).double()
+    x = torch.randn(0, B, I, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="sequence length to be larger than 0"):
+        m(x)
+    with pytest.raises(RuntimeError, match="sequence length to be larger than 0"):
+        ft.jvp(lambda x: m(x)[0], (x,), (x,))
+
+
 def test_plain_tensors_never_reach_the_kernel(monkeypatch):
     """The kernel sits at PythonTLSSnapshot: torch calls it for subclasses and under dispatch
     modes only, and hands anything without a transform's wrapper back to torch's kernel."""
@@ -249,6 +312,19 @@ def test_plain_tensors_never_reach_the_kernel(monkeypatch):
     ft.jvp(m, (x,), (x,))
     assert seen
     torch.testing.assert_close(m(x), ref)
+
+
+def test_torch_compile_of_a_plain_gru_after_a_transform():
+    """aot_autograd traces with fake and functional tensors under the Python dispatcher: our
+    kernel sees no transform's wrapper and hands the call to torch's."""
+    ft.grad(lambda x: x.sum())(torch.ones(2))  # the kernels are registered by now
+    torch.manual_seed(0)
+    m = nn.GRUCell(I, H)
+    x = torch.randn(B, I)
+    out = torch.compile(m, backend="aot_eager")(x)
+    torch.testing.assert_close(out, m(x))
+    (g,) = torch.autograd.grad(out.sum(), m.weight_hh)
+    torch.testing.assert_close(g, torch.autograd.grad(m(x).sum(), m.weight_hh)[0])
 
 
 def test_jit_of_a_transformed_gru():
