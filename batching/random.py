@@ -356,6 +356,31 @@ for _op in (
     def_random_like(_op)
 
 
+def _normal_tensor_params_vmap_rule(func):
+    """normal(mean, std) with a tensor mean and/or std, at least one batched: 'different'
+    draws the whole batched shape in one call, as torch.func does (same bits with the same
+    seed; the per-example loop this op fell to drew other values); 'same' refuses batched
+    parameters, as torch.func."""
+
+    def normal_vmap_rule(interp, args, bdims, kwargs):
+        if interp.randomness == "error":
+            raise_random(interp, func)
+        if interp.randomness == "same":
+            raise_same_with_batched_parameters(interp, func)
+        nd = max(a.dim() - (b is not None) for a, b in zip(args[:2], bdims) if torch.is_tensor(a))
+        a = list(args)
+        for i in (0, 1):
+            if bdims[i] is not None:
+                a[i] = pad_to(to_front(a[i], bdims[i]), nd)
+        return func(*a, **kwargs), 0
+
+    register_vmap_rule(func)(normal_vmap_rule)
+
+
+_normal_tensor_params_vmap_rule(aten.normal.Tensor_Tensor)
+_normal_tensor_params_vmap_rule(aten.normal.float_Tensor)
+
+
 @register_vmap_rule(aten.multinomial.default)
 def multinomial_vmap_rule(interp, args, bdims, kwargs):
     """multinomial(probs [C] or [N, C], k) -> [k] or [N, k]: the rows of every example are
