@@ -368,3 +368,38 @@ def test_draws_with_tensor_parameters_have_torchs_zero_derivative(draw):
         return g, per_sample, m.jvp(draw, (mu,), (torch.ones_like(mu),))
 
     run_both(prog)
+
+
+_SHARED = rnd(3, 4).abs() + 0.5
+_DRAWS_FROM_SHARED = {
+    "rand_like": lambda: torch.rand_like(_SHARED),
+    "randn_like": lambda: torch.randn_like(_SHARED),
+    "randint_like": lambda: torch.randint_like(_SHARED, 3, 9),
+    "bernoulli": lambda: torch.bernoulli(_SHARED.sigmoid()),
+    "multinomial": lambda: torch.multinomial(_SHARED, 2),
+    "poisson": lambda: torch.poisson(_SHARED),
+    "normal": lambda: torch.normal(_SHARED, 1.0),
+    "gamma": lambda: torch._standard_gamma(_SHARED),
+    "Normal.sample": lambda: torch.distributions.Normal(_SHARED, 1.0).sample(),
+    "Categorical.sample": lambda: torch.distributions.Categorical(probs=_SHARED).sample(),
+}
+
+
+@pytest.mark.parametrize("name", list(_DRAWS_FROM_SHARED))
+def test_different_randomness_draws_from_an_unbatched_tensor(name):
+    # every example got the same values: a draw from plain tensors reached no batching rule
+    draw = _DRAWS_FROM_SHARED[name]
+
+    def prog(m):
+        torch.manual_seed(0)
+        flat = m.vmap(lambda b: draw() * b, randomness="different")(torch.ones(3, dtype=D))
+        torch.manual_seed(0)
+        nested = m.vmap(m.vmap(lambda b: draw() * b, randomness="different"), randomness="same")(
+            torch.ones(2, 3, dtype=D)
+        )
+        return flat, nested
+
+    run_both(prog)
+    torch.manual_seed(0)
+    out = ft.vmap(lambda b: draw() * b, randomness="different")(torch.ones(3, dtype=D))
+    assert not torch.equal(out[0], out[1])
