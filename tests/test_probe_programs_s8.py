@@ -403,3 +403,11 @@ def test_different_randomness_draws_from_an_unbatched_tensor(name):
     torch.manual_seed(0)
     out = ft.vmap(lambda b: draw() * b, randomness="different")(torch.ones(3, dtype=D))
     assert not torch.equal(out[0], out[1])
+
+
+def test_jvp_integer_tangent_raises_as_torch_func():
+    # was cast to the primal's dtype silently (torch.func: ValueError)
+    x = rnd(3)
+    for lib in (tf, ft):
+        with pytest.raises(ValueError):
+            lib.jvp(torch.sin, (x,), (torch.ones(3, dtype=torch.long),))
