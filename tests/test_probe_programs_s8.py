@@ -411,3 +411,14 @@ def test_jvp_integer_tangent_raises_as_torch_func():
     for lib in (tf, ft):
         with pytest.raises(ValueError):
             lib.jvp(torch.sin, (x,), (torch.ones(3, dtype=torch.long),))
+
+
+def test_linearize_tangent_keeps_autograd_history_of_captured_weights():
+    # torch.func's linearize tangents have no history to w (autograd.grad gives None)
+    w = rnd(3, 3).requires_grad_()
+    x = rnd(4, 3, seed=1)
+    f = lambda a: (a @ w).tanh()  # noqa: E731
+    t = ft.linearize(f, x)[1](torch.ones_like(x))
+    ref = tf.jvp(f, (x,), (torch.ones_like(x),))[1]
+    g, g_ref = (torch.autograd.grad(v.sum(), w)[0] for v in (t, ref))
+    torch.testing.assert_close(g, g_ref)
