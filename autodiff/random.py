@@ -30,6 +30,13 @@ def_nondifferentiable(
     # which draws other values than the kernel: a seeded draw differed from eager and PyTorch
     aten.exponential.default,
     aten.uniform.default,
+    # draws with tensor parameters: torch's derivative in the parameters is 0, not the
+    # reparameterized one (1 in the mean, z in the std) that differentiating their
+    # decomposition `mean + std * randn` gave, silently
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.normal.Tensor_Tensor,
+    aten.poisson.default,  # was a MissingRuleError; torch: 0
 )
 
 

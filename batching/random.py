@@ -192,7 +192,36 @@ class DifferentRandomnessMode(_compat.TorchDispatchMode):
             for interp in (i for i in levels if i.randomness == "different"):
                 out = wrap_batched(out, 0, interp)
             return out
+        if torch.Tag.nondeterministic_seeded in func.tags and _only_plain_tensors(args, kwargs):
+            # Note [Draws from unbatched tensors]
+            args = [_batched_at_every_different_level(a) if _is_plain(a) else a for a in args]
+            kwargs = {
+                k: _batched_at_every_different_level(v) if _is_plain(v) else v
+                for k, v in kwargs.items()
+            }
         return func(*args, **kwargs)
+
+
+# Note [Draws from unbatched tensors]
+#     ``vmap(f, randomness='different')`` where f draws from a tensor the vmap does not batch
+#     (``torch.rand_like(w)``, ``torch.bernoulli(p)``, ``Normal(mu, s).sample()`` with a shared
+#     ``mu``): PyTorch gives each example its own draw, of the batched shape, in one call. Only
+#     plain tensors, no wrapper, reach the kernel, so no batching rule sees the call and every
+#     example got the same values. This mode sees it first and makes the tensor arguments
+#     batched at every 'different' level (a batched 0-d zero added, as for dropout): the
+#     op's batching rule then draws the batched shape, the same bits as torch.func.
+def _is_plain(a):
+    return type(a) is torch.Tensor
+
+
+def _only_plain_tensors(args, kwargs):
+    seen = False
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor:
+                return False
+            seen = True
+    return seen
 
 
 # Note [Dropout of an unbatched tensor]
@@ -354,6 +383,31 @@ for _op in (
     aten.normal.Tensor_float,
 ):
     def_random_like(_op)
+
+
+def _normal_tensor_params_vmap_rule(func):
+    """normal(mean, std) with a tensor mean and/or std, at least one batched: 'different'
+    draws the whole batched shape in one call, as torch.func does (same bits with the same
+    seed; the per-example loop this op fell to drew other values); 'same' refuses batched
+    parameters, as torch.func."""
+
+    def normal_vmap_rule(interp, args, bdims, kwargs):
+        if interp.randomness == "error":
+            raise_random(interp, func)
+        if interp.randomness == "same":
+            raise_same_with_batched_parameters(interp, func)
+        nd = max(a.dim() - (b is not None) for a, b in zip(args[:2], bdims) if torch.is_tensor(a))
+        a = list(args)
+        for i in (0, 1):
+            if bdims[i] is not None:
+                a[i] = pad_to(to_front(a[i], bdims[i]), nd)
+        return func(*a, **kwargs), 0
+
+    register_vmap_rule(func)(normal_vmap_rule)
+
+
+_normal_tensor_params_vmap_rule(aten.normal.Tensor_Tensor)
+_normal_tensor_params_vmap_rule(aten.normal.float_Tensor)
 
 
 @register_vmap_rule(aten.multinomial.default)

@@ -342,3 +342,83 @@ def test_gamma_rsample_reparameterization_gradients():
         return per_sample, m.grad(g)(a[0]), m.jacrev(torch._standard_gamma)(a[0])
 
     run_both(prog)
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda a: torch.normal(a, a),
+        lambda a: torch.normal(a, 1.0),
+        lambda a: torch.normal(0.0, a),
+        lambda a: torch.poisson(a),
+    ],
+    ids=["normal_tensor_tensor", "normal_tensor_float", "normal_float_tensor", "poisson"],
+)
+def test_draws_with_tensor_parameters_have_torchs_zero_derivative(draw):
+    # normal(mean, std) silently gave the reparameterized derivative (1 in the mean, z in the
+    # std: its decomposition mean + std * randn was differentiated); torch's is 0. poisson
+    # raised MissingRuleError
+    mu = rnd(3, 4).abs() + 0.5
+
+    def prog(m):
+        f = lambda a: (draw(a) * a).sum()  # noqa: E731
+        torch.manual_seed(0)
+        g = m.grad(f)(mu)
+        per_sample = m.vmap(m.grad(f), randomness="different")(torch.stack([mu, 2 * mu]))
+        return g, per_sample, m.jvp(draw, (mu,), (torch.ones_like(mu),))
+
+    run_both(prog)
+
+
+_SHARED = rnd(3, 4).abs() + 0.5
+_DRAWS_FROM_SHARED = {
+    "rand_like": lambda: torch.rand_like(_SHARED),
+    "randn_like": lambda: torch.randn_like(_SHARED),
+    "randint_like": lambda: torch.randint_like(_SHARED, 3, 9),
+    "bernoulli": lambda: torch.bernoulli(_SHARED.sigmoid()),
+    "multinomial": lambda: torch.multinomial(_SHARED, 2),
+    "poisson": lambda: torch.poisson(_SHARED),
+    "normal": lambda: torch.normal(_SHARED, 1.0),
+    "gamma": lambda: torch._standard_gamma(_SHARED),
+    "Normal.sample": lambda: torch.distributions.Normal(_SHARED, 1.0).sample(),
+    "Categorical.sample": lambda: torch.distributions.Categorical(probs=_SHARED).sample(),
+}
+
+
+@pytest.mark.parametrize("name", list(_DRAWS_FROM_SHARED))
+def test_different_randomness_draws_from_an_unbatched_tensor(name):
+    # every example got the same values: a draw from plain tensors reached no batching rule
+    draw = _DRAWS_FROM_SHARED[name]
+
+    def prog(m):
+        torch.manual_seed(0)
+        flat = m.vmap(lambda b: draw() * b, randomness="different")(torch.ones(3, dtype=D))
+        torch.manual_seed(0)
+        nested = m.vmap(m.vmap(lambda b: draw() * b, randomness="different"), randomness="same")(
+            torch.ones(2, 3, dtype=D)
+        )
+        return flat, nested
+
+    run_both(prog)
+    torch.manual_seed(0)
+    out = ft.vmap(lambda b: draw() * b, randomness="different")(torch.ones(3, dtype=D))
+    assert not torch.equal(out[0], out[1])
+
+
+def test_jvp_integer_tangent_raises_as_torch_func():
+    # was cast to the primal's dtype silently (torch.func: ValueError)
+    x = rnd(3)
+    for lib in (tf, ft):
+        with pytest.raises(ValueError):
+            lib.jvp(torch.sin, (x,), (torch.ones(3, dtype=torch.long),))
+
+
+def test_linearize_tangent_keeps_autograd_history_of_captured_weights():
+    # torch.func's linearize tangents have no history to w (autograd.grad gives None)
+    w = rnd(3, 3).requires_grad_()
+    x = rnd(4, 3, seed=1)
+    f = lambda a: (a @ w).tanh()  # noqa: E731
+    t = ft.linearize(f, x)[1](torch.ones_like(x))
+    ref = tf.jvp(f, (x,), (torch.ones_like(x),))[1]
+    g, g_ref = (torch.autograd.grad(v.sum(), w)[0] for v in (t, ref))
+    torch.testing.assert_close(g, g_ref)
