@@ -6,8 +6,9 @@ Note [Composite kernels of ours]
     the rules. A few are not, because the C++ kernel does something with a wrapper that only
     works on a real tensor: the recurrent kernels write a transformed value into a buffer they
     keep computing with in C++ (Note [RNN kernels under transforms], ``_rnn.py``);
-    ``tensor_split`` with a tensor of split points reads that tensor's memory directly (a
-    wrapper has none: torch's internal "data is not allocated" error). The autodiff wrappers
+    ``_pad_packed_sequence`` copies into a buffer it made, the same way; ``tensor_split`` with
+    a tensor of split points reads that tensor's memory directly (a wrapper has none: torch's
+    internal "data is not allocated" error). The autodiff wrappers
     have no ``__torch_function__`` (its cost on every op), so these ops get a kernel of ours at
     the ``PythonTLSSnapshot`` dispatch key, the one key above autograd that wrapper
     subclasses carry: torch calls it only when an argument is a tensor subclass with
