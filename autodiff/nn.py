@@ -480,10 +480,13 @@ def _pack_padded_sequence(input, lengths, batch_first):
     torch's kernel has a backward kernel only (no forward mode, no batching rule). The
     batch sizes, and every check of ``lengths`` with torch's message, come from torch's
     kernel run on a plain stand-in of the input's first two dims (a constant: integers)."""
+    from functransforms._composites import read_sizes
+
     x = input.transpose(0, 1) if batch_first else input
+    lengths = torch.tensor(read_sizes(lengths, "pack_padded_sequence: the lengths"))
     # an empty or 1-d input keeps its shape: torch's kernel raises as on the real input
     shape = x.shape[:2] if x.dim() >= 2 and x.numel() else x.shape
-    stand_in = torch.zeros(shape, dtype=torch.int8, device=lengths.device)
+    stand_in = torch.zeros(shape, dtype=torch.int8)
     _, batch_sizes = aten._pack_padded_sequence.default(stand_in, lengths, False)
     sizes = batch_sizes.tolist()
     steps, t0 = [], 0

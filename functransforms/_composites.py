@@ -6,8 +6,9 @@ Note [Composite kernels of ours]
     the rules. A few are not, because the C++ kernel does something with a wrapper that only
     works on a real tensor: the recurrent kernels write a transformed value into a buffer they
     keep computing with in C++ (Note [RNN kernels under transforms], ``_rnn.py``);
-    ``tensor_split`` with a tensor of split points reads that tensor's memory directly (a
-    wrapper has none: torch's internal "data is not allocated" error). The autodiff wrappers
+    ``_pad_packed_sequence`` copies into a buffer it made, the same way; ``tensor_split`` with
+    a tensor of split points reads that tensor's memory directly (a wrapper has none: torch's
+    internal "data is not allocated" error). The autodiff wrappers
     have no ``__torch_function__`` (its cost on every op), so these ops get a kernel of ours at
     the ``PythonTLSSnapshot`` dispatch key, the one key above autograd that wrapper
     subclasses carry: torch calls it only when an argument is a tensor subclass with
@@ -29,22 +30,28 @@ from .errors import DataDependentError
 aten = torch.ops.aten
 
 
-def _tensor_split(self, tensor_indices_or_sections, dim=0):
-    """torch's kernel, reading the split points through the transforms: a tensor of split
-    points batched under vmap would give each example its own pieces' shapes, which one
-    batched result cannot hold (torch.func refuses it too: no batching rule)."""
-    points = tensor_indices_or_sections
-    if isinstance(points, TransformTensor) and points._interp.name == "vmap":
+def read_sizes(t, what):
+    """The values of an integer tensor that sets output shapes (split points, lengths, batch
+    sizes), read through the transforms: a Dual/GradTensor hands over its primal (integers
+    are constants); batched under vmap, each example would get outputs of its own shapes,
+    which one batched result cannot hold (torch.func refuses these too)."""
+    if isinstance(t, TransformTensor) and t._interp.name == "vmap":
         raise DataDependentError(
-            f"{points._interp.call}: torch.tensor_split(x, indices_or_sections, dim) with a "
-            "batched tensor of split points: each example would split at its own points, into "
-            "pieces of other shapes (torch.func raises too). Expected: split points as Python "
-            "ints or an unbatched tensor. Do: pass the points from outside vmap "
-            "(in_dims=None), or slice with a mask (torch.where) instead."
+            f"{t._interp.call}: {what} is a batched tensor: each example would get outputs of "
+            "its own shapes, which one batched result cannot hold (torch.func raises too). "
+            "Expected: Python ints or an unbatched tensor. Do: pass it from outside vmap "
+            "(in_dims=None), or compute with masks (torch.where) instead."
         )
+    return t.tolist()
+
+
+def _tensor_split(self, tensor_indices_or_sections, dim=0):
+    """torch's kernel, reading the split points through the transforms (``read_sizes``)."""
+    points = tensor_indices_or_sections
+    what = "torch.tensor_split(x, indices_or_sections, dim): the tensor of split points"
+    values = read_sizes(points, what)
     if points.dim() > 1 or points.dtype != torch.long:
-        return None  # torch's kernel raises its own error on the plain primal below
-    values = points.tolist()  # a Dual/GradTensor hands over its primal (integers: constants)
+        return None  # torch's kernel raises its own error
     return torch.tensor_split(self, values, dim)
 
 
@@ -53,12 +60,12 @@ def _pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_le
     copies each run of time steps into a buffer it made (InplaceError under the transforms).
     Each step's rows, padded to the largest batch, stacked; then the padding steps up to
     ``total_length``. The lengths come from torch's kernel on a plain stand-in (integers)."""
-    if isinstance(batch_sizes, TransformTensor) or data.dim() < 1:
+    sizes = read_sizes(batch_sizes, "pad_packed_sequence: the batch_sizes")
+    if data.dim() < 1 or type(sizes) is not list:
         return None  # torch's kernel raises its own error
-    sizes = batch_sizes.tolist()
     stand_in = torch.zeros(sum(sizes), dtype=torch.int8)
     _, lengths = aten._pad_packed_sequence.default(
-        stand_in, batch_sizes, False, 0, total_length
+        stand_in, torch.tensor(sizes), False, 0, total_length
     )  # torch's checks (total_length too short) and its lengths
     features = tuple(data.shape[1:])
     steps = []

@@ -27,8 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._core import TransformTensor
-
 
 # -- cells ----------------------------------------------------------------------------------------
 # Each step function takes the input's projection ``gi = W_ih x + b_ih`` (computed for a whole
@@ -216,14 +214,11 @@ def _sequence(name, step):
         return _run(name, step, input, hx, params, flags, batch_first, None)
 
     def packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidir):
-        if isinstance(batch_sizes, TransformTensor):
-            raise ValueError(
-                f"{name}: a packed sequence's batch_sizes under a transform: expected the "
-                "plain tensor pack_padded_sequence makes, got a transformed value. Do: pack "
-                "inside the transformed function from a plain lengths tensor."
-            )
+        from ._composites import read_sizes  # (it imports this module)
+
+        sizes = read_sizes(batch_sizes, f"{name} on a packed sequence: the batch_sizes")
         flags = (has_biases, num_layers, dropout, train, bidir)
-        return _run(name, step, data, hx, params, flags, False, batch_sizes.tolist())
+        return _run(name, step, data, hx, params, flags, False, sizes)
 
     return padded, packed
 

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 import functransforms as ft
 from functransforms import _composites
+from functransforms.errors import DataDependentError
 
 I, H, B, T = 3, 4, 2, 4
 
@@ -256,6 +257,24 @@ def test_packing_errors_are_torchs():
                 0
             ].sum()
         )(pk.data)
+
+
+def test_batched_lengths_and_batch_sizes_raise_clearly():
+    """Batched packing sizes would give each example its own shapes: a DataDependentError
+    naming the vmap call and the argument (torch.func raises too), never a recursion or
+    torch's internal "data is not allocated" error."""
+    x = torch.randn(5, 3, I)
+    lengths = torch.tensor([[5, 3, 2], [4, 3, 1]])
+    with pytest.raises(DataDependentError, match=r"^vmap\(.*pack_padded_sequence: the lengths"):
+        ft.vmap(lambda n: pack_padded_sequence(x, n).data)(lengths)
+    pk = pack_padded_sequence(x, lengths[0])
+    sizes = torch.stack([pk.batch_sizes, pk.batch_sizes])
+    with pytest.raises(DataDependentError, match="pad_packed_sequence: the batch_sizes"):
+        ft.vmap(lambda b: pad_packed_sequence(PackedSequence(pk.data, b))[0])(sizes)
+    m = nn.GRU(I, H)
+    with pytest.raises(DataDependentError, match="gru on a packed sequence: the batch_sizes"):
+        ft.vmap(lambda b: torch._VF.gru(pk.data, b, torch.zeros(1, 3, H), m._flat_weights,
+                                        True, 1, 0.0, False, False)[0])(sizes)  # fmt: skip
 
 
 def test_dropout_between_layers_draws_as_torch():
