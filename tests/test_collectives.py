@@ -380,6 +380,17 @@ def test_unbound_axis_names_it():
         ft.vmap(lambda t: ft.pmean(t, "j"), axis_name="i")(rand(N))
 
 
+def test_a_tuple_of_names_is_several_names_even_when_a_vmap_is_named_by_it():
+    """A tuple passed to a collective names several axes (``_bindings``), also on the inline
+    path of Note [A reduction at its own level], where the top vmap's name is compared: a vmap
+    named by the tuple itself does not bind it."""
+    x = rand(N)
+    ft.vmap(lambda t: ft.psum(t, "i"), axis_name="i")(x)  # the inline path is loaded
+    f = ft.vmap(lambda t: ft.psum(t, ("a", "b")), axis_name=("a", "b"))
+    with pytest.raises(UnboundAxisError, match="unbound axis name 'a'"):
+        f(x)
+
+
 def test_chunk_size_refuses_collectives():
     with pytest.raises(ValueError, match="chunk_size"):
         ft.vmap(lambda t: ft.psum(t, "i"), axis_name="i", chunk_size=2)(rand(N))
