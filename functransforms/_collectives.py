@@ -18,6 +18,7 @@ import torch
 from . import _collective_ops as ops
 from . import _pytree as pt
 from ._compat import len_torch_dispatch_stack as _modes
+from ._compat import tensor_requires_grad as _requires_grad
 from ._core import (
     _ADINPLACE,
     TransformTensor,
@@ -213,10 +214,14 @@ def _bindings(axis_name, call):
 #     Its commonest case is tested first with no Python call at all: ``t``'s vmap is the top
 #     of the interpreter stack (then it is the innermost binding of ``axis_name`` exactly when
 #     its name is ``axis_name``, which is ``binding``'s answer without the search), and the
-#     reduction is the closure's own Tensor method. Issue 14 (a) runs its collectives after
-#     1 MB kernels, where every Python frame and dict lookup runs cache-cold: the search,
-#     ``below_torch_autograd`` and the rule table's lookup (its key hashes in Python) cost a
-#     collective ~3.5 us there, against ~0.5 us for the checks inline (bench_distributed.py).
+#     reduction is the closure's own Tensor method. Below torch's autograd only a physical
+#     value requiring grad needs the dispatcher (the one case where ``__torch_dispatch__``
+#     re-enables torch's autograd: ``_torch_autograd_wanted``), so the thread-local query (a
+#     pybind11 call) is made only for such a value, as the pointwise fast path does. Issue 14
+#     (a) runs its collectives after 1 MB kernels, where every Python frame, dict lookup and
+#     pybind11 call runs cache-cold: ours / hand-written 1.45-1.54 -> 1.31-1.41 with the
+#     collectives as before and as now in one process (load 6-7; the reductions written on
+#     the physical value by hand: 1.28-1.36).
 def _reduction(op, name):
     # (BatchedTensor, REDUCE[op]: a Tensor method), set at the first call (imported then:
     # import cycle); until then no type is None and the inline test fails
@@ -235,7 +240,9 @@ def _reduction(op, name):
                 and not interp.chunked
                 and getattr(interp, "group", None) is None
                 and not _modes()
-                and not _excluded(_ADINPLACE)  # below_torch_autograd()
+                # below torch's autograd matters only where __torch_dispatch__ would re-enable
+                # it: for a plain value requiring grad (as the pointwise fast path checks)
+                and not (_requires_grad(x._value) and _excluded(_ADINPLACE))
             ):
                 return reduce(x._value, x._bdim)
         if batched is None:

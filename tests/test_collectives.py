@@ -156,6 +156,33 @@ def test_all_to_all_tiled():
     torch.testing.assert_close(out, ref)
 
 
+def test_reduction_below_torch_autograd_takes_process_only_for_values_requiring_grad(
+    monkeypatch,
+):
+    """Note [A reduction at its own level]: below torch's autograd (inside a rule) only a value
+    requiring grad needs the dispatcher (Note [Collectives skip the dispatcher]: it would
+    re-enable torch's autograd there); any other value is reduced directly, to the same result."""
+    from functransforms.batching._tensor import VmapInterpreter
+
+    seen = []
+    process = VmapInterpreter.process
+
+    def counting(self, func, args, kwargs):
+        seen.append(func)
+        return process(self, func, args, kwargs)
+
+    monkeypatch.setattr(VmapInterpreter, "process", counting)
+    f = ft.vmap(lambda t: ft.psum(t, "i"), axis_name="i")
+    x = rand(N, 3)
+    w = rand(N, 3).requires_grad_()
+    f(x)  # the inline path is loaded
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        torch.testing.assert_close(f(x), x.sum(0).expand(N, 3))
+        assert seen == []
+        torch.testing.assert_close(f(w), w.detach().sum(0).expand(N, 3))
+        assert seen
+
+
 def test_psum_of_unmapped_values_and_numbers():
     x = rand(N, 3)
     w = rand(3)
