@@ -219,9 +219,9 @@ def _bindings(axis_name, call):
 #     re-enables torch's autograd: ``_torch_autograd_wanted``), so the thread-local query (a
 #     pybind11 call) is made only for such a value, as the pointwise fast path does. Issue 14
 #     (a) runs its collectives after 1 MB kernels, where every Python frame, dict lookup and
-#     pybind11 call runs cache-cold: ours / hand-written 1.45-1.54 -> 1.31-1.41 with the
-#     collectives as before and as now in one process (load 6-7; the reductions written on
-#     the physical value by hand: 1.28-1.36).
+#     pybind11 call runs cache-cold: ours / hand-written 1.37-1.38 -> 1.34-1.35 with the
+#     collectives as before and as now (one process, load 15; the reductions written on the
+#     physical value by hand, the floor of any collective: 1.31-1.33). The rest is vmap's.
 def _reduction(op, name):
     # (BatchedTensor, REDUCE[op]: a Tensor method), set at the first call (imported then:
     # import cycle); until then no type is None and the inline test fails
