@@ -18,7 +18,15 @@ import torch
 from . import _collective_ops as ops
 from . import _pytree as pt
 from ._compat import len_torch_dispatch_stack as _modes
-from ._core import TransformTensor, below_torch_autograd, interpreter_stack
+from ._compat import tensor_requires_grad as _requires_grad
+from ._core import (
+    _ADINPLACE,
+    TransformTensor,
+    _excluded,
+    _state,
+    below_torch_autograd,
+    interpreter_stack,
+)
 from ._typing import PyTree
 from .errors import UnboundAxisError
 
@@ -203,21 +211,47 @@ def _bindings(axis_name, call):
 #     hold for a plain BatchedTensor (not a lazy conjugate: its rules read the resolved value)
 #     of a vmap that is not a pmap's (whose rule also communicates). Anything else takes
 #     ``_bind``.
-_LEVEL_RULE: list = []  # (BatchedTensor, REDUCE), imported at the first call (import cycle)
-
-
-def _level_rule():
-    from functransforms.batching._tensor import BatchedTensor
-    from functransforms.batching.collectives import REDUCE
-
-    _LEVEL_RULE.extend((BatchedTensor, REDUCE))
-    return _LEVEL_RULE
-
-
+#     Its commonest case is tested first with no Python call at all: ``t``'s vmap is the top
+#     of the interpreter stack (then it is the innermost binding of ``axis_name`` exactly when
+#     its name is ``axis_name``, which is ``binding``'s answer without the search), and the
+#     reduction is the closure's own Tensor method. Below torch's autograd only a physical
+#     value requiring grad needs the dispatcher (the one case where ``__torch_dispatch__``
+#     re-enables torch's autograd: ``_torch_autograd_wanted``), so the thread-local query (a
+#     pybind11 call) is made only for such a value, as the pointwise fast path does. Issue 14
+#     (a) runs its collectives after 1 MB kernels, where every Python frame, dict lookup and
+#     pybind11 call runs cache-cold: ours / hand-written 1.37-1.38 -> 1.34-1.35 with the
+#     collectives as before and as now (one process, load 15; the reductions written on the
+#     physical value by hand, the floor of any collective: 1.31-1.33). The rest is vmap's.
 def _reduction(op, name):
+    # (BatchedTensor, REDUCE[op]: a Tensor method), set at the first call (imported then:
+    # import cycle); until then no type is None and the inline test fails
+    fast = [None, None]
+
     def collective(x: PyTree, axis_name: AxisName) -> PyTree:
+        batched, reduce = fast
+        if type(x) is batched:  # Note [A reduction at its own level], inline
+            interp = x._interp
+            stack = _state.stack
+            if (
+                stack
+                and stack[-1] is interp
+                and interp.axis_name == axis_name
+                and not isinstance(axis_name, (tuple, list))  # several names: _bindings
+                and not interp.chunked
+                and getattr(interp, "group", None) is None
+                and not _modes()
+                # below torch's autograd matters only where __torch_dispatch__ would re-enable
+                # it: for a plain value requiring grad (as the pointwise fast path checks)
+                and not (_requires_grad(x._value) and _excluded(_ADINPLACE))
+            ):
+                return reduce(x._value, x._bdim)
+        if batched is None:
+            from functransforms.batching._tensor import BatchedTensor as batched
+            from functransforms.batching.collectives import REDUCE
+
+            reduce = REDUCE[op]
+            fast[:] = batched, reduce
         if isinstance(x, TransformTensor) and not isinstance(axis_name, (tuple, list)):
-            batched, reduce = _LEVEL_RULE or _level_rule()
             interp = binding(axis_name, lambda: f"{name}(x, axis_name={axis_name!r})")
             if (  # Note [A reduction at its own level]
                 type(x) is batched
@@ -226,7 +260,7 @@ def _reduction(op, name):
                 and not _modes()
                 and not below_torch_autograd()
             ):
-                return reduce[op](x._value, x._bdim)
+                return reduce(x._value, x._bdim)
         call = f"{name}(x, axis_name={axis_name!r})"
         interps = _bindings(axis_name, call)
         if op in (ops.psum, ops.pmean) and getattr(interps[-1], "group", None) is not None:

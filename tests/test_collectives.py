@@ -156,6 +156,33 @@ def test_all_to_all_tiled():
     torch.testing.assert_close(out, ref)
 
 
+def test_reduction_below_torch_autograd_takes_process_only_for_values_requiring_grad(
+    monkeypatch,
+):
+    """Note [A reduction at its own level]: below torch's autograd (inside a rule) only a value
+    requiring grad needs the dispatcher (Note [Collectives skip the dispatcher]: it would
+    re-enable torch's autograd there); any other value is reduced directly, to the same result."""
+    from functransforms.batching._tensor import VmapInterpreter
+
+    seen = []
+    process = VmapInterpreter.process
+
+    def counting(self, func, args, kwargs):
+        seen.append(func)
+        return process(self, func, args, kwargs)
+
+    monkeypatch.setattr(VmapInterpreter, "process", counting)
+    f = ft.vmap(lambda t: ft.psum(t, "i"), axis_name="i")
+    x = rand(N, 3)
+    w = rand(N, 3).requires_grad_()
+    f(x)  # the inline path is loaded
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        torch.testing.assert_close(f(x), x.sum(0).expand(N, 3))
+        assert seen == []
+        torch.testing.assert_close(f(w), w.detach().sum(0).expand(N, 3))
+        assert seen
+
+
 def test_psum_of_unmapped_values_and_numbers():
     x = rand(N, 3)
     w = rand(3)
@@ -378,6 +405,17 @@ def test_unbound_axis_names_it():
         ft.psum(rand(3), "j")
     with pytest.raises(NameError, match=r"axes bound here are \['i'\]"):
         ft.vmap(lambda t: ft.pmean(t, "j"), axis_name="i")(rand(N))
+
+
+def test_a_tuple_of_names_is_several_names_even_when_a_vmap_is_named_by_it():
+    """A tuple passed to a collective names several axes (``_bindings``), also on the inline
+    path of Note [A reduction at its own level], where the top vmap's name is compared: a vmap
+    named by the tuple itself does not bind it."""
+    x = rand(N)
+    ft.vmap(lambda t: ft.psum(t, "i"), axis_name="i")(x)  # the inline path is loaded
+    f = ft.vmap(lambda t: ft.psum(t, ("a", "b")), axis_name=("a", "b"))
+    with pytest.raises(UnboundAxisError, match="unbound axis name 'a'"):
+        f(x)
 
 
 def test_chunk_size_refuses_collectives():
