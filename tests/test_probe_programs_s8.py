@@ -422,3 +422,27 @@ def test_linearize_tangent_keeps_autograd_history_of_captured_weights():
     ref = tf.jvp(f, (x,), (torch.ones_like(x),))[1]
     g, g_ref = (torch.autograd.grad(v.sum(), w)[0] for v in (t, ref))
     torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("in_dims", [0, 1, 2])
+@pytest.mark.parametrize(
+    "drop",
+    [
+        lambda a: F.dropout(a, 0.5),
+        lambda a: torch.dropout(a, 0.5, True),
+        lambda a: F.alpha_dropout(a, 0.5, True),
+        lambda a: F.dropout2d(a, 0.5),
+        lambda a: torch.ops.aten.native_dropout(a, 0.5, True),
+    ],
+    ids=["F.dropout", "torch.dropout", "alpha_dropout", "dropout2d", "native_dropout"],
+)
+def test_dropout_masks_match_torch_func_for_any_in_dim(drop, in_dims):
+    # in_dims=1/2: the mask was drawn in the input's layout (torch.func draws [B, ...] in
+    # row-major order); aten.native_dropout under vmap raised TypeError (its two outputs)
+    x = torch.rand(3, 4, 5, generator=_gen(0))
+
+    def prog(m):
+        torch.manual_seed(0)
+        return m.vmap(drop, in_dims=in_dims, randomness="different")(x)
+
+    run_both(prog)
