@@ -446,3 +446,11 @@ def test_dropout_masks_match_torch_func_for_any_in_dim(drop, in_dims):
         return m.vmap(drop, in_dims=in_dims, randomness="different")(x)
 
     run_both(prog)
+
+
+def test_where_promotion_under_vmap_is_the_per_example_dtype():
+    # torch.func promotes by the physical ranks (float32 here); ours as eager per example
+    a, b = torch.ones(2, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16)
+    f = lambda a: torch.where(a > 0, a, b)  # noqa: E731
+    assert ft.vmap(f)(a).dtype == f(a[0]).dtype == torch.bfloat16
+    assert ft.vmap(lambda b: f(a[0] * 0 + b[0]))(b[None].expand(2, 3)).dtype == torch.bfloat16
