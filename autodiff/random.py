@@ -1,6 +1,7 @@
 """Derivative rules of random ops: a draw is a constant of the level (no derivative flows
 into it or through its parameters), so each op is declared non-differentiable, except the
-reparameterized gamma draw, which torch differentiates in its concentration. vmap's rules for
+reparameterized gamma draw, which torch differentiates in its concentration, and normal(mean,
+std), reparameterised by its decomposition. vmap's rules for
 the same ops are in batching/random.py (Note [Batching random ops])."""
 
 from __future__ import annotations
@@ -30,13 +31,10 @@ def_nondifferentiable(
     # which draws other values than the kernel: a seeded draw differed from eager and PyTorch
     aten.exponential.default,
     aten.uniform.default,
-    # draws with tensor parameters: torch's derivative in the parameters is 0, not the
-    # reparameterized one (1 in the mean, z in the std) that differentiating their
-    # decomposition `mean + std * randn` gave, silently
-    aten.normal.Tensor_float,
-    aten.normal.float_Tensor,
-    aten.normal.Tensor_Tensor,
-    aten.poisson.default,  # was a MissingRuleError; torch: 0
+    # a count: torch's derivative in the rate is 0 (it raised MissingRuleError). normal(mean,
+    # std) is not listed: it is reparameterised on purpose, through its decomposition
+    # (design.md, "Decisions where torch is inconsistent or wrong")
+    aten.poisson.default,
 )
 
 

@@ -21,7 +21,7 @@ import threading
 import torch
 
 from functransforms import _compat
-from functransforms._core import interpreter_stack
+from functransforms._core import TransformTensor, interpreter_stack
 from functransforms._ops import facts, op_name
 from functransforms.errors import (
     RandomnessError,
@@ -30,7 +30,7 @@ from functransforms.errors import (
 )
 
 from ._registry import register_vmap_rule
-from ._tensor import VmapInterpreter, wrap_batched
+from ._tensor import BatchedTensor, VmapInterpreter, wrap_batched
 from ._util import pad_to, to_front
 
 aten = torch.ops.aten
@@ -259,15 +259,38 @@ def _inplace(func, args, kwargs):
     )
 
 
+def _levels_batching(x):
+    """The vmap levels at which ``x`` is batched (its chain of wrappers)."""
+    levels = []
+    while isinstance(x, TransformTensor):
+        if isinstance(x, BatchedTensor):
+            levels.append(x._interp)
+        x = x._value if hasattr(x, "_value") else x._primal
+    return levels
+
+
 def _batched_at_every_different_level(x):
+    batching = _levels_batching(x)  # levels that batch x already need nothing
     for interp in interpreter_stack():
         if (
             isinstance(interp, VmapInterpreter)
             and interp.alive
             and interp.randomness == "different"
+            and all(level is not interp for level in batching)
         ):
             zero = torch.zeros(interp.batch_size, dtype=x.dtype, device=x.device)
             x = x + wrap_batched(zero, 0, interp)
+    return x
+
+
+def _front_contiguous(x):
+    """torch.func's dropout draws its mask for the batch as one [B, ...] tensor in row-major
+    order, whatever the input's batch dim (in_dims=1): a mask drawn like the input's layout
+    would hold the same numbers in other places."""
+    if isinstance(x, BatchedTensor) and x._interp.randomness == "different":
+        v = x._value
+        if x._bdim != 0 or not v.is_contiguous():
+            return wrap_batched(to_front(v, x._bdim).contiguous(), 0, x._interp)
     return x
 
 
@@ -283,7 +306,8 @@ class _DifferentDropoutInputs(torch.overrides.TorchFunctionMode):
             and args[0].is_floating_point()
             and not _inplace(func, args, kwargs)
         ):
-            args = (_batched_at_every_different_level(args[0]), *args[1:])
+            x = _front_contiguous(_batched_at_every_different_level(args[0]))
+            args = (x, *args[1:])
         return func(*args, **kwargs)
 
 
@@ -349,6 +373,9 @@ _PARAMETRIZED = frozenset((aten.bernoulli.default, aten.normal.Tensor_float))
 def def_random_like(func):
     """rand_like(x), randn_like(x), bernoulli(x), dropout-style ops on a batched tensor."""
 
+    n_out = len(func._schema.returns)
+    out_bdims = 0 if n_out == 1 else (0,) * n_out
+
     def random_vmap_rule(interp, args, bdims, kwargs):
         if interp.randomness == "error":
             raise_random(interp, func)
@@ -362,11 +389,13 @@ def def_random_like(func):
                 for i in range(1, len(a)):
                     if bdims[i] is not None:
                         a[i] = to_front(a[i], bdims[i])
-            return func(*a, **kwargs), 0
+            return func(*a, **kwargs), out_bdims
         # 'same': one example's draw, broadcast over the batch
         a = list(args)
         a[0] = x[0]
         out = func(*a, **kwargs)
+        if n_out > 1:  # native_dropout: (output, mask)
+            return tuple(o.unsqueeze(0).expand(x.shape) for o in out), out_bdims
         return out.unsqueeze(0).expand(x.shape), 0
 
     register_vmap_rule(func)(random_vmap_rule)
