@@ -864,10 +864,92 @@ class Jitted:
 _TENSOR = object()  # marks a tensor leaf among the non-tensor leaves of a signature
 
 
+def _shape_only_placeholders(gm) -> int:
+    """Note [Shape-only convolution_backward arguments under inductor]
+
+    ``convolution_backward(go, x, w, ..., mask)`` reads ``x`` only for ``gw`` and ``w`` only
+    for ``gi``; otherwise the argument only gives a shape, and vmap's rule
+    (batching/convolution.py) passes a ``new_empty`` placeholder, which the clean-up folds
+    into a constant. ATen's kernel still converts every argument to the memory format it
+    picked (``x.contiguous(channels_last)``); under inductor, which lays the folded [1, B*C,
+    H, W] convolutions out channels-last, that is a full copy of the constant on every call
+    (the tutorial CNN, B=64: 5.5 MB, ~4.6 ms of ~225). torch.func's rule passes
+    ``empty([]).expand(shape)`` instead, whose conversion reads one element: so do we, on the
+    graph handed to inductor only (replayed eagerly, the contiguous constant is the cheaper
+    one: ATen's contiguous format leaves it alone, and would copy an expanded one)."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.convolution_backward.default:
+            continue
+        mask = node.args[10]
+        for pos, unused in ((1, not mask[1]), (2, not mask[0])):
+            arg = node.args[pos]
+            if not (unused and isinstance(arg, torch.fx.Node) and arg.op == "get_attr"):
+                continue
+            if not arg.target.startswith("_folded_"):
+                continue  # a captured tensor, not a placeholder
+            v = getattr(gm, arg.target)
+            with gm.graph.inserting_before(node):
+                one = gm.graph.call_function(
+                    aten.empty.memory_format, ([],), {"dtype": v.dtype, "device": v.device}
+                )
+                shape = gm.graph.call_function(aten.expand.default, (one, list(v.shape)))
+            node.update_arg(pos, shape)
+            n += 1
+    return n
+
+
+# glibc's largest mmap threshold: smaller freed buffers are reused from the heap, larger ones
+# are unmapped, and a new one faults its pages in again (slower than reading a stored copy).
+_FRESH_BYTES = 32 << 20
+
+
+def _uniform_factories(gm) -> int:
+    """A folded constant holding one value everywhere (the zeros that max_pool2d's pullback
+    scatters into, a scalar 0) becomes ``aten.full`` again in the graph handed to inductor,
+    which then writes it inside the kernel that uses it instead of reading the stored copy on
+    every call (the tutorial CNN's [64, 1, 64, 576] zeros: 9.4 MB per call)."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or not node.target.startswith("_folded_"):
+            continue
+        v = getattr(gm, node.target)
+        if v.numel() == 0 or not v.is_contiguous() or v.is_complex() or v.layout != torch.strided:
+            continue
+        if v.numel() * v.element_size() > _FRESH_BYTES:
+            continue  # a buffer this large is fresh pages on every call: read the stored one
+        with _compat.disable_current_modes():
+            first = v.reshape(-1)[0]
+            if not bool((v == first).all()):
+                continue  # not uniform (or NaN, which compares unequal: kept as stored)
+            value = first.item()
+        with gm.graph.inserting_before(node):
+            full = gm.graph.call_function(
+                aten.full.default, (list(v.shape), value), {"dtype": v.dtype, "device": v.device}
+            )
+        node.replace_all_uses_with(full)
+        gm.graph.erase_node(node)
+        n += 1
+    return n
+
+
+def _for_inductor(gm) -> None:
+    """Rewrites of the cleaned graph that pay off only under inductor (each says why)."""
+    if _shape_only_placeholders(gm) + _uniform_factories(gm):
+        gm.graph.eliminate_dead_code(is_impure_node=_impure)
+        gm.graph.lint()
+        gm.recompile()
+        used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+        for name in list(vars(gm)):
+            if name.startswith("_folded_") and name not in used:
+                delattr(gm, name)
+
+
 def _inductor(gm, tensors, dynamic):
     """Inductor on the cleaned graph. Static shapes go straight to ``compile_fx`` (what
     ``torch.compile`` calls after dynamo): no dynamo guards per call, ~30 us less on small
     workloads. Symbolic graphs, or a graph compile_fx refuses, go through ``torch.compile``."""
+    _for_inductor(gm)
     if not dynamic:
         try:
             return _compat.compile_fx(gm, list(tensors))
