@@ -413,6 +413,41 @@ def _outer_products(gm) -> int:
     return n
 
 
+_ADD_INTO = {aten.bmm.default: aten.baddbmm.default, aten.mm.default: aten.addmm.default}
+
+
+def _fused_bias(gm) -> int:
+    """``add(bmm(a, b), c)`` -> ``baddbmm(c, a, b)`` (and ``mm`` -> ``addmm``) when ``c``
+    broadcasts to the product and nothing else reads it: the GEMM starts from ``c`` instead of
+    writing the product and reading it back for the add. vmap of ``F.linear`` (an ensemble of
+    MLPs) emits the two ops. Rounding as torch's own ``F.linear`` (``addmm``): the bias joins
+    inside the GEMM's accumulation, not after it."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
+            continue
+        for prod, c in (node.args, node.args[::-1]):
+            if not (isinstance(prod, torch.fx.Node) and isinstance(c, torch.fx.Node)):
+                continue
+            if prod.target not in _ADD_INTO or len(prod.users) != 1:
+                continue
+            p, cv, out = (x.meta.get("val") for x in (prod, c, node))
+            if not all(isinstance(t, _Tensor) for t in (p, cv, out)):
+                continue
+            if any(type(d) is not int for t in (p, cv) for d in t.shape):
+                continue  # symbolic shapes: leave it
+            if cv.dtype != p.dtype or p.is_complex() or cv.dim() > p.dim():
+                continue
+            if out.shape != p.shape or out.stride() != p.stride():
+                continue  # c does not broadcast to the product without growing it
+            node.target = _ADD_INTO[prod.target]
+            node.args = (c, *prod.args)
+            gm.graph.erase_node(prod)
+            n += 1
+            break
+    return n
+
+
 _RESHAPES = {
     aten.view.default,
     aten._unsafe_view.default,
@@ -497,6 +532,7 @@ def _clean(gm, dynamic: bool):
     _fold_constants(gm, dynamic)
     _identity_products(gm)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
+    _fused_bias(gm)  # after DCE: the no-op views between the product and the add are gone
     gm.graph.lint()
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:

@@ -256,6 +256,34 @@ def test_jacfwd_graph_copies_instead_of_multiplying_by_the_identity_basis():
     _close(ft.jit(ft.jacfwd(g))(x), torch.func.jacfwd(g)(x))
 
 
+def test_product_plus_bias_becomes_one_gemm():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(4, 3, 6, generator=g, dtype=D)  # an ensemble of 4 linear layers
+    b = torch.randn(4, 3, generator=g, dtype=D)
+    x = torch.randn(5, 6, generator=g, dtype=D)
+    ens = ft.vmap(F.linear, in_dims=(None, 0, 0))
+    jens = ft.jit(ens)
+    targets = [n.target for n in jens.graph(x, W, b).graph.nodes]
+    assert aten.baddbmm.default in targets and aten.bmm.default not in targets
+    _close(jens(x, W, b), torch.func.vmap(F.linear, in_dims=(None, 0, 0))(x, W, b))
+    W2 = torch.randn(3, 6, generator=g, dtype=D)
+    jf = ft.jit(lambda x, c: x @ W2.T + c)
+    for c in (torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)):
+        assert aten.addmm.default in [n.target for n in jf.graph(x, c).graph.nodes]
+        _close(jf(x, c), x @ W2.T + c)
+    # left alone: a bias that grows the product, a product read twice, another dtype
+    c = torch.randn(2, 5, 3, dtype=D)
+    assert aten.mm.default in [n.target for n in jf.graph(x, c).graph.nodes]
+    _close(jf(x, c), x @ W2.T + c)
+    c = torch.randn(3, dtype=D)
+    jt = ft.jit(lambda x, c: (lambda p: (p + c, p * 2))(x @ W2.T))
+    assert aten.mm.default in [n.target for n in jt.graph(x, c).graph.nodes]
+    _close(jt(x, c), ((x @ W2.T) + c, (x @ W2.T) * 2))
+    c32 = torch.randn(3, dtype=torch.float32)
+    assert aten.mm.default in [n.target for n in jf.graph(x, c32).graph.nodes]
+    _close(jf(x, c32), x @ W2.T + c32)
+
+
 def test_folded_constants_are_not_shared_between_calls():
     def f(x):
         buf = torch.zeros(3, dtype=D)  # a factory, written in place below: never folded
