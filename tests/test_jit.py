@@ -538,7 +538,7 @@ def test_inductor_graph_has_no_stored_placeholders():
     # Note [Shape-only convolution_backward arguments under inductor]: the graph handed to
     # inductor passes empty([]).expand(shape) where convolution_backward only reads a shape,
     # and uniform folded constants (max_pool2d's scattered zeros) are `full` nodes again.
-    from functransforms._jit import _for_inductor
+    from functransforms._jit_passes import _for_inductor
 
     psg, args = _cnn()
     gm = ft.jit(psg).graph(*args)
