@@ -36,7 +36,6 @@ import collections
 import contextlib
 import functools
 import linecache
-import operator
 import os
 import sys
 import threading
@@ -47,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat, _core
+from ._jit_passes import _clean, _for_inductor, _roots
 from ._pytree import tree_flatten, tree_unflatten
 from .errors import JitFallbackWarning
 
@@ -258,256 +258,6 @@ def _scan(gm) -> str | None:
             if why is not None:
                 return f"{_op_name(node.target)} {why}", "inside the library (no user line)"
     return None
-
-
-# ------------------------------------------------------------------------------------------
-# Graph clean-up: dead code and constant folding
-
-
-def _impure(node) -> bool:
-    t = node.target
-    if isinstance(t, _compat.OpOverload):
-        return t._schema.is_mutable or _RANDOM in t.tags  # a dead draw still advances the RNG
-    return node.is_impure()
-
-
-def _roots(graph):
-    """Map each node to the node that owns its memory (views and in-place results alias)."""
-    root = {}
-    for node in graph.nodes:
-        r = node
-        t = node.target
-        if node.op == "call_function":
-            if t is operator.getitem:
-                r = root.get(node.args[0], node)
-            elif isinstance(t, _compat.OpOverload) and node.args:
-                first = node.args[0]
-                alias = t._schema.returns and t._schema.returns[0].alias_info is not None
-                if alias and isinstance(first, torch.fx.Node):
-                    r = root.get(first, first)
-                elif isinstance(first, (list, tuple)) and alias and first:
-                    r = root.get(first[0], first[0])
-        root[node] = r
-    return root
-
-
-_LIKE = {
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.full_like.default,
-    aten.empty_like.default,
-    aten.new_zeros.default,
-    aten.new_ones.default,
-    aten.new_full.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-}
-
-
-def _fold_constants(gm, dynamic: bool) -> int:
-    """Evaluate subgraphs built only from factory ops once; return how many nodes it replaced.
-
-    Captured tensors (``get_attr``) are never folded: they are live references, so an in-place
-    update of a weight after tracing is seen by the next replay. Nothing that is written in
-    place, or returned (or a view of either), is folded: a folded tensor is shared by every
-    replay.
-    """
-    graph = gm.graph
-    root = _roots(graph)
-    written = set()
-    for node in graph.nodes:
-        t = node.target
-        if node.op == "call_function" and isinstance(t, _compat.OpOverload):
-            for a, arg in zip(t._schema.arguments, node.args):
-                if a.alias_info is not None and a.alias_info.is_write:
-                    for n in arg if isinstance(arg, (list, tuple)) else (arg,):
-                        if isinstance(n, torch.fx.Node):
-                            written.add(root.get(n, n))
-            for k, arg in node.kwargs.items():
-                if isinstance(arg, torch.fx.Node) and k == "out":
-                    written.add(root.get(arg, arg))
-        elif node.op == "output":
-            for n in node.all_input_nodes:
-                written.add(root.get(n, n))
-    foldable = {}
-    for node in graph.nodes:
-        t = node.target
-        if node.op != "call_function" or root[node] in written:
-            continue
-        if t is operator.getitem:
-            if node.args[0] in foldable:
-                foldable[node] = None
-            continue
-        if not isinstance(t, _compat.OpOverload) or _RANDOM in t.tags or t._schema.is_mutable:
-            continue
-        inputs = node.all_input_nodes
-        if t in _LIKE and not dynamic:
-            ok = (
-                bool(node.args)
-                and isinstance(node.args[0], torch.fx.Node)
-                and all(i in foldable for i in inputs[1:])
-            )
-        else:
-            ok = all(i in foldable for i in inputs)  # no inputs at all: a factory
-        if ok:
-            foldable[node] = None
-    if not foldable:
-        return 0
-    env = {}
-    with _compat.disable_current_modes(), torch.no_grad():
-        for node in foldable:
-            if node.target in _LIKE and not dynamic:
-                like = node.args[0].meta.get("val")
-                if not isinstance(like, _Tensor):
-                    continue
-                like = torch.empty_strided(
-                    like.shape, like.stride(), dtype=like.dtype, device=like.device
-                )
-                args = (like,) + tuple(node.args[1:])
-            else:
-                if any(i not in env for i in node.all_input_nodes):
-                    continue
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
-    replaced = 0
-    for node, value in env.items():
-        if not isinstance(value, _Tensor):
-            continue
-        if all(u in env for u in node.users):
-            continue  # an inner node of a folded subgraph
-        name = f"_folded_{replaced}"
-        setattr(gm, name, value)
-        with graph.inserting_before(node), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # fx's owning-module check misses setattr'd tensors
-            attr = graph.get_attr(name)
-        node.replace_all_uses_with(attr)
-        replaced += 1
-    return replaced
-
-
-def _outer_products(gm) -> int:
-    """``bmm``/``mm`` with a contraction of length 1 is an outer product: rewrite it as a
-    broadcasting ``mul`` (bit-identical: one product per element, nothing summed), 3-4x
-    faster on CPU. vmap of ``x[:, None] @ y[None]`` (per-sample weight gradients) makes them."""
-    n = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (aten.bmm.default, aten.mm.default):
-            a, b = (x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in node.args)
-            if isinstance(a, _Tensor) and isinstance(b, _Tensor):
-                if any(type(d) is not int for t in (a, b) for d in (*t.shape, *t.stride())):
-                    continue  # symbolic shapes: leave it
-                if a.shape[-1] == 1 and a.dtype == b.dtype and not a.is_complex():
-                    # Same layout as the matmul's result, or later views could fail.
-                    def meta(t):
-                        return torch.empty_strided(
-                            t.shape, t.stride(), dtype=t.dtype, device="meta"
-                        )
-
-                    out = node.meta.get("val")
-                    with _compat.disable_current_modes():
-                        prod = aten.mul.Tensor(meta(a), meta(b))
-                    if isinstance(out, _Tensor) and prod.stride() == out.stride():
-                        node.target = aten.mul.Tensor
-                        n += 1
-    return n
-
-
-_RESHAPES = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.expand.default,
-    aten.reshape.default,
-    aten.alias.default,
-}
-
-
-def _noop_views(gm) -> int:
-    """Drop views to the same shape and strides (vmap's batching of matmul emits
-    ``expand``/``view`` pairs that change nothing): each costs a dispatch per replay. Kept
-    when returned (the caller may rely on a fresh alias) or used by a mutating op (metadata
-    mutations such as ``t_`` would reach the base)."""
-    n = 0
-    outputs = set()
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            outputs = set(node.all_input_nodes)
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _RESHAPES or node in outputs:
-            continue
-        src = node.args[0]
-        a, b = src.meta.get("val"), node.meta.get("val")
-        if not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
-            continue
-        if any(type(d) is not int for d in (*a.shape, *b.shape)):
-            continue  # symbolic shapes: equality would add a guard
-        if (
-            a.shape != b.shape
-            or a.stride() != b.stride()
-            or a.storage_offset() != b.storage_offset()
-        ):
-            continue
-        if any(
-            isinstance(u.target, _compat.OpOverload) and u.target._schema.is_mutable
-            for u in node.users
-        ):
-            continue
-        node.replace_all_uses_with(src)
-        n += 1
-    return n
-
-
-def _identity_products(gm) -> int:
-    """``mm(I, B)`` / ``mm(A, I)`` with a folded identity matrix ``I`` is a contiguous copy of
-    the other factor. jacfwd pushes the rows of an identity basis through the function, so
-    the first matmul with a weight multiplies by ``I`` (256 -> 256: 17M multiply-adds per call
-    for a copy). Equal to the product for finite values (each element is ``1 * b`` plus exact
-    zeros); where the other factor holds inf/nan the copy keeps it in place, as the Jacobian
-    itself does, instead of spreading nan along the row/column as ``0 * inf`` would."""
-    eye = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target.startswith("_folded_"):
-            v = getattr(gm, node.target)
-            if v.dim() == 2 and v.shape[0] == v.shape[1] and not v.is_complex():
-                ident = torch.eye(v.shape[0], dtype=v.dtype, device=v.device)
-                if torch.equal(v, ident):
-                    eye[node] = v
-    n = 0
-    for node in list(gm.graph.nodes) if eye else ():
-        if node.op != "call_function" or node.target is not aten.mm.default:
-            continue
-        a, b = node.args
-        other = b if a in eye else a if b in eye else None
-        if not isinstance(other, torch.fx.Node):
-            continue
-        with gm.graph.inserting_before(node):
-            copy = gm.graph.call_function(
-                aten.clone.default, (other,), {"memory_format": torch.contiguous_format}
-            )
-        copy.meta.update(node.meta)
-        node.replace_all_uses_with(copy)
-        gm.graph.erase_node(node)
-        n += 1
-    return n
-
-
-def _clean(gm, dynamic: bool):
-    _outer_products(gm)
-    _noop_views(gm)
-    _fold_constants(gm, dynamic)
-    _identity_products(gm)
-    gm.graph.eliminate_dead_code(is_impure_node=_impure)
-    gm.graph.lint()
-    for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
-        if not dynamic:
-            node.meta.pop("val", None)
-        node.meta.pop("tensor_meta", None)
-    gm.recompile()
-    # Attributes the graph no longer reads (folded-away inputs) are dropped.
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name in list(vars(gm)):
-        if name.startswith(("_tensor_constant", "_folded_")) and name not in used:
-            delattr(gm, name)
 
 
 def _python_forward(gm):
@@ -868,6 +618,7 @@ def _inductor(gm, tensors, dynamic):
     """Inductor on the cleaned graph. Static shapes go straight to ``compile_fx`` (what
     ``torch.compile`` calls after dynamo): no dynamo guards per call, ~30 us less on small
     workloads. Symbolic graphs, or a graph compile_fx refuses, go through ``torch.compile``."""
+    _for_inductor(gm)
     if not dynamic:
         try:
             return _compat.compile_fx(gm, list(tensors))

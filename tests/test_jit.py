@@ -256,6 +256,34 @@ def test_jacfwd_graph_copies_instead_of_multiplying_by_the_identity_basis():
     _close(ft.jit(ft.jacfwd(g))(x), torch.func.jacfwd(g)(x))
 
 
+def test_product_plus_bias_becomes_one_gemm():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(4, 3, 6, generator=g, dtype=D)  # an ensemble of 4 linear layers
+    b = torch.randn(4, 3, generator=g, dtype=D)
+    x = torch.randn(5, 6, generator=g, dtype=D)
+    ens = ft.vmap(F.linear, in_dims=(None, 0, 0))
+    jens = ft.jit(ens)
+    targets = [n.target for n in jens.graph(x, W, b).graph.nodes]
+    assert aten.baddbmm.default in targets and aten.bmm.default not in targets
+    _close(jens(x, W, b), torch.func.vmap(F.linear, in_dims=(None, 0, 0))(x, W, b))
+    W2 = torch.randn(3, 6, generator=g, dtype=D)
+    jf = ft.jit(lambda x, c: x @ W2.T + c)
+    for c in (torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)):
+        assert aten.addmm.default in [n.target for n in jf.graph(x, c).graph.nodes]
+        _close(jf(x, c), x @ W2.T + c)
+    # left alone: a bias that grows the product, a product read twice, another dtype
+    c = torch.randn(2, 5, 3, dtype=D)
+    assert aten.mm.default in [n.target for n in jf.graph(x, c).graph.nodes]
+    _close(jf(x, c), x @ W2.T + c)
+    c = torch.randn(3, dtype=D)
+    jt = ft.jit(lambda x, c: (lambda p: (p + c, p * 2))(x @ W2.T))
+    assert aten.mm.default in [n.target for n in jt.graph(x, c).graph.nodes]
+    _close(jt(x, c), ((x @ W2.T) + c, (x @ W2.T) * 2))
+    c32 = torch.randn(3, dtype=torch.float32)
+    assert aten.mm.default in [n.target for n in jf.graph(x, c32).graph.nodes]
+    _close(jf(x, c32), x @ W2.T + c32)
+
+
 def test_folded_constants_are_not_shared_between_calls():
     def f(x):
         buf = torch.zeros(3, dtype=D)  # a factory, written in place below: never folded
@@ -486,6 +514,65 @@ def test_inductor_backend():
     jd = ft.jit(lambda x: x.sin() * 2, backend="inductor", dynamic=True)
     for n in (3, 7):
         _close(jd(torch.ones(n, dtype=D)), torch.ones(n, dtype=D).sin() * 2)
+
+
+def _cnn():
+    g = torch.Generator().manual_seed(0)
+    p = {
+        "w1": torch.randn(4, 1, 3, 3, generator=g, dtype=D),
+        "w2": torch.randn(6, 4, 3, 3, generator=g, dtype=D),
+        "w3": torch.randn(3, 6 * 2 * 2, generator=g, dtype=D),
+    }
+
+    def loss(p, x, y):  # x [1, 8, 8]
+        h = F.relu(F.conv2d(x.unsqueeze(0), p["w1"]))  # [1, 4, 6, 6]
+        h = F.max_pool2d(F.relu(F.conv2d(h, p["w2"])), 2)  # [1, 6, 2, 2]
+        return F.nll_loss(F.log_softmax(h.flatten(1) @ p["w3"].T, 1), y.unsqueeze(0))
+
+    xs = torch.randn(5, 1, 8, 8, generator=g, dtype=D)
+    ys = torch.randint(0, 3, (5,), generator=g)
+    return ft.vmap(ft.grad(loss), in_dims=(None, 0, 0)), (p, xs, ys)
+
+
+def test_inductor_graph_has_no_stored_placeholders():
+    # Note [Shape-only convolution_backward arguments under inductor]: the graph handed to
+    # inductor passes empty([]).expand(shape) where convolution_backward only reads a shape,
+    # and uniform folded constants (max_pool2d's scattered zeros) are `full` nodes again.
+    from functransforms._jit_passes import _for_inductor
+
+    psg, args = _cnn()
+    gm = ft.jit(psg).graph(*args)
+    cbs = [n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]
+    folded = [
+        a for n in cbs for a in n.args[1:3] if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+    ]
+    assert folded, "the eager replay keeps the folded (contiguous) placeholders"
+    _for_inductor(gm)
+    for n in gm.graph.nodes:
+        if n.target is aten.convolution_backward.default:
+            mask = n.args[10]
+            for pos, used in ((1, mask[1]), (2, mask[0])):
+                if not used and n.args[pos].op != "placeholder":
+                    assert n.args[pos].target is aten.expand.default, n.format_node()
+    assert any(n.target is aten.full.default for n in gm.graph.nodes)
+    assert not any(
+        n.op == "get_attr" and n.target in [a.target for a in folded] for n in gm.graph.nodes
+    )
+    _close(gm(*torch.utils._pytree.tree_leaves(args)), psg(*args))
+
+
+def test_inductor_backend_cnn_per_sample_grads():
+    pytest.importorskip("torch._inductor")
+    psg, args = _cnn()
+    jpsg = ft.jit(psg, backend="inductor")
+    try:
+        out = jpsg(*args)
+    except Exception as e:  # no C++ compiler on the machine
+        if "compiler" in str(e).lower() or "cpp" in str(e).lower():
+            pytest.skip(f"inductor cannot compile here: {e}")
+        raise
+    _close(out, psg(*args))
+    _close(jpsg(*args), psg(*args))
 
 
 def test_dynamic_python_number_from_a_size_is_right():
