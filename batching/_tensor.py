@@ -9,6 +9,7 @@ import torch
 from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._core import (
+    DEFERRING,
     SLOW_METADATA,
     Interpreter,
     TransformTensor,
@@ -16,6 +17,8 @@ from functransforms._core import (
     is_floating,
     metadata,
 )
+from functransforms._core import no_tf_method as _no_tf_method
+from functransforms._core import no_tf_property as _no_tf_property
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import draws_random, facts, op_name
@@ -47,34 +50,6 @@ _NUMBERS = frozenset((int, float, bool, complex))
 _Tensor = torch.Tensor
 _DATA_GET = torch.Tensor.data.__get__
 _STRIDED = torch.strided
-
-
-_NoTF = _compat.DisableTorchFunctionSubclass
-
-
-def _no_tf_property(getset):
-    """Note [Metadata reads without __torch_function__]: ``getset`` read with subclass torch
-    functions disabled."""
-    get = getset.__get__
-
-    def read(self):
-        with _NoTF():
-            return get(self)
-
-    return property(read, doc=getset.__doc__)
-
-
-def _no_tf_method(method):
-    """Note [Metadata reads without __torch_function__]: ``method`` called with subclass torch
-    functions disabled."""
-
-    def call(self, *args, **kwargs):
-        with _NoTF():
-            return method(self, *args, **kwargs)
-
-    call.__name__ = method.__name__
-    call.__doc__ = method.__doc__
-    return call
 
 
 class BatchedTensor(TransformTensor):
@@ -146,6 +121,11 @@ class BatchedTensor(TransformTensor):
                 "(as in PyTorch): it would bypass the batching. Expected: use x itself, or "
                 "x.detach() to stop gradients."
             )
+        if len(types) > 1:  # Note [Torch functions at the grad level under vmap]
+            for t in types:
+                funcs = DEFERRING.get(t)
+                if funcs is not None and func in funcs:
+                    return NotImplemented  # the inner level's class sees it first
         return _no_torch_function(func, types, args, kwargs or {})
 
     # Note [Metadata reads without __torch_function__]
