@@ -105,10 +105,10 @@ def _linear_vjp_rule(ct, primals, kwargs, out, needs):
     [F.linear as one node])."""
     if not _rules:
         from ._util import unbroadcast
-        from .linalg import _mm_vjp_a, _mm_vjp_b
+        from .linalg import _column_major, _mm, _mm_vjp_a, _mm_vjp_b
 
-        _rules.append((unbroadcast, _mm_vjp_a, _mm_vjp_b))
-    unbroadcast, mm_vjp_a, mm_vjp_b = _rules[0]
+        _rules.append((unbroadcast, _mm_vjp_a, _mm_vjp_b, _column_major, _mm))
+    unbroadcast, mm_vjp_a, mm_vjp_b, column_major, mm = _rules[0]
     x, w, b = primals
     wt = w.t()
     one = x.dim() == 1
@@ -117,6 +117,13 @@ def _linear_vjp_rule(ct, primals, kwargs, out, needs):
         ct = ct.reshape(1, w.shape[0])
     else:
         xv = x
+    if one and column_major(wt) and not w.is_complex():
+        # the same kernels without the views that cancel: unbroadcast's sum over the size-1
+        # dim without its reshape, and mm_vjp_b's product P without P.mH.t() (= P, real)
+        cb = ct.sum(0) if needs[2] else None
+        cx = mm_vjp_a(ct, xv, wt) if needs[0] else None
+        cw = mm(ct.mH, xv) if needs[1] else None
+        return (None if cx is None else cx.reshape(x.shape)), cw, cb
     cb = unbroadcast(ct, b.shape) if needs[2] else None
     cx = mm_vjp_a(ct, xv, wt) if needs[0] else None
     cw = mm_vjp_b(ct, xv, wt) if needs[1] else None
