@@ -31,6 +31,8 @@ _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = _compat.len_torch_dispatch_stack
 _torch_requires_grad = _compat.tensor_requires_grad
 _aten = torch.ops.aten
+_addmm, _unsafe_view = _aten.addmm.default, _aten._unsafe_view.default
+_LAST_UNSAFE = _compat.LINEAR_ENDS_UNSAFE_VIEW
 _rules = []  # (unbroadcast, _mm_vjp_a, _mm_vjp_b), imported at first use (rule families)
 
 
@@ -96,7 +98,7 @@ def _linear_fast(args, kwargs):
     out = F.linear(*primals)
     node = Node(_linear_vjp_rule, primals, {}, out, inputs, [i is not None for i in inputs])
     # for grad_fn: the op torch's decomposition ends with (Note [requires_grad and grad_fn ...])
-    node.name = _aten.view.default if len(xs) == 1 else _aten.addmm.default
+    node.name = _addmm if len(xs) == 2 else _unsafe_view if _LAST_UNSAFE else _aten.view.default
     return wrap_grad(out, node, 0, interp)
 
 

@@ -246,7 +246,8 @@ def test_linear_fast_path_higher_order_and_grad_fn(linear_paths):
     names.clear()
     h = ft.vmap(ft.grad(inner), in_dims=(None, 0))
     _assert_same(*linear_paths(lambda: h(p["w0"], xs)))
-    assert set(names) == {"ViewBackward"}  # as the decomposition's last op names it
+    # both paths name the node after the decomposition's last op (torch 2.15: _unsafe_view)
+    assert len(set(names)) == 1 and names[0] in ("ViewBackward", "UnsafeViewBackward"), names
 
 
 # -- F.linear under vmap alone: the shaped fast path (batching/_fastpath.py, _linear) ---------
