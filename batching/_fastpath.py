@@ -259,8 +259,10 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
         # Several tensors broadcast against each other: batch dims must all be in front, and a
         # plain tensor must not reach the batch dim (nor, for 0-d logical values, change the
         # type-promotion category a 0-d tensor has: Note [0-d type promotion]).
-        if not front or plain_nd > nd or (nd == 0 and plain_nd >= 0):
+        if not front or plain_nd > nd:
             return None
+        if nd == 0 and plain_nd >= 0 and not _one_dtype(args, values, batched_cls):
+            return None  # with one dtype there is no promotion for the category to change
     unwrapped = [a._value if type(a) is batched_cls else a for a in args]
     if kwargs:
         kwargs = {k: (v._value if type(v) is batched_cls else v) for k, v in kwargs.items()}
@@ -270,6 +272,21 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     if not isinstance(out, torch.Tensor):  # e.g. x == None
         return out
     return wrap(out, bdim, interp)
+
+
+def _one_dtype(args, values, batched_cls):
+    """Whether every tensor among the arguments has one dtype (then 0-d type promotion has
+    nothing to decide: the root cotangent of vmap(grad(loss)), a plain 0-d tensor, meets the
+    loss's logical 0-d values in every reduction's pullback)."""
+    dtype = None
+    for a in (*args, *values):
+        if isinstance(a, torch.Tensor):
+            d = a._value.dtype if type(a) is batched_cls else a.dtype
+            if dtype is None:
+                dtype = d
+            elif d != dtype:
+                return False
+    return True
 
 
 # Note [Shaped fast path]

@@ -382,3 +382,33 @@ def test_unary_fast_paths_match_ordinary_path(linear_paths, case):
     _assert_same(*linear_paths(run, taken=False, unary_taken=taken))
     theirs = tf.vmap(tf.grad(loss), in_dims=(None, 0))(w.detach(), xs)
     torch.testing.assert_close(run()[0] if case == "torch_autograd" else run(), theirs)
+
+
+# -- a plain 0-d tensor with logical 0-d values of one dtype (the root cotangent) ------------
+
+
+@pytest.mark.parametrize(
+    "case", ["div", "rdiv", "mul", "mixed_dtype", "int_and_float", "bool", "alpha"]
+)
+def test_pointwise_plain_0d_with_logical_0d(monkeypatch, case):
+    from functransforms.batching import _tensor
+
+    g = torch.Generator().manual_seed(9)
+    xs = torch.randn(5, generator=g, dtype=torch.float64)
+    c = torch.tensor(3.0, dtype=torch.float64)
+    fn = {
+        "div": lambda x, c: x / c,
+        "rdiv": lambda x, c: c / x,
+        "mul": lambda x, c: torch.mul(c, x),
+        "mixed_dtype": lambda x, c: x.float() * c,  # float32 0-d with float64 0-d: float64
+        "int_and_float": lambda x, c: (x > 0).int() * c.int() + 0.5,
+        "bool": lambda x, c: torch.logical_and(x > 0, c > 0),
+        "alpha": lambda x, c: torch.add(c, x, alpha=2),
+    }[case]
+    fast = _outcome(lambda: ft.vmap(fn, in_dims=(0, None))(xs, c))
+    monkeypatch.setattr(_tensor, "POINTWISE_FUNCS", {})
+    slow = _outcome(lambda: ft.vmap(fn, in_dims=(0, None))(xs, c))
+    _assert_same(fast, slow)
+    expected = torch.stack([fn(x, c) for x in xs])
+    assert fast.dtype == expected.dtype
+    torch.testing.assert_close(fast, expected)
