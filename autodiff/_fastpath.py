@@ -143,6 +143,8 @@ def _linear_vjp_rule(ct, primals, kwargs, out, needs):
 #     primal, which the vmap level's pointwise fast path takes directly (the ordinary path
 #     reaches the vmap level's rule through the dispatcher: the same kernel, Note [Pointwise
 #     fast path]). Declined as F.linear's is, and for a keyword other than ``inplace=False``.
+#     Listed: relu (also ``F.relu``), tanh, sigmoid, exp, log, sin, cos, neg, abs, sqrt, rsqrt,
+#     log1p, expm1, erf, reciprocal, each as ``torch.<name>`` and ``Tensor.<name>``.
 def _def_unary(op, *funcs):
     def unary_fast(args, kwargs):
         if len(args) != 1 or (kwargs and kwargs != _NOT_INPLACE):
@@ -199,5 +201,9 @@ def _record(interp, op, run, p, entry):
 
 GRAD_FAST[F.linear] = _linear_fast
 _def_unary(_aten.relu.default, torch.relu, torch.Tensor.relu, F.relu)
-_def_unary(_aten.tanh.default, torch.tanh, torch.Tensor.tanh)
-_def_unary(_aten.sigmoid.default, torch.sigmoid, torch.Tensor.sigmoid)
+# ops with kernels of their own (a CompositeImplicit op would reach the grad level decomposed,
+# as other nodes: never listed here)
+for _name in "tanh sigmoid exp log sin cos neg abs sqrt rsqrt log1p expm1 erf reciprocal".split():
+    _op = getattr(_aten, _name).default
+    assert not _op.has_kernel_for_dispatch_key(_compat.CompositeImplicitAutograd), _op
+    _def_unary(_op, getattr(torch, _name), getattr(torch.Tensor, _name))

@@ -346,7 +346,23 @@ def test_vmap_linear_fast_path_under_torch_autograd(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "case", ["relu", "F.relu", "method", "tanh", "sigmoid", "int", "inplace", "torch_autograd"]
+    "case",
+    [
+        "relu",
+        "F.relu",
+        "method",
+        "tanh",
+        "sigmoid",
+        "sin",
+        "exp",
+        "log",
+        "abs",
+        "neg",
+        "rsqrt",
+        "int",
+        "inplace",
+        "torch_autograd",
+    ],
 )
 def test_unary_fast_paths_match_ordinary_path(linear_paths, case):
     g = torch.Generator().manual_seed(8)
@@ -360,6 +376,12 @@ def test_unary_fast_paths_match_ordinary_path(linear_paths, case):
         "method": lambda h: h.relu(),
         "tanh": torch.tanh,
         "sigmoid": lambda h: h.sigmoid(),
+        "sin": torch.sin,
+        "exp": lambda h: h.exp(),
+        "log": lambda h: torch.log(h.abs() + 1),
+        "abs": torch.abs,
+        "neg": lambda h: h.neg(),
+        "rsqrt": lambda h: (h * h + 1).rsqrt(),
     }.get(case)
     if case == "int":  # an integer value is not tracked: relu sees the vmap level's value
         act, taken = (lambda h: h + torch.relu(h.round().long()).to(h.dtype)), False
@@ -412,3 +434,18 @@ def test_pointwise_plain_0d_with_logical_0d(monkeypatch, case):
     expected = torch.stack([fn(x, c) for x in xs])
     assert fast.dtype == expected.dtype
     torch.testing.assert_close(fast, expected)
+
+
+def test_unary_fast_path_complex(linear_paths):
+    # abs of a complex value is real, sin stays complex: the node and the wrapper as the
+    # ordinary path makes them
+    g = torch.Generator().manual_seed(10)
+    zs = torch.randn(4, 3, generator=g, dtype=torch.complex128)
+    w = torch.randn(3, generator=g, dtype=torch.complex128)
+
+    def loss(w, z):
+        return (torch.sin(z * w).abs() + torch.exp(z * w).real).sum()
+
+    f = ft.vmap(ft.grad(loss), in_dims=(None, 0))
+    _assert_same(*linear_paths(lambda: f(w, zs), taken=False, unary_taken=True))
+    torch.testing.assert_close(f(w, zs), tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, zs))
