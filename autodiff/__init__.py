@@ -16,6 +16,7 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
 
 # The rule families load on first use (Note [Rule families load on first use],
 # functransforms/_ops.py): `from . import elementwise` imports one explicitly.
+from . import _fastpath  # noqa: F401  (fills reverse.GRAD_FAST: F.linear under vmap(grad))
 from ._registry import JVP_RULES, VJP_FORWARD, VJP_RULES, register_jvp_rule, register_vjp_rule
 from .forward import DualTensor, JvpInterpreter
 from .reverse import GradInterpreter, GradTensor

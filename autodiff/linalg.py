@@ -54,12 +54,30 @@ def _column_major(t):
     return s[0] == 1 and s[1] == t.shape[0]
 
 
+#
+# Note [Outer products as products]
+#     A product whose contracted dim has size 1 is an outer product: each entry is one
+#     multiplication, which ``x * y`` (``[n, 1] * [1, m]``) computes with the same rounding.
+#     That is the weight cotangent of a linear layer applied to one example (``F.linear`` of a
+#     1-d input), so per-sample gradients meet it on every layer, where vmap makes the product a
+#     ``bmm`` of ``[B, n, 1] @ [B, 1, m]``: ~3x slower than the broadcast multiply on this CPU
+#     (136 vs 44 us for [8, 128, 1] @ [8, 1, 784]). The values are the same; only zero signs can
+#     differ: a batched ``bmm`` accumulates into +0 (``-1 * 0`` gives +0), ``mm`` and ``*`` give
+#     -0, so the product keeps the per-example ``mm``'s bits.
+
+
+def _mm(x, y):
+    """``x @ y`` of matrices; the broadcast product when the contracted dim is 1 (Note [Outer
+    products as products])."""
+    return x * y if x.shape[-1] == 1 else x @ y
+
+
 def _mm_vjp_a(ct, a, b):
-    return (b @ ct.mH).mH if _column_major(a) else ct @ b.mH
+    return _mm(b, ct.mH).mH if _column_major(a) else _mm(ct, b.mH)
 
 
 def _mm_vjp_b(ct, a, b):
-    return (ct.mH @ a).mH if _column_major(b) else a.mH @ ct
+    return _mm(ct.mH, a).mH if _column_major(b) else _mm(a.mH, ct)
 
 
 def_bilinear(aten.mm.default, _mm_vjp_a, _mm_vjp_b)

@@ -31,13 +31,18 @@ from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
 from functransforms._core import (
+    DEFERRING,
+    SLOW_METADATA,
     Interpreter,
     TransformTensor,
     below_torch_autograd,
     eager_under_compile,
+    interpreter_stack,
     is_floating,
     metadata,
     metadata_conj,
+    no_tf_method,
+    no_tf_property,
     redispatch,
 )
 from functransforms._decomp import decomposition
@@ -148,6 +153,56 @@ class GradFn:
 
 _torch_requires_grad = _compat.tensor_requires_grad
 _Tensor = torch.Tensor
+_no_torch_function = _compat.disabled_torch_function_impl
+
+# Note [Torch functions at the grad level under vmap]
+#     Under ``vmap(grad(f))`` every op of ``f`` pays two levels of dispatch (grad, then vmap),
+#     and a composite function pays them for each op it decomposes into: ``F.linear`` of one
+#     example is view, t, addmm, view, four tape nodes and four trips through both levels,
+#     ~70% of the per-sample-gradient MLP's forward at B=8 (issue 13). A grad level entered
+#     directly inside a vmap therefore wraps its values in ``GradTensorInVmap``, whose
+#     ``__torch_function__`` sees such functions whole: a function in ``GRAD_FAST``
+#     (autodiff/_fastpath.py) may record it as one node whose vjp rule computes what the
+#     decomposition's rules would, and run it once on the unwrapped values (where the vmap
+#     level's own fast paths apply); anything it declines, and every other function, goes
+#     on as before (``_disabled_torch_function_impl``: the C++ dispatch and
+#     ``__torch_dispatch__``). Only there: a grad level elsewhere keeps the plain GradTensor,
+#     with no Python call before dispatch (the grad-only rows of issues 9/10 pay nothing).
+#     BatchedTensor's ``__torch_function__`` declines a ``GRAD_FAST`` function when a
+#     GradTensorInVmap is among the arguments (``F.linear(x, w, b)`` with a batched ``x`` and
+#     tracked ``w``), so the grad level, the innermost, sees it first.
+GRAD_FAST: dict = {}  # torch function -> fast(args, kwargs): the result, or None to decline
+
+
+class GradTensorInVmap(GradTensor):
+    """A GradTensor of a grad level entered directly inside a vmap (Note [Torch functions at
+    the grad level under vmap])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        fast = GRAD_FAST.get(func)
+        if fast is not None:
+            out = fast(args, kwargs)
+            if out is not None:
+                return out
+        return _no_torch_function(func, types, args, kwargs or {})
+
+    # Note [Metadata reads without __torch_function__] (batching/_tensor.py)
+    dtype = no_tf_property(_compat.TensorBase.dtype)
+    shape = no_tf_property(_compat.TensorBase.shape)
+    device = no_tf_property(_compat.TensorBase.device)
+    ndim = no_tf_property(_compat.TensorBase.ndim)
+    is_conj = no_tf_method(_compat.TensorBase.is_conj)
+    is_neg = no_tf_method(_compat.TensorBase.is_neg)
+    stride = no_tf_method(_compat.TensorBase.stride)
+    size = no_tf_method(_compat.TensorBase.size)
+    dim = no_tf_method(_compat.TensorBase.dim)
+    is_complex = no_tf_method(_compat.TensorBase.is_complex)
+    is_floating_point = no_tf_method(_compat.TensorBase.is_floating_point)
+
+
+SLOW_METADATA.add(GradTensorInVmap)  # Note [Reading a wrapper's metadata]
+DEFERRING[GradTensorInVmap] = GRAD_FAST
 
 
 def wrap_grad(primal, node, idx, interp, meta=None):
@@ -155,7 +210,7 @@ def wrap_grad(primal, node, idx, interp, meta=None):
     # the primal's own strides, so torch's view-or-copy decisions on the wrapper are right
     shape, stride, dtype, device = meta or metadata(primal)  # Note [Reading a wrapper's metadata]
     # positional: parsing keyword arguments costs ~0.3 us per wrapper
-    r = _mk(GradTensor, shape, stride, None, None, dtype, _STRIDED, device)
+    r = _mk(interp.wrapper_cls, shape, stride, None, None, dtype, _STRIDED, device)
     r._primal = primal
     r._node = node
     r._idx = idx
@@ -177,10 +232,15 @@ class GradInterpreter(InplaceMixin, Interpreter):
         self.call = call  # the public call (grad, vjp, jacrev, hessian, ...), for error messages
         self.prev_grad = True  # grad mode when the level was entered (Note [Grad mode])
 
+    wrapper_cls = GradTensor
+
     def __enter__(self):
         # Note [Grad mode]: as PyTorch, recording is on inside the function whatever the
         # caller's grad mode, and the caller's mode is restored on exit.
         self.prev_grad = torch.is_grad_enabled()
+        stack = interpreter_stack()
+        if stack and stack[-1].name == "vmap":  # Note [Torch functions at the grad level ...]
+            self.wrapper_cls = GradTensorInVmap
         super().__enter__()
         _compat.set_grad_enabled(True)
         return self

@@ -259,8 +259,10 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
         # Several tensors broadcast against each other: batch dims must all be in front, and a
         # plain tensor must not reach the batch dim (nor, for 0-d logical values, change the
         # type-promotion category a 0-d tensor has: Note [0-d type promotion]).
-        if not front or plain_nd > nd or (nd == 0 and plain_nd >= 0):
+        if not front or plain_nd > nd:
             return None
+        if nd == 0 and plain_nd >= 0 and not _one_dtype(args, values, batched_cls):
+            return None  # with one dtype there is no promotion for the category to change
     unwrapped = [a._value if type(a) is batched_cls else a for a in args]
     if kwargs:
         kwargs = {k: (v._value if type(v) is batched_cls else v) for k, v in kwargs.items()}
@@ -270,6 +272,21 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     if not isinstance(out, torch.Tensor):  # e.g. x == None
         return out
     return wrap(out, bdim, interp)
+
+
+def _one_dtype(args, values, batched_cls):
+    """Whether every tensor among the arguments has one dtype (then 0-d type promotion has
+    nothing to decide: the root cotangent of vmap(grad(loss)), a plain 0-d tensor, meets the
+    loss's logical 0-d values in every reduction's pullback)."""
+    dtype = None
+    for a in (*args, *values):
+        if isinstance(a, torch.Tensor):
+            d = a._value.dtype if type(a) is batched_cls else a.dtype
+            if dtype is None:
+                dtype = d
+            elif d != dtype:
+                return False
+    return True
 
 
 # Note [Shaped fast path]
@@ -465,6 +482,49 @@ def _mm(func, args, kwargs, batched_cls, wrap):
     return wrap(torch.matmul(va, vb), 0, (a if ba else b)._interp)
 
 
+def _linear(func, args, kwargs, batched_cls, wrap):
+    """``F.linear(x, w, b)`` of one example (a contiguous 1-d logical ``x``, batch dim in front)
+    with plain ``w`` and ``b``: the ops the ordinary path runs on the physical value, in its
+    order. torch decomposes the call into ``view(addmm(b, view(x, [1, n]), w.t()), [m])``
+    (``_flatten_nd_linear``), and addmm's vmap rule computes ``matmul(xv, w.t()) + b`` on the
+    ``[B, 1, n]`` view: three dispatched ops and two wrappers saved per layer of a per-sample
+    MLP (issue 13). Other shapes, layouts, dtype or device mixes, lazy conjugates: the ordinary
+    path (its errors)."""
+    if kwargs:
+        if len(args) != 2 or len(kwargs) != 1 or "bias" not in kwargs:
+            return None
+        args = (args[0], args[1], kwargs["bias"])
+    if len(args) != 3:
+        return None
+    x, w, b = args
+    if type(w) is not torch.Tensor or type(b) is not torch.Tensor or type(x) is not batched_cls:
+        return None
+    v = _live_value(x, batched_cls)
+    if v is None or type(v) is not torch.Tensor or x._bdim != 0 or v.dim() != 2:
+        return None
+    B, n = v.shape
+    if (
+        w.dim() != 2
+        or b.dim() != 1
+        or w.shape[1] != n
+        or b.shape[0] != w.shape[0]
+        or not (v.dtype == w.dtype == b.dtype)
+        or not (v.device == w.device == b.device)
+        or w.layout != torch.strided
+        or b.layout != torch.strided
+        or w.is_conj()
+        or b.is_conj()
+        or w.is_neg()
+        or b.is_neg()
+        or (v.stride(1) != 1 and n > 1)  # a strided x decomposes another way
+    ):
+        return None
+    if (w.requires_grad or b.requires_grad) and below_torch_autograd():
+        return None  # Note [Fast path below torch's autograd]
+    out = torch.matmul(v.view(B, 1, n), w.t()) + b
+    return wrap(out.view(B, w.shape[0]), 0, x._interp)
+
+
 _SDPA_KWARGS = frozenset(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
 
 
@@ -565,6 +625,7 @@ def _shaped_table():
     for fn in (torch.mm, torch.Tensor.mm):
         table[fn] = _mm
     table[F.scaled_dot_product_attention] = _sdpa
+    table[F.linear] = _linear
     for fn in (torch.reshape, torch.Tensor.reshape, torch.Tensor.view):
         table[fn] = _reshape
     for fn in (torch.unsqueeze, torch.Tensor.unsqueeze):

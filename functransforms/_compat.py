@@ -345,6 +345,10 @@ overlays and pages of their own (docs/coverage-torch2.15.md)."""
 # not installed here: it is taken to be 2.13's).
 SPLIT_TIES_FMAX_CLAMP_TENSOR = TORCH_VERSION >= (2, 15)
 
+# torch 2.15's F.linear of a 1-d input (``_flatten_nd_linear``) ends with ``_unsafe_view`` where
+# 2.13's ends with ``view``: the grad_fn name of the node that records it (autodiff/_fastpath.py)
+LINEAR_ENDS_UNSAFE_VIEW = TORCH_VERSION >= (2, 15)
+
 # torch 2.15: clamp / clamp_min / clamp_max with Number bounds pass the derivative only strictly
 # inside the bounds (0 at x == min or max); 2.13 passes it at the bounds too.
 CLAMP_BOUNDS_EXCLUDED = TORCH_VERSION >= (2, 15)

@@ -557,6 +557,39 @@ def eager_under_compile(fn):
 #     than one.
 SLOW_METADATA: set = set()  # wrapper classes with a Python __torch_function__ (BatchedTensor)
 plain_metadata = _compat.DisableTorchFunctionSubclass
+
+# wrapper class -> the torch functions its ``__torch_function__`` wants to see before
+# BatchedTensor's handles them (Note [Torch functions at the grad level under vmap],
+# autodiff/reverse.py)
+DEFERRING: dict = {}
+
+
+def no_tf_property(getset):
+    """Note [Metadata reads without __torch_function__] (batching/_tensor.py): ``getset`` read
+    with subclass torch functions disabled, for a wrapper class with a Python
+    ``__torch_function__`` (the classes in ``SLOW_METADATA``)."""
+    get = getset.__get__
+
+    def read(self):
+        with plain_metadata():
+            return get(self)
+
+    return property(read, doc=getset.__doc__)
+
+
+def no_tf_method(method):
+    """Note [Metadata reads without __torch_function__]: ``method`` called with subclass torch
+    functions disabled."""
+
+    def call(self, *args, **kwargs):
+        with plain_metadata():
+            return method(self, *args, **kwargs)
+
+    call.__name__ = method.__name__
+    call.__doc__ = method.__doc__
+    return call
+
+
 _shape = _compat.TensorBase.shape.__get__
 _stride = _compat.TensorBase.stride
 _dtype = _compat.TensorBase.dtype.__get__
