@@ -575,7 +575,7 @@ class Jitted:
                 return _EAGER, self.f(*args, **kwargs)
             return _EAGER, box["out"]
         guard = _compile_guard(gm, len(tensors)) if self.dynamic else None
-        _clean(gm, self.dynamic)
+        _clean(gm, self.dynamic, replay=self.backend is None)
         run = _python_forward(gm)
         if self.backend == "inductor":
             run = _inductor(gm, tensors, self.dynamic)

@@ -279,13 +279,16 @@ def _identity_products(gm) -> int:
     return n
 
 
-def _clean(gm, dynamic: bool):
+def _clean(gm, dynamic: bool, replay: bool = True):
+    """The clean-up of every recorded graph. ``replay``: the graph is replayed op by op, not
+    compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops)."""
     _outer_products(gm)
     _noop_views(gm)
     _fold_constants(gm, dynamic)
     _identity_products(gm)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
-    _fused_bias(gm)  # after DCE: the no-op views between the product and the add are gone
+    if replay:
+        _fused_bias(gm)  # after DCE: the no-op views between the product and the add are gone
     gm.graph.lint()
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:

@@ -266,6 +266,10 @@ def test_product_plus_bias_becomes_one_gemm():
     targets = [n.target for n in jens.graph(x, W, b).graph.nodes]
     assert aten.baddbmm.default in targets and aten.bmm.default not in targets
     _close(jens(x, W, b), torch.func.vmap(F.linear, in_dims=(None, 0, 0))(x, W, b))
+    seen = []  # a compiler backend gets the plain ops (it fuses the add itself)
+    jc = ft.jit(ens, backend=lambda gm, ts: seen.append(gm) or gm)
+    _close(jc(x, W, b), torch.func.vmap(F.linear, in_dims=(None, 0, 0))(x, W, b))
+    assert aten.bmm.default in [n.target for n in seen[0].graph.nodes]
     W2 = torch.randn(3, 6, generator=g, dtype=D)
     jf = ft.jit(lambda x, c: x @ W2.T + c)
     for c in (torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)):
