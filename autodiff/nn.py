@@ -36,7 +36,7 @@ _HALF = (torch.float16, torch.bfloat16)
 def _accumulate_in_float(ct, out):
     """torch's softmax backward kernels read half-precision values into float32 and round
     once at the end; the same formula in float16/bfloat16 ops rounds every step (a bfloat16
-    log_softmax gradient was 1 ulp off torch.func's). Returns the operands and the dtype to
+    log_softmax gradient was 1 ulp off functorch's). Returns the operands and the dtype to
     round to (None: compute as they are)."""
     if out.dtype in _HALF or ct.dtype in _HALF:
         return ct.float(), out.float(), out.dtype

@@ -215,7 +215,7 @@ def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
     def half_vjp_rule(cts, primals, kwargs, out, needs):
         """torch's backward kernels read float16/bfloat16 values into float32 and round once;
         the formula in half-precision ops rounds every step (a bfloat16 layer norm's gradient
-        was off torch.func's by 1-3 ulp in most entries). The batch-norm kernel path rounds as
+        was off functorch's by 1-3 ulp in most entries). The batch-norm kernel path rounds as
         torch does already."""
         x = primals[0]
         if x.dtype not in _HALF or (kernel_vjp is not None and cts[0] is not None):

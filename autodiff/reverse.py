@@ -424,7 +424,7 @@ NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no deri
 #     The nodes already swept are never read again (cotangents only flow to older nodes, and
 #     ``_accumulate`` reads ``out`` of nodes not yet swept). vjp's and jacrev's pullbacks may
 #     run many times (jacrev's chunks): they keep everything. Per-sample gradients of a CNN
-#     (benchmarks/bench_surface.py (a)): peak memory ~5% lower, now below torch.func's, whose
+#     (benchmarks/bench_surface.py (a)): peak memory ~5% lower, now below functorch's, whose
 #     grad keeps its graph for higher orders (create_graph).
 
 

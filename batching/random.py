@@ -209,7 +209,7 @@ class DifferentRandomnessMode(_compat.TorchDispatchMode):
 #     plain tensors, no wrapper, reach the kernel, so no batching rule sees the call and every
 #     example got the same values. This mode sees it first and makes the tensor arguments
 #     batched at every 'different' level (a batched 0-d zero added, as for dropout): the
-#     op's batching rule then draws the batched shape, the same bits as torch.func.
+#     op's batching rule then draws the batched shape, the same bits as functorch.
 def _is_plain(a):
     return type(a) is torch.Tensor
 
@@ -284,7 +284,7 @@ def _batched_at_every_different_level(x):
 
 
 def _front_contiguous(x):
-    """torch.func's dropout draws its mask for the batch as one [B, ...] tensor in row-major
+    """functorch's dropout draws its mask for the batch as one [B, ...] tensor in row-major
     order, whatever the input's batch dim (in_dims=1): a mask drawn like the input's layout
     would hold the same numbers in other places."""
     if isinstance(x, BatchedTensor) and x._interp.randomness == "different":
@@ -416,9 +416,9 @@ for _op in (
 
 def _normal_tensor_params_vmap_rule(func):
     """normal(mean, std) with a tensor mean and/or std, at least one batched: 'different'
-    draws the whole batched shape in one call, as torch.func does (same bits with the same
+    draws the whole batched shape in one call, as functorch does (same bits with the same
     seed; the per-example loop this op fell to drew other values); 'same' refuses batched
-    parameters, as torch.func."""
+    parameters, as functorch."""
 
     def normal_vmap_rule(interp, args, bdims, kwargs):
         if interp.randomness == "error":

@@ -499,7 +499,7 @@ def jvp(
                 f"{call}: a tangent has shape {got} but its primal has shape {tuple(p.shape)}."
             )
         if isinstance(p, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
-            # torch.func's ValueError: an integer tangent is a mistake (torch.ones(n, dtype=long)),
+            # functorch's ValueError: an integer tangent is a mistake (torch.ones(n, dtype=long)),
             # which the cast to the primal's dtype would hide
             raise ValueError(
                 f"{call}: a tangent is a {t.dtype} tensor; expected a floating-point or complex "

@@ -34,11 +34,11 @@ def read_sizes(t, what):
     """The values of an integer tensor that sets output shapes (split points, lengths, batch
     sizes), read through the transforms: a Dual/GradTensor hands over its primal (integers
     are constants); batched under vmap, each example would get outputs of its own shapes,
-    which one batched result cannot hold (torch.func refuses these too)."""
+    which one batched result cannot hold (functorch refuses these too)."""
     if isinstance(t, TransformTensor) and t._interp.name == "vmap":
         raise DataDependentError(
             f"{t._interp.call}: {what} is a batched tensor: each example would get outputs of "
-            "its own shapes, which one batched result cannot hold (torch.func raises too). "
+            "its own shapes, which one batched result cannot hold (PyTorch's own vmap raises too). "
             "Expected: Python ints or an unbatched tensor. Do: pass it from outside vmap "
             "(in_dims=None), or compute with masks (torch.where) instead."
         )

@@ -311,7 +311,7 @@ def _shape_only_placeholders(gm) -> int:
     into a constant. ATen's kernel still converts every argument to the memory format it
     picked (``x.contiguous(channels_last)``); under inductor, which lays the folded [1, B*C,
     H, W] convolutions out channels-last, that is a full copy of the constant on every call
-    (the tutorial CNN, B=64: 5.5 MB, ~4.6 ms of ~225). torch.func's rule passes
+    (the tutorial CNN, B=64: 5.5 MB, ~4.6 ms of ~225). functorch's rule passes
     ``empty([]).expand(shape)`` instead, whose conversion reads one element: so do we, on the
     graph handed to inductor only (replayed eagerly, the contiguous constant is the cheaper
     one: ATen's contiguous format leaves it alone, and would copy an expanded one)."""
