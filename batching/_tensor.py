@@ -472,7 +472,16 @@ class VmapInterpreter(Interpreter):
             )
         if jvp_rule is not None:
             batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=r))
-        out = batched(*pt.tree_unflatten(spec, vals))
+        # Note [Random draws in custom functions under vmap]: the vmapped pieces replace this
+        # level (its values are unwrapped), so it must not batch their draws a second time:
+        # under randomness='different' the dropout and factory modes batched a draw inside
+        # ``vmap(fn)`` at this level too, and the result leaked a wrapper of this level out
+        # of the inner vmap (an EscapedTracerError). The level is dead while they run.
+        self.alive = False
+        try:
+            out = batched(*pt.tree_unflatten(spec, vals))
+        finally:
+            self.alive = True
         return pt.tree_map(lambda o: wrap_batched(o, 0, self), out)
 
     def _user_vmap_rule(self, cf, vals, bdims, spec):
