@@ -1,0 +1,129 @@
+"""Session 8 probe (probe2): programs with JAX's extras, structured linear algebra, scientific
+computing and the testing helpers, each checked against an oracle (torch.func, plain autograd,
+dense linear algebra or finite differences in float64). Each test that once failed names the
+bug in its docstring (docs/design.md, "Session 8 probe (JAX extras, linalg, science)")."""
+
+import pytest
+import torch
+import torch.func as tf
+import torch.nn.functional as F
+
+import functransforms as ft
+from functransforms.testing import check_grads, check_vmap  # noqa: F401
+
+D = torch.float64
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed=0, dtype=D):
+    return torch.randn(*shape, generator=_gen(seed), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint: random draws are replayed in the recomputation
+
+
+def _dropout_block(a):
+    return F.dropout(a.sin(), 0.5, training=True).pow(2).sum()
+
+
+def _grad_ck(a):
+    return ft.grad(ft.checkpoint(_dropout_block))(a)
+
+
+def _grad_plain(a):
+    return ft.grad(_dropout_block)(a)
+
+
+_CK_PROGRAMS = {
+    "grad": (lambda f: ft.grad(f), False),
+    "value_and_grad": (lambda f: ft.value_and_grad(f), False),
+    "vmap_grad_different": (lambda f: ft.vmap(ft.grad(f), randomness="different"), True),
+    "vmap_grad_same": (lambda f: ft.vmap(ft.grad(f), randomness="same"), True),
+    "grad_vmap_different": (
+        lambda f: ft.grad(lambda a: ft.vmap(f, randomness="different")(a).sum()),
+        True,
+    ),
+    "grad_grad": (lambda f: ft.grad(lambda a: ft.grad(f)(a).pow(2).sum()), False),
+    "jacrev": (lambda f: ft.jacrev(f), False),
+    "vmap_of_vjp_fn": (
+        lambda f: lambda a: ft.vmap(ft.vjp(f, a)[1])(torch.ones(3, dtype=D)),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("program", sorted(_CK_PROGRAMS))
+def test_checkpoint_replays_dropout_masks(program):
+    """Bug: checkpoint's recomputation drew a fresh dropout mask, so the gradient belonged to
+    another mask than the value (silently, under every reverse-mode program). jacrev and a
+    vmapped vjp_fn replay under a vmap (randomness='error') the forward never saw: it raised."""
+    make, batched = _CK_PROGRAMS[program]
+    x = _randn(4, 6) if batched else _randn(6)
+    torch.manual_seed(0)
+    ours = make(ft.checkpoint(_dropout_block))(x)
+    after_ours = torch.rand(3)
+    torch.manual_seed(0)
+    ref = make(_dropout_block)(x)
+    after_ref = torch.rand(3)
+    torch.testing.assert_close(ours, ref)
+    # the recomputation does not advance the global generator a second time
+    torch.testing.assert_close(after_ours, after_ref)
+
+
+def test_checkpoint_gradient_matches_its_own_value_with_dropout():
+    """The gradient of sum(dropout(a)^2) is 4 * dropout(a) (mask m, scale 2: d/da (2 a m)^2 =
+    8 a m), read from the same call's aux output: no seeding involved."""
+
+    def f(a):
+        out = F.dropout(a, 0.5, training=True)
+        return (out * out).sum(), out
+
+    torch.manual_seed(3)
+    g, out = ft.grad(ft.checkpoint(f), has_aux=True)(_randn(50))
+    torch.testing.assert_close(g, 4 * out)
+
+
+def test_checkpoint_called_twice_replays_each_call():
+    """A block called twice keeps one generator state per call."""
+    x = _randn(8)
+    blk = ft.checkpoint(lambda a: F.dropout(a, 0.5, training=True))
+
+    def two(a):
+        return (blk(a) * blk(a.cos())).sum()
+
+    def two_plain(a):
+        d = lambda v: F.dropout(v, 0.5, training=True)  # noqa: E731
+        return (d(a) * d(a.cos())).sum()
+
+    torch.manual_seed(1)
+    ours = ft.grad(two)(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(ours, tf.grad(two_plain)(x))
+
+
+def _dropout_custom_vjp():
+    @ft.custom_vjp
+    def f(a):
+        return F.dropout(a, 0.5, training=True)
+
+    f.defvjp(lambda a: (F.dropout(a, 0.5, training=True), None), lambda _, g: (2 * g,))
+    return f
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_custom_vjp_drawing_under_vmap_matches_torch_func(randomness):
+    """Bug: a custom function that draws (dropout) under vmap(randomness='different') raised
+    EscapedTracerError: the level being replaced batched the inner vmap's draw again."""
+    x = torch.ones(4, 6, dtype=D)
+    f = _dropout_custom_vjp()
+    torch.manual_seed(0)
+    ours = ft.vmap(f, randomness=randomness)(x)
+    torch.manual_seed(0)
+    ref = tf.vmap(lambda a: F.dropout(a, 0.5, training=True), randomness=randomness)(x)
+    torch.testing.assert_close(ours, ref)
+    g = ft.grad(lambda a: ft.vmap(f, randomness=randomness)(a).sum())(x)
+    torch.testing.assert_close(g, torch.full_like(x, 2.0))  # the custom rule, batched
