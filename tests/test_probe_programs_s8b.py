@@ -220,3 +220,78 @@ def test_low_rank_plus_diagonal_with_a_zero_diagonal_entry(program):
     torch.testing.assert_close(ft.jacrev(ours)(d), tf.jacrev(ref)(d))
     ds = torch.stack([d, d + 1])
     torch.testing.assert_close(ft.vmap(ours)(ds), tf.vmap(ref)(ds))
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp whose bwd calls the custom function again (as linalg's implicit solves), under
+# grad of a vmapped vjp_fn (jacrev of jacrev)
+
+
+def _self_calling_solve():
+    @ft.custom_vjp
+    def S(B, s):
+        return B / s
+
+    def fwd(B, s):
+        return B / s, (s, B / s)
+
+    def bwd(res, ct):
+        s, X = res
+        gX = S(ct, s)  # the custom function again, on a batched cotangent under vmap
+        _, pull = ft.vjp(lambda s: X * s, s)
+        return gX, pull(-gX)[0]
+
+    S.defvjp(fwd, bwd)
+    return S
+
+
+def test_custom_vjp_cotangent_of_an_unmapped_argument_is_summed_over_the_batch():
+    """Bug: vmap of a custom function's bwd left the cotangent of an argument the vmap does not
+    map (a shared scale) per example: grad(vmap(vjp_fn)) gave [336, 336] for 448, and
+    jacrev(jacrev(f)) a [1]-shaped Hessian of a scalar (silently)."""
+    S = _self_calling_solve()
+    b = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    s = torch.tensor(0.5, dtype=D)
+
+    def f(s):
+        return b @ S(b, s)
+
+    def ref(s):
+        return b @ (b / s)
+
+    def gv(lib, f):
+        return lib.grad(lambda s: lib.vmap(lib.vjp(f, s)[1])(torch.ones(2, dtype=D))[0].sum())
+
+    torch.testing.assert_close(gv(ft, f)(s), gv(tf, ref)(s))
+    torch.testing.assert_close(ft.jacrev(ft.jacrev(f))(s), tf.hessian(ref)(s))
+
+
+def _scaled_identity_program(kind):
+    import functransforms.linalg as L
+
+    A = _randn(3, 3, seed=1)
+    A = A @ A.mT / 3 + torch.eye(3, dtype=D)
+    b = _randn(3, seed=2)
+
+    def ours(s):
+        K = L.KroneckerOperator(A, torch.eye(1, dtype=D), symmetric=True)
+        K = K + L.ScaledIdentityOperator(s[0], 3)
+        if kind == "solve":
+            return b @ torch.linalg.solve(K, b)
+        return torch.logdet(K)
+
+    def ref(s):
+        K = A + s[0] * torch.eye(3, dtype=D)
+        return b @ torch.linalg.solve(K, b) if kind == "solve" else torch.logdet(K)
+
+    return ours, ref
+
+
+@pytest.mark.parametrize("kind", ["solve", "logdet"])
+def test_jacrev_of_jacrev_through_a_structured_solve_with_noise(kind):
+    """Bug: jacrev(jacrev(f)) with a ScaledIdentityOperator's scale (GP noise) raised in
+    select_scatter, or gave the wrong shape: the same unsummed cotangent as above."""
+    ours, ref = _scaled_identity_program(kind)
+    s = torch.tensor([0.5, 1.0], dtype=D)
+    torch.testing.assert_close(ft.jacrev(ft.jacrev(ours))(s), tf.hessian(ref)(s))
+    torch.testing.assert_close(ft.hessian(ours)(s), tf.hessian(ref)(s))
