@@ -59,7 +59,8 @@ def checkpoint(func: Func) -> Func:
     inputs are kept). Forward mode and vmap see ``func`` unchanged. Random draws from torch's
     default generators (dropout) are replayed: the recomputation sees the generator state of
     the forward call, and leaves the global state as it found it (Note [Replaying random draws
-    in checkpoint]).
+    in checkpoint]). Inside ``ft.jit``'s trace ``func`` is not rematerialized (the graph
+    records ops, not generator states), so a replay keeps the forward's values.
 
     Args:
         func: a function of positional tensor arguments returning a pytree of tensors.
@@ -84,6 +85,12 @@ def checkpoint(func: Func) -> Func:
         # for the recomputation, inside fork_rng so the global state is not advanced twice.
         # One custom function per call: each call has its own state (a block called in a
         # loop), and it stays out of the residuals, which vmap batches as tensors.
+        jit = sys.modules.get("functransforms._jit")
+        if jit is not None and jit._tracing.active:
+            # jit records ATen ops, not generator states: a recomputation would replay as a
+            # second, independent draw. The traced graph keeps the forward's values instead
+            # (no rematerialization inside jit; the values are the same).
+            return func(*args)
         state = _rng_state()
 
         def fwd(*a):

@@ -382,3 +382,49 @@ def test_tensors_strategy_stays_within_its_bounds(name):
             assert ((part.double() >= lo) & (part.double() <= hi)).all(), x
 
     check()
+
+
+def test_jit_of_grad_of_checkpoint_with_dropout_matches_eager():
+    """Bug: jit traced the recomputation's draw as a second, independent draw (the generator
+    state restored at trace time is not an op): the replayed gradient used another mask."""
+    x = _randn(6)
+    jitted = ft.jit(ft.grad(ft.checkpoint(_dropout_block)))
+    for seed in (0, 5):
+        torch.manual_seed(seed)
+        ours = jitted(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(ours, _grad_plain(x))
+
+
+def _custom_jvp_with_an_index_output():
+    @ft.custom_jvp
+    def exp_and_argmax(a):
+        return a.exp(), a.argmax()
+
+    @exp_and_argmax.defjvp
+    def _(primals, tangents):
+        (a,), (t,) = primals, tangents
+        return (a.exp(), a.argmax()), (a.exp() * t, None)
+
+    return exp_and_argmax
+
+
+@pytest.mark.parametrize("program", ["grad", "vmap_grad", "hessian", "jvp"])
+def test_custom_jvp_with_a_none_tangent_for_an_index_output(program):
+    """Bug: reverse mode (the transposed jvp rule) raised a structure mismatch when the rule
+    gave None as the tangent of an integer output."""
+    f = _custom_jvp_with_an_index_output()
+    x = _randn(5)
+
+    def loss(a):
+        return f(a)[0].sum()
+
+    if program == "grad":
+        torch.testing.assert_close(ft.grad(loss)(x), x.exp())
+    elif program == "vmap_grad":
+        xs = torch.stack([x, 2 * x])
+        torch.testing.assert_close(ft.vmap(ft.grad(loss))(xs), xs.exp())
+    elif program == "hessian":
+        torch.testing.assert_close(ft.hessian(loss)(x), torch.diag(x.exp()))
+    else:
+        torch.testing.assert_close(ft.jvp(lambda a: f(a)[0], (x,), (x,))[1], x.exp() * x)
