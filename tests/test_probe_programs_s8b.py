@@ -612,3 +612,37 @@ def test_symmetric_eigendecomposition_second_order():
     # eigh reads one triangle, its derivative assumes a symmetric tangent (as torch's): the
     # finite differences go through a symmetric parametrization
     check_grads(lambda X: f(X + X.mT), (S / 2,), order=2, atol=1e-4, rtol=1e-4)
+
+
+_GP_Y = _randn(20, seed=14)
+
+
+def _grid_gp_mll(lp, struct):
+    import functransforms.linalg as L
+
+    s = torch.linspace(0, 1, 5, dtype=D)
+    t = torch.linspace(0, 2, 4, dtype=D)
+    y = _GP_Y
+
+    def rbf(x, length):
+        return torch.exp(-0.5 * ((x[:, None] - x[None, :]) / length) ** 2)
+
+    l1, l2, s2, noise = lp.exp()
+    if struct:
+        K = L.KroneckerOperator(s2 * rbf(s, l1), rbf(t, l2), symmetric=True)
+        K = K + L.ScaledIdentityOperator(noise, 20)
+    else:
+        K = torch.kron(s2 * rbf(s, l1), rbf(t, l2)) + noise * torch.eye(20, dtype=D)
+    return -0.5 * y @ torch.linalg.solve(K, y) - 0.5 * torch.logdet(K)
+
+
+def test_gp_marginal_likelihood_hessians_over_a_batch_of_hyperparameters():
+    """The loop of dense torch.func hessians is the oracle: torch 2.13's own vmap(hessian) of
+    logdet/solve is wrong here (torch_func_differences.md 22)."""
+    lp = torch.log(torch.tensor([0.3, 0.5, 1.0, 0.1], dtype=D))
+    lps = torch.stack([lp, lp + 0.2, lp - 0.1])
+    loop = torch.stack([tf.hessian(lambda p: _grid_gp_mll(p, False))(p) for p in lps])
+    ours = ft.vmap(ft.hessian(lambda p: _grid_gp_mll(p, True)))(lps)
+    torch.testing.assert_close(ours, loop)
+    grads = ft.vmap(ft.grad(lambda p: _grid_gp_mll(p, True)))(lps)
+    torch.testing.assert_close(grads, tf.vmap(tf.grad(lambda p: _grid_gp_mll(p, False)))(lps))
