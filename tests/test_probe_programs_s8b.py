@@ -646,3 +646,33 @@ def test_gp_marginal_likelihood_hessians_over_a_batch_of_hyperparameters():
     torch.testing.assert_close(ours, loop)
     grads = ft.vmap(ft.grad(lambda p: _grid_gp_mll(p, True)))(lps)
     torch.testing.assert_close(grads, tf.vmap(tf.grad(lambda p: _grid_gp_mll(p, False)))(lps))
+
+
+def test_vmap_dict_in_dims_and_out_dims_pair_by_key():
+    """Bug: a dict in_dims/out_dims was paired with the value's leaves in insertion order, but
+    leaves are flattened in sorted key order: {"x": 0, "w": None} mapped w and not x
+    (silently: a [4, 3, 4] result for [3, 4])."""
+    xs, w = _randn(3, 4), _randn(4, seed=1)
+
+    def f(d):
+        return {"x": d["x"] * 2, "w": d["w"] + d["x"].sum()}
+
+    dims = dict(in_dims=({"x": 0, "w": None},), out_dims={"x": 1, "w": 0})
+    ours, ref = ft.vmap(f, **dims)({"x": xs, "w": w}), tf.vmap(f, **dims)({"x": xs, "w": w})
+    for k in ref:
+        torch.testing.assert_close(ours[k], ref[k])
+    check_vmap(f, ({"x": xs, "w": w},), **dims)
+
+
+def test_custom_vjp_with_a_dict_argument_under_grad_of_vmap():
+    @ft.custom_vjp
+    def h(d):
+        return d["x"] * d["w"]
+
+    h.defvjp(
+        lambda d: (d["x"] * d["w"], d),
+        lambda d, ct: ({"x": ct * d["w"], "w": ct * d["x"]},),
+    )
+    xs, w = _randn(3, 4), _randn(4, seed=1)
+    g = ft.grad(lambda w: ft.vmap(h, in_dims=({"x": 0, "w": None},))({"x": xs, "w": w}).sum())(w)
+    torch.testing.assert_close(g, xs.sum(0))
