@@ -676,3 +676,34 @@ def test_custom_vjp_with_a_dict_argument_under_grad_of_vmap():
     xs, w = _randn(3, 4), _randn(4, seed=1)
     g = ft.grad(lambda w: ft.vmap(h, in_dims=({"x": 0, "w": None},))({"x": xs, "w": w}).sum())(w)
     torch.testing.assert_close(g, xs.sum(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism checks
+
+
+@pytest.mark.parametrize(
+    "program",
+    ["dropout", "empty_then_filled", "checkpoint_forward"],
+)
+def test_check_deterministic_ignores_uninitialized_memory(program):
+    """Bug: check_deterministic reported every seeded F.dropout (CPU draws into empty_like) at
+    its uninitialized buffer: the bits of empty/empty_like differ between runs by design."""
+    x = _randn(6)
+    blk = _dropout_block
+    fn = {
+        "dropout": lambda a: F.dropout(a, 0.5, training=True),
+        "empty_then_filled": lambda a: torch.empty(6, dtype=D).fill_(1.0) * a,
+        "checkpoint_forward": ft.checkpoint(blk),
+    }[program]
+    report = ft.deterministic.check_deterministic(fn, x)
+    assert report.first_divergence is None, str(report)
+
+
+def test_check_deterministic_still_reports_an_unseeded_generator():
+    gen = torch.Generator().manual_seed(0)
+    report = ft.deterministic.check_deterministic(
+        lambda a: a * torch.rand(6, generator=gen, dtype=D), _randn(6)
+    )
+    assert report.first_divergence is not None
+    assert "rand" in str(report.first_divergence.op)
