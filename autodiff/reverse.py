@@ -388,7 +388,8 @@ def _transposed_jvp(custom_fn, primals, p_args, spec):
         tans = [torch.zeros_like(p) if isinstance(p, torch.Tensor) else p for p in primals]
         for i, t in zip(diff, ts):
             tans[i] = t
-        return custom_fn.jvp_rule(p_args, pt.tree_unflatten(spec, tans))[1]
+        out, t_out = custom_fn.jvp_rule(p_args, pt.tree_unflatten(spec, tans))
+        return _zero_for_none(out, t_out)
 
     def bwd(ct):
         _, pull = vjp(lin, *[torch.zeros_like(primals[i]) for i in diff])
@@ -398,6 +399,19 @@ def _transposed_jvp(custom_fn, primals, p_args, spec):
         return cts
 
     return bwd
+
+
+def _zero_for_none(out, t_out):
+    """A jvp rule may give None as the tangent of an output with no derivative (an index, as
+    ``argmax``), where the output cotangent has a leaf: a zero keeps the structures aligned
+    (grad of such a custom_jvp function raised a structure mismatch)."""
+    if t_out is None:
+        return pt.tree_map(torch.zeros_like, out)
+    if type(out) in (tuple, list) and type(t_out) in (tuple, list) and len(out) == len(t_out):
+        return type(out)(_zero_for_none(o, t) for o, t in zip(out, t_out))
+    if isinstance(out, dict) and isinstance(t_out, dict) and out.keys() == t_out.keys():
+        return {k: _zero_for_none(out[k], t_out[k]) for k in out}
+    return t_out
 
 
 NONDIFFERENTIABLE = object()  # a vjp "rule" for ops whose outputs carry no derivative

@@ -463,13 +463,22 @@ class VmapInterpreter(Interpreter):
         r = self.randomness
         batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=r))
         if bwd is not None:
-            batched.defvjp(
-                vmap(fwd, in_dims=in_dims, randomness=r),
-                vmap(bwd, in_dims=(0, 0), randomness=r),
-            )
+            batched_bwd = vmap(bwd, in_dims=(0, 0), randomness=r)
+            if any(d is None for d in bdims):
+                batched_bwd = _summed_over_unmapped(batched_bwd, args, bdims)
+            batched.defvjp(vmap(fwd, in_dims=in_dims, randomness=r), batched_bwd)
         if jvp_rule is not None:
             batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=r))
-        out = batched(*pt.tree_unflatten(spec, vals))
+        # Note [Random draws in custom functions under vmap]: the vmapped pieces replace this
+        # level (its values are unwrapped), so it must not batch their draws a second time:
+        # under randomness='different' the dropout and factory modes batched a draw inside
+        # ``vmap(fn)`` at this level too, and the result leaked a wrapper of this level out
+        # of the inner vmap (an EscapedTracerError). The level is dead while they run.
+        self.alive = False
+        try:
+            out = batched(*pt.tree_unflatten(spec, vals))
+        finally:
+            self.alive = True
         return pt.tree_map(lambda o: wrap_batched(o, 0, self), out)
 
     def _user_vmap_rule(self, cf, vals, bdims, spec):
@@ -504,6 +513,40 @@ class VmapInterpreter(Interpreter):
                 )
             wrapped.append(wrap_batched(o, 0, self) if b else o)
         return pt.tree_unflatten(out_spec, wrapped)
+
+
+def _summed_over_unmapped(batched_bwd, args, bdims):
+    """Note [Cotangents of unmapped arguments of custom functions]: the vmapped ``bwd`` gives
+    one cotangent per example for every argument, but an argument this level does not map
+    (in_dim None: a weight shared by the batch) is one value, used by every example: its
+    cotangent is the sum over the examples (the transpose of broadcasting it). Left per
+    example, an enclosing grad received a cotangent of the batched shape (grad of a vmapped
+    vjp_fn through a custom function that calls itself in its bwd, as linalg's implicit solves
+    do: a wrong value, silently)."""
+    per_arg = [len(pt.tree_leaves(a)) for a in args]
+
+    def summed(ct):
+        return ct.sum(0) if isinstance(ct, torch.Tensor) else ct
+
+    def bwd(res, ct):
+        cts = batched_bwd(res, ct)
+        cts = cts if isinstance(cts, tuple) else (cts,)
+        flat = pt.tree_leaves(cts)
+        if len(cts) != len(args) and len(flat) == len(bdims):  # one cotangent per leaf
+            return tuple(summed(c) if d is None else c for c, d in zip(flat, bdims))
+        out, start = [], 0
+        for c, n in zip(cts, per_arg):
+            dims = bdims[start : start + n]
+            start += n
+            leaves, spec = pt.tree_flatten(c)
+            if c is None or len(leaves) != n:
+                out.append(c)
+                continue
+            leaves = [summed(x) if d is None else x for x, d in zip(leaves, dims)]
+            out.append(pt.tree_unflatten(spec, leaves))
+        return tuple(out)
+
+    return bwd
 
 
 _WARNED: set = set()

@@ -85,7 +85,12 @@ def _random_op_kernel(op):
             p = args[p_at] if len(args) > p_at else kwargs.get("dropout_p", 0.0)
             draws = p > 0
         for interp in reversed(interpreter_stack()) if draws else ():
-            if isinstance(interp, VmapInterpreter) and interp.randomness == "error":
+            # a dead level is suspended (a custom function's replay): it sees no draw
+            if (
+                isinstance(interp, VmapInterpreter)
+                and interp.alive
+                and interp.randomness == "error"
+            ):
                 raise_random(interp, op)
         # included but no 'error' level on this thread's stack (e.g. a grad level's backward
         # run later): draw as usual, past this key

@@ -3,7 +3,9 @@ and custom functions: no new machinery."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -54,7 +56,11 @@ def checkpoint(func: Func) -> Func:
 
     Under ``grad``/``vjp``, ``func`` runs forward without recording its intermediate values; the
     backward pass runs it again to differentiate it, trading compute for memory (only the
-    inputs are kept). Forward mode and vmap see ``func`` unchanged.
+    inputs are kept). Forward mode and vmap see ``func`` unchanged. Random draws from torch's
+    default generators (dropout) are replayed: the recomputation sees the generator state of
+    the forward call, and leaves the global state as it found it (Note [Replaying random draws
+    in checkpoint]). Inside ``ft.jit``'s trace ``func`` is not rematerialized (the graph
+    records ops, not generator states), so a replay keeps the forward's values.
 
     Args:
         func: a function of positional tensor arguments returning a pytree of tensors.
@@ -67,24 +73,94 @@ def checkpoint(func: Func) -> Func:
         True
     """
 
-    @custom_vjp
-    @functools.wraps(func)
-    def remat(*args):
-        return func(*args)
-
-    def fwd(*args):
-        return func(*args), args  # keep only the inputs
-
-    def bwd(args, ct):
-        _, vjp_fn = vjp(func, *args)  # run the forward again, this time recording it
-        return vjp_fn(ct)
-
     def jvp_rule(primals, tangents):
         return jvp(func, tuple(primals), tuple(tangents))
 
-    remat.defvjp(fwd, bwd)
-    remat.defjvp(jvp_rule)
+    @functools.wraps(func)
+    def remat(*args):
+        # Note [Replaying random draws in checkpoint]: the backward pass re-runs ``func``; a
+        # dropout inside it would draw a fresh mask, so the gradient would belong to another
+        # function than the value (silently). As torch.utils.checkpoint (preserve_rng_state),
+        # the default generators' states at this call are kept beside the inputs and restored
+        # for the recomputation, inside fork_rng so the global state is not advanced twice.
+        # One custom function per call: each call has its own state (a block called in a
+        # loop), and it stays out of the residuals, which vmap batches as tensors.
+        jit = sys.modules.get("functransforms._jit")
+        if jit is not None and jit._tracing.active:
+            # jit records ATen ops, not generator states: a recomputation would replay as a
+            # second, independent draw. The traced graph keeps the forward's values instead
+            # (no rematerialization inside jit; the values are the same).
+            return func(*args)
+        state = _rng_state()
+
+        def fwd(*a):
+            return func(*a), a  # keep only the inputs
+
+        def bwd(a, ct):
+            # run the forward again, this time recording it
+            with _replayed_rng(state), _foreign_vmaps_hidden(a):
+                _, vjp_fn = vjp(func, *a)
+            return vjp_fn(ct)
+
+        call = custom_vjp(func)
+        call.defvjp(fwd, bwd)
+        call.defjvp(jvp_rule)
+        return call(*args)
+
     return remat
+
+
+@contextlib.contextmanager
+def _foreign_vmaps_hidden(inputs):
+    """Note [Replaying random draws in checkpoint], continued: the backward pass may run under
+    vmap levels the forward call never saw (``jacrev`` vmaps the vjp over cotangents). They
+    batch the cotangents, not the inputs, so they must not batch (or refuse, under
+    randomness='error') the replayed draws: while the forward re-runs, every vmap level that
+    batches none of the inputs is dead (its wrappers are not touched: the inputs do not hold
+    them, and the cotangents enter afterwards)."""
+    from ._core import TransformTensor, interpreter_stack
+
+    batching = sys.modules.get("functransforms.batching._tensor")
+    if batching is None:  # vmap never ran: no level to hide
+        yield
+        return
+    seen = set()
+    todo = [x for x in pt.tree_leaves(inputs) if isinstance(x, TransformTensor)]
+    while todo:
+        w = todo.pop()
+        seen.add(id(w._interp))
+        for name in ("_value", "_primal", "_tangent"):
+            inner = getattr(w, name, None)
+            if isinstance(inner, TransformTensor):
+                todo.append(inner)
+    hidden = [
+        i
+        for i in interpreter_stack()
+        if isinstance(i, batching.VmapInterpreter) and i.alive and id(i) not in seen
+    ]
+    for i in hidden:
+        i.alive = False
+    try:
+        yield
+    finally:
+        for i in hidden:
+            i.alive = True
+
+
+def _rng_state():
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
+
+
+@contextlib.contextmanager
+def _replayed_rng(state):
+    cpu, cuda = state
+    devices = list(range(len(cuda))) if cuda is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        yield
 
 
 def debug_unwrap(tensor: Any, *, recurse: bool = True) -> Any:

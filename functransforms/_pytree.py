@@ -60,6 +60,12 @@ def one_level(node):
     return children, spec
 
 
+def keys_in_flatten_order(d) -> tuple:
+    """The keys of a dict-like node in the order its leaves are flattened (optree sorts a
+    dict's keys; an OrderedDict keeps its own order)."""
+    return tuple(optree.tree_flatten_one_level(d, none_is_leaf=True, namespace=NAMESPACE).entries)
+
+
 def register_pytree_node(cls, flatten, unflatten):
     """Register `cls` as a pytree node in our namespace.
 

@@ -197,7 +197,9 @@ def _broadcast(prefix, tree, what, call, out, path):
                 "the keys of the value; got "
                 f"{sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__}."
             )
-        for k in tree:  # leaves are flattened in the tree's key order
+        # in the order the leaves are flattened: optree sorts a dict's keys, so iterating in
+        # insertion order paired {"x": 0, "w": None} with the wrong leaves (silently)
+        for k in pt.keys_in_flatten_order(tree):
             _broadcast(prefix[k], tree[k], what, call, out, f"{path}[{k!r}]")
         return
     node = pt.one_level(prefix)

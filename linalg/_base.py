@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from functransforms._core import TransformTensor
 from functransforms._pytree import register_pytree_node
 
 from . import _rules
@@ -479,6 +480,21 @@ def _try_bool(t: torch.Tensor) -> bool:
     try:
         return bool(t)
     except RuntimeError:
+        return False
+
+
+def read_through(t: torch.Tensor, test) -> bool:
+    """``bool(test(v))`` on the plain values inside ``t``'s transform wrappers (all examples of
+    a vmap at once: a physical read, not data-dependent control flow of the program), or False
+    when there are no values to read (meta, fake tensors under jit's trace)."""
+    v = t
+    while isinstance(v, TransformTensor):  # as functransforms.debug_unwrap
+        v = v._value if hasattr(v, "_value") else v._primal
+    if v.device.type == "meta":
+        return False
+    try:
+        return bool(test(v))
+    except (RuntimeError, NotImplementedError):
         return False
 
 

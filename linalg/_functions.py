@@ -16,8 +16,10 @@ import math
 
 import torch
 
+from functransforms import _pytree as pt
+
 from . import _rules
-from ._base import LinearOperator
+from ._base import LinearOperator, read_through
 from ._composite import add, matmul
 from ._dense import DenseOperator
 from ._implicit import InverseOperator, implicit_solve, under_our_transforms
@@ -111,9 +113,34 @@ def solve(A, B, *, left: bool = True, method: str | None = None, **options):
     method, options = resolve_method("solve", method, options)
     if method is None:
         X = implicit_solve(A, Bm) if _IMPLICIT_SOLVE(A) else _rules.solve(A, Bm)
+        _require_solved(A, Bm, X)
     else:
         X = iterative_solve(A, Bm, method, **options)
     return X.squeeze(-1) if vec else X
+
+
+def _not_finite(v):
+    return not torch.isfinite(v).all()
+
+
+def _require_solved(A, B, X, call="torch.linalg.solve"):
+    """Note [Singular structured operators]: a structured solve divides by pivots it never
+    checks (the diagonal of a DiagonalOperator or a triangle, a zero scale, a singular
+    Kronecker factor declared triangular), so an exactly singular operator gave inf/nan
+    silently where ``torch.linalg.solve`` of the dense matrix raises. A non-finite solution
+    from finite inputs means a zero pivot: raise torch's error type. One reduction over the
+    result (torch's own solve reads its pivot flag too); nothing to read under jit's trace."""
+    if not read_through(X, _not_finite):
+        return
+    leaves = [t for t in pt.tree_leaves(A) if isinstance(t, torch.Tensor)] + [B]
+    if any(read_through(t, _not_finite) for t in leaves if t.is_floating_point() or t.is_complex()):
+        return  # inf/nan in, inf/nan out: as torch
+    raise torch.linalg.LinAlgError(
+        f"{call}({A!r}{', B' if call.endswith('solve') else ''}): the operator is singular "
+        f"(the structured algorithm gave inf/nan from finite inputs: a zero pivot), as {call} "
+        "raises for its dense matrix. Expected an invertible operator: check the zero "
+        "entries of its diagonal, scale or factors."
+    )
 
 
 def solve_triangular(A, B, *, upper: bool, left: bool = True, unitriangular: bool = False):
@@ -178,7 +205,13 @@ def inv(A) -> LinearOperator:
         # Applied by implicitly differentiated solves (Note [Implicit differentiation of
         # structured solves]): inv(A) @ X is solve(A, X) in every mode.
         return InverseOperator(A)
-    return _rules.inv(A)
+    Ainv = _rules.inv(A)
+    if isinstance(Ainv, LinearOperator):  # Note [Singular structured operators]
+        leaves = [t for t in pt.tree_leaves(Ainv) if isinstance(t, torch.Tensor)]
+        bad = [t for t in leaves if (t.is_floating_point() or t.is_complex())]
+        if any(read_through(t, _not_finite) for t in bad):
+            _require_solved(A, torch.zeros(()), bad[0], call="torch.linalg.inv")
+    return Ainv
 
 
 # ------------------------------------------------------------------ determinants

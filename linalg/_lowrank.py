@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ._base import LinearOperator, broadcast_batch, dense_cholesky
-from ._dense import DiagonalOperator, ScaledIdentityOperator, _scaled_props
+from ._base import LinearOperator, broadcast_batch, dense_cholesky, read_through
+from ._dense import (
+    DiagonalOperator,
+    ScaledIdentityOperator,
+    _scaled_props,
+    dense_inv,
+    dense_slogdet,
+    dense_solve,
+)
 from ._rules import add, diagonal, inv, matmul, scale, slogdet, solve, trace
 
 
@@ -234,9 +241,18 @@ def _add_low_rank_plus_diagonal(A, B):
     return None
 
 
+def _zero_in_diagonal(A):
+    """Woodbury and the determinant lemma divide by ``d``: a zero entry (the sum may still be
+    invertible, e.g. diag(0, 1) + e1 e1^T = I) sends the operator to the dense algorithms,
+    which gave nan before (a silent wrong result)."""
+    return read_through(A.d, lambda d: (d == 0).any())
+
+
 @solve.register(LowRankPlusDiagonalOperator)
 def _solve_low_rank_plus_diagonal(A, B):
     # Woodbury: (D + U V^H)^{-1} B = D^{-1} B - D^{-1} U C^{-1} V^H D^{-1} B
+    if _zero_in_diagonal(A):
+        return dense_solve(A, B)
     C, DinvU = A._capacitance()
     DinvB = B / A.d.unsqueeze(-1)
     rhs = _herm(A._V, DinvB)
@@ -252,6 +268,8 @@ def _solve_low_rank_plus_diagonal(A, B):
 @inv.register(LowRankPlusDiagonalOperator)
 def _inv_low_rank_plus_diagonal(A):
     # (D + U V^H)^{-1} = D^{-1} + (-D^{-1} U C^{-1}) (D^{-H} V)^H
+    if _zero_in_diagonal(A):
+        return dense_inv(A)
     C, DinvU = A._capacitance()
     Unew = -torch.linalg.solve(C, DinvU, left=False)  # D^{-1} U C^{-1}
     return LowRankPlusDiagonalOperator(Unew, 1 / A.d, A._V / A.d.conj().unsqueeze(-1), **A._props())
@@ -260,6 +278,8 @@ def _inv_low_rank_plus_diagonal(A):
 @slogdet.register(LowRankPlusDiagonalOperator)
 def _slogdet_low_rank_plus_diagonal(A):
     # Matrix determinant lemma: det(D + U V^H) = det(D) det(I + V^H D^{-1} U)
+    if _zero_in_diagonal(A):
+        return dense_slogdet(A)
     C, _ = A._capacitance()
     if A.positive_definite:
         L = dense_cholesky(C, A)

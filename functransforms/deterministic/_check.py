@@ -143,6 +143,17 @@ def digest(t):
 
 
 _POS = torch.arange(1, 9, dtype=torch.int64)
+_aten = torch.ops.aten
+_UNINITIALIZED = frozenset(
+    (
+        _aten.empty.memory_format,
+        _aten.empty_like.default,
+        _aten.empty_strided.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+        _aten.empty_permuted.default,
+    )
+)
 
 
 def _out_digest(out):
@@ -247,6 +258,12 @@ class HashMode(TransformAwareMode):
             return out
         if f.view:  # a view's bits are its input's: identify it by that and its geometry
             h = ("view", self._in_hash(args[0]), _geometry(out))
+        elif func in _UNINITIALIZED:
+            # Note [Uninitialized memory is not a divergence]: empty/empty_like hand back
+            # whatever the allocator held, so their bits differ between runs by design (every
+            # F.dropout on CPU draws into empty_like: seeded dropout was reported at its
+            # buffer). Only the shape counts; an op that reads the garbage differs itself.
+            h = ("uninitialized", _geometry(out))
         else:
             h = _out_digest(out)
         for i, t in enumerate(_tensors(out)):

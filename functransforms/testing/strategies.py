@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import strategies as st
 
@@ -69,14 +71,15 @@ def tensors(
     for s in shape:
         n *= s
     if dtype.is_floating_point or dtype.is_complex:
-        width = 32 if dtype in (torch.float32, torch.complex64) else 64
-        el = elements or st.floats(
-            min_value, max_value, allow_nan=False, allow_infinity=False, width=width
-        )
+        real = dtype.to_real() if dtype.is_complex else dtype
+        lo, hi = _inward(min_value, real, up=True), _inward(max_value, real, up=False)
+        el = elements or st.floats(lo, hi, allow_nan=False, allow_infinity=False)
     elif dtype == torch.bool:
         el = elements or st.booleans()
     else:
-        el = elements or st.integers(int(min_value), int(max_value))
+        info = torch.iinfo(dtype)  # uint8 would wrap -3 to 253: the bounds are the dtype's too
+        lo, hi = max(math.ceil(min_value), info.min), min(math.floor(max_value), info.max)
+        el = elements or st.integers(lo, hi)
     if dtype.is_complex:
         re = draw(st.lists(el, min_size=n, max_size=n))
         im = draw(st.lists(el, min_size=n, max_size=n))
@@ -85,6 +88,19 @@ def tensors(
     else:
         t = torch.tensor(draw(st.lists(el, min_size=n, max_size=n)), dtype=dtype)
     return t.reshape(shape).to(device)
+
+
+def _inward(bound, dtype, up):
+    """``bound`` rounded into ``dtype`` toward the inside of the interval: drawn float64 values
+    between two representable bounds round to values between them, so a float32/float16 tensor
+    stays within ``[min_value, max_value]`` (before, float32 bounds such as 0.1 raised in
+    hypothesis and float16 values could round past them)."""
+    t = torch.tensor(bound, dtype=dtype)
+    if up and float(t) < bound:
+        t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
+    elif not up and float(t) > bound:
+        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
+    return float(t)
 
 
 def pytrees_of_tensors(leaves=None, max_leaves=4):
