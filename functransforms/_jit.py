@@ -459,31 +459,35 @@ class Jitted:
 
     def _signature(self, args, kwargs):
         """``(key, tensor leaves, rebuild)``; key None if a leaf is not hashable."""
-        if not kwargs and all(type(a) is _Tensor and not a.is_nested for a in args):
-            tensors = list(args)
-            spec, consts = None, None
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-            tensors, consts = [], []
-            for x in leaves:
-                if isinstance(x, _Tensor):
-                    if x.is_nested:  # make_fx does not trace nested tensors: run f as is
-                        return None, None, None
-                    tensors.append(x)
-                    consts.append(_TENSOR)
-                else:
-                    k = _leaf_key(x)
-                    if k is None:
-                        return None, None, None
-                    consts.append(k)
-            consts = tuple(consts)
-            values = [None if isinstance(x, _Tensor) else x for x in leaves]
+        walked = _walk(args, kwargs)
+        if walked is not None:
+            # Plain tensors and dicts of them (Note [Signature walk]): the key holds the
+            # structure tokens in place of (pytree spec, non-tensor leaves).
+            spec, consts, tensors = walked
+            tkey = _dyn_tensor_key if self.dynamic else _tensor_key
+            key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+            if spec is None:
+                return key, tensors, _rebuild_flat
+            return key, tensors, functools.partial(_rebuild_walked, spec, consts)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors, consts = [], []
+        for x in leaves:
+            if isinstance(x, _Tensor):
+                if x.is_nested:  # make_fx does not trace nested tensors: run f as is
+                    return None, None, None
+                tensors.append(x)
+                consts.append(_TENSOR)
+            else:
+                k = _leaf_key(x)
+                if k is None:
+                    return None, None, None
+                consts.append(k)
+        consts = tuple(consts)
+        values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
         key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
 
         def rebuild(ts):
-            if spec is None:
-                return tuple(ts), {}
             it = iter(ts)
             leaves = [next(it) if c is _TENSOR else v for c, v in zip(consts, values)]
             return tree_unflatten(spec, leaves)
@@ -612,6 +616,74 @@ class Jitted:
 
 
 _TENSOR = object()  # marks a tensor leaf among the non-tensor leaves of a signature
+
+
+# Note [Signature walk]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Most calls pass plain tensors and plain dicts of them (``functional_call``'s parameters and
+# buffers). For those, a Python walk replaces the optree flatten (~3.5 us for a dict of 4
+# parameters plus a tensor, a third of a hit's cost): one structure token per argument, None
+# for a tensor, the tuple of its keys (insertion order) for a dict, and the tensors in that
+# order. A token determines the structure exactly (only ``str`` keys, so ``{1: t}`` and
+# ``{True: t}`` are never confused; only ``type(...) is dict`` / ``is Tensor``, so no subclass
+# slips through), and ``_rebuild_walked`` rebuilds the same dicts in the same key order from
+# it, so the traced graph's flat inputs follow the walk's order and no optree order is
+# involved. Every per-tensor field is read anew on each call, so a dict mutated between calls
+# (a key added, a value swapped or resized in place) is a new signature as before. Anything
+# else (tuples, lists, None, numbers, nested dicts, kwargs of other kinds) takes the optree path.
+
+
+def _walk_node(a, tensors):
+    if type(a) is _Tensor:
+        if a.is_nested:
+            return _NOWALK
+        tensors.append(a)
+        return None
+    if type(a) is dict:
+        for k, v in a.items():
+            if type(k) is not str or type(v) is not _Tensor or v.is_nested:
+                return _NOWALK
+        tensors.extend(a.values())
+        return tuple(a)
+    return _NOWALK
+
+
+def _walk(args, kwargs):
+    """``(arg tokens, kwarg tokens, tensors)`` for plain tensors and str-keyed dicts of plain
+    tensors, else None (Note [Signature walk]). Flat tensors give ``(None, None, tensors)``,
+    the key of the fast path in ``__call__``."""
+    tensors = []
+    tokens = tuple([_walk_node(a, tensors) for a in args])
+    if _NOWALK in tokens:
+        return None
+    if not kwargs:
+        if tokens.count(None) == len(tokens):
+            return None, None, tensors
+        return tokens, (), tensors
+    kw = []
+    for k, v in kwargs.items():
+        tok = _walk_node(v, tensors)
+        if tok is _NOWALK:
+            return None
+        kw.append((k, tok))
+    return tokens, tuple(kw), tensors
+
+
+def _rebuild_flat(ts):
+    return tuple(ts), {}
+
+
+def _rebuild_walked(tokens, kw_tokens, ts):
+    it = iter(ts)
+
+    def build(tok):
+        return next(it) if tok is None else {k: next(it) for k in tok}
+
+    args = tuple([build(t) for t in tokens])
+    return args, {k: build(t) for k, t in kw_tokens}
+
+
+_NOWALK = object()  # a walk token: this argument needs the optree path
 
 
 def _inductor(gm, tensors, dynamic):
