@@ -416,18 +416,23 @@ class Jitted:
             # Inside a transform, another trace, or a dispatch mode: run f as is (correct,
             # and the enclosing trace, if any, records its ops).
             return self.f(*args, **kwargs)
-        if not kwargs and not self.dynamic:
-            # Fast path: a flat tuple of plain tensors.
-            for a in args:
-                if type(a) is not _Tensor or a.is_nested:
-                    break
-            else:
-                key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
+        if not self.dynamic:
+            # Fast paths of a hit: a flat tuple of plain tensors, else plain tensors and
+            # str-keyed dicts of them (Note [Signature walk]).
+            tensors = args
+            if kwargs or not all([type(a) is _Tensor and not a.is_nested for a in args]):
+                walked = _walk(args, kwargs)
+                tensors = None if walked is None else walked[2]
+            if tensors is not None:
+                if tensors is args:
+                    key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
+                else:
+                    key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
                 if entry is not None and entry is not _EAGER and entry.alias is None:
                     self._cache.move_to_end(key)
                     self._hits += 1
-                    out = entry.run(*args)
+                    out = entry.run(*tensors)
                     if entry.out_spec is None:
                         return out[0]
                     return self._unflatten(entry, out)
@@ -623,14 +628,15 @@ _TENSOR = object()  # marks a tensor leaf among the non-tensor leaves of a signa
 # Most calls pass plain tensors and plain dicts of them (``functional_call``'s parameters and
 # buffers). For those, a Python walk replaces the optree flatten (~3.5 us for a dict of 4
 # parameters plus a tensor, a third of a hit's cost): one structure token per argument, None
-# for a tensor, the tuple of its keys (insertion order) for a dict, and the tensors in that
-# order. A token determines the structure exactly (only ``str`` keys, so ``{1: t}`` and
-# ``{True: t}`` are never confused; only ``type(...) is dict`` / ``is Tensor``, so no subclass
-# slips through), and ``_rebuild_walked`` rebuilds the same dicts in the same key order from
-# it, so the traced graph's flat inputs follow the walk's order and no optree order is
-# involved. Every per-tensor field is read anew on each call, so a dict mutated between calls
-# (a key added, a value swapped or resized in place) is a new signature as before. Anything
-# else (tuples, lists, None, numbers, nested dicts, kwargs of other kinds) takes the optree path.
+# for a tensor, the tuple of its keys (insertion order) for a dict, and the tensors in optree's
+# leaf order (sorted keys, kwargs sorted by name), so ``jitted.graph(...)`` takes its inputs in
+# ``tree_leaves((args, kwargs))`` order whichever path keyed it. A token determines the
+# structure exactly (only ``str`` keys, so ``{1: t}`` and ``{True: t}`` are never confused;
+# only ``type(...) is dict`` / ``is Tensor``, so no subclass slips through), and
+# ``_rebuild_walked`` rebuilds the same dicts in the caller's key order from it. Every
+# per-tensor field is read anew on each call, so a dict mutated between calls (a key added, a
+# value swapped or resized in place) is a new signature as before. Anything else (tuples,
+# lists, None, numbers, nested dicts, kwargs of other kinds) takes the optree path.
 
 
 def _walk_node(a, tensors):
@@ -643,7 +649,7 @@ def _walk_node(a, tensors):
         for k, v in a.items():
             if type(k) is not str or type(v) is not _Tensor or v.is_nested:
                 return _NOWALK
-        tensors.extend(a.values())
+        tensors.extend(map(a.__getitem__, sorted(a)))  # optree's leaf order: sorted keys
         return tuple(a)
     return _NOWALK
 
@@ -661,12 +667,12 @@ def _walk(args, kwargs):
             return None, None, tensors
         return tokens, (), tensors
     kw = []
-    for k, v in kwargs.items():
-        tok = _walk_node(v, tensors)
+    for k in sorted(kwargs):
+        tok = _walk_node(kwargs[k], tensors)
         if tok is _NOWALK:
             return None
         kw.append((k, tok))
-    return tokens, tuple(kw), tensors
+    return tokens, (tuple(kwargs), tuple(kw)), tensors
 
 
 def _rebuild_flat(ts):
@@ -677,10 +683,17 @@ def _rebuild_walked(tokens, kw_tokens, ts):
     it = iter(ts)
 
     def build(tok):
-        return next(it) if tok is None else {k: next(it) for k in tok}
+        if tok is None:
+            return next(it)
+        values = {k: next(it) for k in sorted(tok)}
+        return {k: values[k] for k in tok}  # the caller's key order
 
     args = tuple([build(t) for t in tokens])
-    return args, {k: build(t) for k, t in kw_tokens}
+    if not kw_tokens:
+        return args, {}
+    order, kw = kw_tokens
+    values = {k: build(t) for k, t in kw}
+    return args, {k: values[k] for k in order}
 
 
 _NOWALK = object()  # a walk token: this argument needs the optree path

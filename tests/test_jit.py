@@ -140,6 +140,12 @@ def test_dicts_of_tensors_skip_the_pytree_flatten_and_keep_every_check(monkeypat
     p = {"w": torch.randn(3, 2, dtype=D), "u": torch.randn(2, dtype=D)}
     x, extra = torch.randn(4, 3, dtype=D), {"b": torch.randn(2, dtype=D)}
     jf(p, x, extra=extra)
+    # The graph takes its inputs in optree's leaf order (sorted keys), as for any pytree.
+    leaves = ft._pytree.tree_leaves(((p, x), {"extra": extra}))
+    for got, want in zip(
+        jf.graph(p, x, extra=extra)(*leaves), ft._pytree.tree_leaves(f(p, x, extra=extra))
+    ):
+        _close(got, want)
 
     flatten = ft._jit.tree_flatten
 
