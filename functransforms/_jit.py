@@ -47,6 +47,16 @@ import torch
 
 from . import _compat, _core
 from ._jit_passes import _clean, _for_inductor, _roots
+from ._jit_signature import (
+    _TENSOR,
+    _dyn_tensor_key,
+    _globals_key,
+    _leaf_key,
+    _rebuild_flat,
+    _rebuild_walked,
+    _tensor_key,
+    _walk,
+)
 from ._pytree import tree_flatten, tree_unflatten
 from .errors import JitFallbackWarning
 
@@ -90,33 +100,6 @@ _EAGER = object()  # cache value of a signature that runs eagerly (Note [Jit fal
 # torch's own flag, not a grad wrapper's Python-level one (Note [requires_grad and grad_fn
 # inside grad], autodiff/reverse.py)
 _torch_requires_grad = _compat.tensor_requires_grad
-
-
-def _tensor_key(t):
-    # is_conj/is_neg only matter (and only can be set) for complex and negative views.
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
-
-
-def _leaf_key(x):
-    if isinstance(x, float):
-        return (float, x.hex())  # -0.0 and nan are values of their own
-    try:
-        hash(x)
-    except TypeError:
-        return None
-    return (type(x), x)
-
-
-def _dyn_tensor_key(t):
-    return (t.dim(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
-
-
-def _globals_key():
-    return (
-        torch.is_grad_enabled(),
-        torch.get_default_dtype(),
-        torch.are_deterministic_algorithms_enabled(),
-    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -416,18 +399,23 @@ class Jitted:
             # Inside a transform, another trace, or a dispatch mode: run f as is (correct,
             # and the enclosing trace, if any, records its ops).
             return self.f(*args, **kwargs)
-        if not kwargs and not self.dynamic:
-            # Fast path: a flat tuple of plain tensors.
-            for a in args:
-                if type(a) is not _Tensor or a.is_nested:
-                    break
-            else:
-                key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
+        if not self.dynamic:
+            # Fast paths of a hit: a flat tuple of plain tensors, else plain tensors and
+            # str-keyed dicts of them (Note [Signature walk]).
+            tensors = args
+            if kwargs or not all([type(a) is _Tensor and not a.is_nested for a in args]):
+                walked = _walk(args, kwargs)
+                tensors = None if walked is None else walked[2]
+            if tensors is not None:
+                if tensors is args:
+                    key = (_globals_key(), None, None, tuple(map(_tensor_key, args)))
+                else:
+                    key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
                 if entry is not None and entry is not _EAGER and entry.alias is None:
                     self._cache.move_to_end(key)
                     self._hits += 1
-                    out = entry.run(*args)
+                    out = entry.run(*tensors)
                     if entry.out_spec is None:
                         return out[0]
                     return self._unflatten(entry, out)
@@ -459,31 +447,35 @@ class Jitted:
 
     def _signature(self, args, kwargs):
         """``(key, tensor leaves, rebuild)``; key None if a leaf is not hashable."""
-        if not kwargs and all(type(a) is _Tensor and not a.is_nested for a in args):
-            tensors = list(args)
-            spec, consts = None, None
-        else:
-            leaves, spec = tree_flatten((args, kwargs))
-            tensors, consts = [], []
-            for x in leaves:
-                if isinstance(x, _Tensor):
-                    if x.is_nested:  # make_fx does not trace nested tensors: run f as is
-                        return None, None, None
-                    tensors.append(x)
-                    consts.append(_TENSOR)
-                else:
-                    k = _leaf_key(x)
-                    if k is None:
-                        return None, None, None
-                    consts.append(k)
-            consts = tuple(consts)
-            values = [None if isinstance(x, _Tensor) else x for x in leaves]
+        walked = _walk(args, kwargs)
+        if walked is not None:
+            # Plain tensors and dicts of them (Note [Signature walk]): the key holds the
+            # structure tokens in place of (pytree spec, non-tensor leaves).
+            spec, consts, tensors = walked
+            tkey = _dyn_tensor_key if self.dynamic else _tensor_key
+            key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+            if spec is None:
+                return key, tensors, _rebuild_flat
+            return key, tensors, functools.partial(_rebuild_walked, spec, consts)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors, consts = [], []
+        for x in leaves:
+            if isinstance(x, _Tensor):
+                if x.is_nested:  # make_fx does not trace nested tensors: run f as is
+                    return None, None, None
+                tensors.append(x)
+                consts.append(_TENSOR)
+            else:
+                k = _leaf_key(x)
+                if k is None:
+                    return None, None, None
+                consts.append(k)
+        consts = tuple(consts)
+        values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
         key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
 
         def rebuild(ts):
-            if spec is None:
-                return tuple(ts), {}
             it = iter(ts)
             leaves = [next(it) if c is _TENSOR else v for c, v in zip(consts, values)]
             return tree_unflatten(spec, leaves)
@@ -609,9 +601,6 @@ class Jitted:
             JitFallbackWarning,
             stacklevel=4,
         )
-
-
-_TENSOR = object()  # marks a tensor leaf among the non-tensor leaves of a signature
 
 
 def _inductor(gm, tensors, dynamic):

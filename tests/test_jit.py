@@ -1,5 +1,6 @@
 """functransforms.jit: every replay and every fallback agrees with running f eagerly."""
 
+import collections
 import warnings
 from operator import getitem
 
@@ -127,6 +128,74 @@ def test_signature_shape_dtype_stride_grad_mode_default_dtype():
     assert jf.cache_info().misses == 6
     assert jf(x.double()).dtype == f(x.double()).dtype  # back to the float32 default: a hit
     assert jf.cache_info().hits == 1
+
+
+def test_dicts_of_tensors_skip_the_pytree_flatten_and_keep_every_check(monkeypatch):
+    # Note [Signature walk]: plain dicts of tensors are keyed without optree; the key must
+    # still hold every field, and a dict mutated between calls is a new signature.
+    def f(p, x, *, extra):
+        return {k: v * x.sum() for k, v in p.items()}, x @ p["w"] + extra["b"]
+
+    jf = ft.jit(f)
+    p = {"w": torch.randn(3, 2, dtype=D), "u": torch.randn(2, dtype=D)}
+    x, extra = torch.randn(4, 3, dtype=D), {"b": torch.randn(2, dtype=D)}
+    jf(p, x, extra=extra)
+    # The graph takes its inputs in optree's leaf order (sorted keys), as for any pytree.
+    leaves = ft._pytree.tree_leaves(((p, x), {"extra": extra}))
+    for got, want in zip(
+        jf.graph(p, x, extra=extra)(*leaves), ft._pytree.tree_leaves(f(p, x, extra=extra))
+    ):
+        _close(got, want)
+
+    flatten = ft._jit.tree_flatten
+
+    def no_input_flatten(tree):  # f's outputs are still flattened when a signature traces
+        if isinstance(tree, tuple) and len(tree) == 2 and tree[1] == {"extra": extra}:
+            raise AssertionError("plain dicts of tensors must not go through optree")
+        return flatten(tree)
+
+    monkeypatch.setattr(ft._jit, "tree_flatten", no_input_flatten)
+
+    def check(p, x, extra, misses):
+        out, ref = jf(p, x, extra=extra), f(p, x, extra=extra)
+        assert list(out[0]) == list(ref[0])  # the same keys in the same order
+        for k in ref[0]:
+            _close(out[0][k], ref[0][k])
+        _close(out[1], ref[1])
+        assert jf.cache_info().misses == misses
+
+    check(p, x, extra, 1)  # a hit
+    p["w"] = torch.randn(3, 2, dtype=D).t().contiguous().t()  # same dict, other strides
+    check(p, x, extra, 2)
+    p["u"] = torch.randn(2, dtype=torch.float32)  # dtype
+    check(p, x, extra, 3)
+    p["u"] = torch.randn(2, dtype=D, requires_grad=True)  # requires_grad
+    check(p, x, extra, 4)
+    p["u"].detach_()  # changed in place: back to a known signature
+    check(p, x, extra, 4)
+    p["v"] = torch.randn(1, dtype=D)  # a key added to the same dict
+    check(p, x, extra, 5)
+    check({"v": p["v"], "w": p["w"], "u": p["u"]}, x, extra, 6)  # another key order
+    p["u"].resize_(3)  # the same tensor resized in place: its shape is read anew
+    check(p, x, extra, 7)
+    with torch.no_grad():  # grad mode
+        check(p, x, extra, 8)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # default dtype
+    try:
+        check(p, x, extra, 9)
+    finally:
+        torch.set_default_dtype(old)
+    check(p, x, {"b": x[:2, 0]}, 10)  # a strided view
+    monkeypatch.undo()
+    # Keys that are not str, dict subclasses and nested containers take the optree path.
+    g = ft.jit(lambda d: d[1] * 2 if 1 in d else d[True] * 3)
+    t = torch.randn(2, dtype=D)
+    _close(g({1: t}), t * 2)
+    _close(g({True: t}), t * 2)  # {1: t} == {True: t}: one signature, as eagerly
+    h = ft.jit(lambda d: d["a"] * 2 if type(d) is collections.OrderedDict else d["a"])
+    _close(h({"a": t}), t)
+    _close(h(collections.OrderedDict(a=t)), t * 2)
 
 
 def test_lru_eviction_and_cache_clear():
