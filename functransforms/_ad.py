@@ -121,7 +121,10 @@ def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
     flat_out, out_spec, spec, pull, aux = _vjp_flat(func, primals, has_aux, call)
 
-    def vjp_fn(*cotangents):
+    def vjp_fn(*cotangents, retain_graph=True, create_graph=None):
+        # torch.func's keywords: retain_graph is moot (our pullback can always run again);
+        # create_graph=False makes the cotangents constants for the enclosing transforms, as
+        # torch.func's (its outer gradients through them are zero)
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
         flat_ct, ct_spec = pt.tree_flatten(cts)
         if not pt.same_structure(ct_spec, out_spec):
@@ -129,7 +132,10 @@ def _vjp(func, primals, has_aux, call):
                 f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
                 f"the output, {out_spec}; got {ct_spec}."
             )
-        return tuple(pt.tree_unflatten(spec, pull(flat_ct)))
+        flat_in = pull(flat_ct)
+        if create_graph is False:
+            flat_in = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat_in]
+        return tuple(pt.tree_unflatten(spec, flat_in))
 
     output = pt.tree_unflatten(out_spec, flat_out)
     if has_aux:
@@ -533,10 +539,15 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
             aux = _unwrap_dual(aux, interp)
         flat_out, out_spec = pt.tree_flatten(result)
         outs, touts = [], []
-        for o in flat_out:
+        for i, o in enumerate(flat_out):
             if isinstance(o, DualTensor) and o._interp is interp:
                 outs.append(o._primal)
                 touts.append(o._tangent)
+            elif not isinstance(o, torch.Tensor):  # RuntimeError, as torch.func
+                raise RuntimeError(
+                    f"{call}: output {i} (flattened) is a {type(o).__name__}; "
+                    "expected the function to return tensors (or pytrees of tensors)."
+                )
             else:
                 outs.append(o)
                 touts.append(torch.zeros_like(o))

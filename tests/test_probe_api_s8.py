@@ -1,0 +1,215 @@
+"""Probe of the API surface against torch.func, call by call: the same call runs through
+functransforms and torch.func and must give the same values, dtypes, shapes and pytree
+structure, or raise the same exception class (ours with a message naming the call).
+Deliberate differences are in docs/torch_func_differences.md and are tested there."""
+
+import collections
+import functools
+
+import pytest
+import torch
+import torch.func as tf
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+import functransforms as ft
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(3, 4, dtype=torch.float64, generator=g)
+y = torch.randn(4, 3, dtype=torch.float64, generator=g)
+z = torch.randn(3, dtype=torch.float64, generator=g)
+w = torch.randn(3, dtype=torch.float64, generator=g)
+NT = collections.namedtuple("NT", "a b")
+f2 = lambda a, b: (a * b.sin()).sum()  # noqa: E731
+
+
+def same(make):
+    """``make(lib)`` gives the same pytree of values for torch.func and for us."""
+    torch.manual_seed(0)
+    ref = make(tf)
+    torch.manual_seed(0)
+    ours = make(ft)
+    lr, sr = tree_flatten(ref)
+    lo, so = tree_flatten(ours)
+    assert str(so) == str(sr)
+    for a, b in zip(lo, lr):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        else:
+            assert a == b
+
+
+def both_raise(make, exc, match):
+    with pytest.raises(exc):
+        make(tf)
+    with pytest.raises(exc, match=match):
+        make(ft)
+
+
+AGREE = {
+    # vmap: in_dims / out_dims trees, negative dims, chunking, batch sizes, callables
+    "in_dims dict": lambda M: M.vmap(lambda d: d["a"] + d["b"], in_dims=({"a": 0, "b": None},))(
+        {"a": x, "b": z.new_ones(4)}
+    ),
+    "in_dims list": lambda M: M.vmap(lambda l: l[0] + l[1], in_dims=([0, 1],))([x, y]),
+    "in_dims namedtuple": lambda M: M.vmap(lambda t: t.a * t.b, in_dims=(NT(0, 1),))(NT(x, y)),
+    "in_dims -1": lambda M: M.vmap(lambda a: a * 2, in_dims=-1)(y),
+    "in_dims -2": lambda M: M.vmap(lambda a: a * 2, in_dims=-2)(x),
+    "out_dims -1": lambda M: M.vmap(lambda a: a * 2, out_dims=-1)(x),
+    "out_dims per output": lambda M: M.vmap(lambda a: (a, a.sum()), out_dims=(1, 0))(x),
+    "out_dims nested": lambda M: M.vmap(
+        lambda a: (a, {"s": a.sum(), "t": a * 2}), out_dims=(1, {"s": 0, "t": -1})
+    )(x),
+    "out_dims None unbatched": lambda M: M.vmap(lambda a: z * 2, out_dims=None)(x),
+    "out_dims (0,) single": lambda M: M.vmap(lambda a: a, out_dims=(0,))(x),
+    "in_dims None int": lambda M: M.vmap(lambda a, n: a * n, in_dims=(0, None))(x, 3),
+    "returns input": lambda M: M.vmap(lambda a: a)(x),
+    "returns captured": lambda M: M.vmap(lambda a: z)(x),
+    "returns unbatched input": lambda M: M.vmap(lambda a, b: b, in_dims=(0, None))(x, z),
+    "kwargs unbatched": lambda M: M.vmap(lambda a, s=None: a + s)(x, s=z.new_ones(4)),
+    "chunk uneven": lambda M: M.vmap(lambda a: a * 2, chunk_size=2)(y),
+    "chunk out_dims 1": lambda M: M.vmap(lambda a: a * 2, chunk_size=2, out_dims=1)(y),
+    "chunk in_dims 1": lambda M: M.vmap(lambda a: a.sum(), chunk_size=2, in_dims=1)(x),
+    "chunk > B": lambda M: M.vmap(lambda a: a * 2, chunk_size=10)(x),
+    "chunk tuple out": lambda M: M.vmap(lambda a: (a * 2, a.sum()), chunk_size=2, out_dims=(1, 0))(
+        y
+    ),
+    "B=0": lambda M: M.vmap(lambda a: a * 2)(x[:0]),
+    "B=0 sum": lambda M: M.vmap(lambda a: a.sum())(x[:0]),
+    "B=1": lambda M: M.vmap(lambda a: a.sum())(x[:1]),
+    "nested same tensor": lambda M: M.vmap(
+        M.vmap(lambda a, b: a * b, in_dims=(0, None)), in_dims=(None, 0)
+    )(x, x),
+    "nested closure": lambda M: M.vmap(lambda a: M.vmap(lambda b: a * b)(a))(x),
+    "randomness same": lambda M: M.vmap(lambda a: a + torch.rand(()), randomness="same")(x),
+    "namedtuple out": lambda M: M.vmap(lambda a: NT(a, a.sum()))(x),
+    "OrderedDict out": lambda M: M.vmap(lambda a: collections.OrderedDict(b=a, a=a.sum()))(x),
+    "Tensor method": lambda M: M.vmap(torch.Tensor.sum)(x),
+    "partial": lambda M: M.vmap(functools.partial(torch.sum, dim=0))(x),
+    "nn.Module": lambda M: M.vmap(nn.Linear(4, 2).double())(x),
+    "lambda default": lambda M: M.vmap(lambda a, k=2: a * k)(x),
+    # grad family
+    "argnums -1": lambda M: M.grad(f2, argnums=-1)(z, w),
+    "argnums (1, 0)": lambda M: M.grad(f2, argnums=(1, 0))(z, w),
+    "argnums (0,)": lambda M: M.grad(f2, argnums=(0,))(z, w),
+    "grad_and_value tuple": lambda M: M.grad_and_value(f2, argnums=(0, 1))(z, w),
+    "aux is input": lambda M: M.grad(lambda a: (a.sum(), a), has_aux=True)(z),
+    "aux nested": lambda M: M.grad_and_value(
+        lambda a: (a.sum(), {"k": [a.sin(), (a * 2,)]}), has_aux=True
+    )(z),
+    "grad dict": lambda M: M.grad(lambda d: (d["a"] * d["b"]).sum())({"a": z, "b": w}),
+    "grad namedtuple": lambda M: M.grad(lambda d: (d.a * d.b).sum())(NT(z, w)),
+    "grad OrderedDict": lambda M: M.grad(lambda d: (d["a"] * d["b"]).sum())(
+        collections.OrderedDict(b=w, a=z)
+    ),
+    "grad kwargs": lambda M: M.grad(lambda a, k=None: (a * k).sum())(z, k=w),
+    "grad partial": lambda M: M.grad(functools.partial(f2, b=w))(z),
+    "grad int arg": lambda M: M.grad(lambda a, n: (a * n).sum())(z, 3),
+    "vjp twice": lambda M: (lambda fn: (fn(w), fn(w * 2)))(M.vjp(lambda a: a.sin(), z)[1]),
+    "vjp f32 cotangent": lambda M: M.vjp(lambda a: a.sin(), z)[1](w.float()),
+    "vjp retain_graph": lambda M: M.vjp(lambda a: a.sin(), z)[1](w, retain_graph=False),
+    "vjp create_graph": lambda M: M.grad(
+        lambda a: M.vjp(lambda b: b.sin(), a)[1](w, create_graph=True)[0].sum()
+    )(z),
+    "vjp create_graph False": lambda M: M.grad(
+        lambda a: M.vjp(lambda b: b.sin(), a)[1](w, create_graph=False)[0].sum()
+    )(z),
+    "vjp dict": lambda M: M.vjp(lambda d: d["a"] * d["b"], {"a": z, "b": w})[1](w),
+    "jvp has_aux": lambda M: M.jvp(lambda a: (a.sin(), {"a": [a]}), (z,), (w,), has_aux=True),
+    "jvp f32 tangent": lambda M: M.jvp(lambda a: a.sin(), (z,), (w.float(),)),
+    "jvp dict": lambda M: M.jvp(
+        lambda d: d["a"] * d["b"], ({"a": z, "b": w},), ({"a": w, "b": z},)
+    ),
+    "jacrev chunk 1": lambda M: M.jacrev(lambda a: a.sin(), chunk_size=1)(z),
+    "jacrev chunk 2 tuple": lambda M: M.jacrev(lambda a: (a.sin(), a.sum()), chunk_size=2)(z),
+    "jacrev argnums": lambda M: M.jacrev(lambda a, b: a * b, argnums=(0, 1))(z, w),
+    "jacrev dict out": lambda M: M.jacrev(lambda a: {"s": a.sin(), "c": a.cos()})(z),
+    "jacrev namedtuple out": lambda M: M.jacrev(lambda a: NT(a.sin(), a.cos()))(z),
+    "jacrev module": lambda M: M.jacrev(nn.Linear(3, 2).double())(z),
+    "jacfwd same": lambda M: M.jacfwd(lambda a: a * torch.rand(()), randomness="same")(z),
+    "jacfwd different": lambda M: M.jacfwd(
+        lambda a: a * torch.rand(3, dtype=torch.float64), randomness="different"
+    )(z),
+    "jacfwd aux": lambda M: M.jacfwd(lambda a: (a.sin(), {"a": a}), has_aux=True)(z),
+    "jacfwd dict in": lambda M: M.jacfwd(lambda d: d["a"] * d["b"])({"a": z, "b": w}),
+    "hessian argnums": lambda M: M.hessian(lambda a, b: (a**3 * b).sum(), argnums=(0, 1))(z, w),
+}
+
+
+@pytest.mark.parametrize("name", AGREE)
+def test_agrees_with_torch_func(name):
+    same(AGREE[name])
+
+
+RAISE = {
+    # (make, torch.func's class, our message)
+    "in_dims float": (lambda M: M.vmap(lambda a: a, in_dims=1.0)(x), ValueError, "in_dims"),
+    "in_dims list": (
+        lambda M: M.vmap(lambda a, b: a + b, in_dims=[0, 0])(x, x),
+        ValueError,
+        "in_dims to be an int",
+    ),
+    "out_dims float": (lambda M: M.vmap(lambda a: a, out_dims=1.0)(x), ValueError, "out_dims"),
+    "out_dims str": (lambda M: M.vmap(lambda a: a, out_dims="a")(x), ValueError, "out_dims"),
+    "out_dims list for tensor": (
+        lambda M: M.vmap(lambda a: a, out_dims=[0])(x),
+        ValueError,
+        "out_dims",
+    ),
+    "in_dims out of range": (lambda M: M.vmap(lambda a: a, in_dims=2)(x), ValueError, r"\[-2, 1\]"),
+    "mismatched sizes": (
+        lambda M: M.vmap(lambda a, b: a + b)(x, y),
+        ValueError,
+        "same size along their in_dim",
+    ),
+    "chunk 0": (lambda M: M.vmap(lambda a: a, chunk_size=0)(x), ValueError, "chunk_size=0"),
+    "randomness bad": (
+        lambda M: M.vmap(lambda a: a, randomness="foo")(x),
+        RuntimeError,
+        "randomness",
+    ),
+    "argnums out of range": (lambda M: M.grad(f2, argnums=2)(z, w), RuntimeError, "argnums"),
+    "argnums repeated": (lambda M: M.grad(f2, argnums=(0, -2))(z, w), RuntimeError, "twice"),
+    "grad non-scalar": (lambda M: M.grad(lambda a: a)(z), RuntimeError, "scalar"),
+    "grad int input": (lambda M: M.grad(lambda a: a.sum())(torch.arange(3)), RuntimeError, "int64"),
+    "vjp shape": (lambda M: M.vjp(lambda a: a.sin(), z)[1](w[:1]), RuntimeError, "shape"),
+    "vjp structure": (lambda M: M.vjp(lambda a: a.sin(), z)[1]((w,)), RuntimeError, "structure"),
+    "jvp list primals": (lambda M: M.jvp(lambda a: a, [z], [w]), RuntimeError, "tuples"),
+    "jvp tangent shape": (lambda M: M.jvp(lambda a: a, (z,), (w[:1],)), RuntimeError, "shape"),
+    "jvp non-tensor output": (
+        lambda M: M.jvp(lambda a: (a.sin(), 3), (z,), (w,)),
+        RuntimeError,
+        "output 1.*int",
+    ),
+    "jacfwd non-tensor output": (
+        lambda M: M.jacfwd(lambda a: (a.sin(), 3))(z),
+        RuntimeError,
+        "jacfwd.*output 1",
+    ),
+    "jvp aux int": (
+        lambda M: M.jvp(lambda a: (a, 3), (z,), (w,), has_aux=True),
+        RuntimeError,
+        "aux",
+    ),
+    "jacrev chunk 0": (lambda M: M.jacrev(lambda a: a, chunk_size=0)(z), ValueError, "chunk"),
+}
+
+
+@pytest.mark.parametrize("name", RAISE)
+def test_raises_as_torch_func(name):
+    make, exc, match = RAISE[name]
+    both_raise(make, exc, match)
+
+
+def test_vjp_fn_keywords_have_torch_funcs_defaults():
+    import inspect
+
+    (_, ours), (_, ref) = ft.vjp(torch.sin, z), tf.vjp(torch.sin, z)
+    kw = lambda fn: {  # noqa: E731
+        k: p.default
+        for k, p in inspect.signature(fn).parameters.items()
+        if p.kind == p.KEYWORD_ONLY or p.default is not p.empty
+    }
+    assert kw(ours) == kw(ref)
