@@ -213,3 +213,83 @@ def test_vjp_fn_keywords_have_torch_funcs_defaults():
         if p.kind == p.KEYWORD_ONLY or p.default is not p.empty
     }
     assert kw(ours) == kw(ref)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3, bias=False)
+        self.b = self.a  # one weight under two names
+        self.register_buffer("buf", torch.ones(3))
+
+    def forward(self, v, scale=1.0):
+        return (self.b(self.a(v)) + self.buf) * scale
+
+
+tied = Tied().double()
+W = torch.randn(3, 3, dtype=torch.float64, generator=g)
+b0 = torch.zeros(3, dtype=torch.float64)
+
+FC_AGREE = {
+    "one name": lambda M: M.functional_call(tied, {"a.weight": W}, (x[:, :3],)),
+    "the other name": lambda M: M.functional_call(tied, {"b.weight": W}, (x[:, :3],)),
+    "both names, one tensor": lambda M: M.functional_call(
+        tied, {"a.weight": W, "b.weight": W}, (x[:, :3],)
+    ),
+    "tie_weights=False": lambda M: M.functional_call(
+        tied, {"a.weight": W}, (x[:, :3],), tie_weights=False
+    ),
+    "strict through a tie": lambda M: M.functional_call(
+        tied, {"b.weight": W, "buf": b0}, (x[:, :3],), strict=True
+    ),
+    "tuple of dicts": lambda M: M.functional_call(
+        tied, ({"a.weight": W}, {"buf": b0}), (x[:, :3],)
+    ),
+    "buffers only": lambda M: M.functional_call(tied, {"buf": b0}, (x[:, :3],)),
+    "kwargs": lambda M: M.functional_call(tied, {"a.weight": W}, (x[:, :3],), {"scale": 2.0}),
+    "single arg": lambda M: M.functional_call(tied, {"a.weight": W}, x[:, :3]),
+    "unexpected key": lambda M: M.functional_call(tied, {"a.weight": W, "zzz": W}, (x[:, :3],)),
+    "grad of params": lambda M: M.grad(lambda p: M.functional_call(tied, p, (x[:, :3],)).sum())(
+        {"a.weight": W}
+    ),
+    "vmap of params": lambda M: M.vmap(lambda p: M.functional_call(tied, p, (x[:, :3],)))(
+        {"a.weight": W.expand(2, 3, 3)}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", FC_AGREE)
+def test_functional_call_agrees(name):
+    same(FC_AGREE[name])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # two tensors for one tied weight: torch.func refuses; differentiating both names
+        # used to give the first a silent zero gradient
+        lambda M: M.functional_call(tied, {"a.weight": W, "b.weight": W * 2}, (x[:, :3],)),
+        lambda M: M.grad(lambda p: M.functional_call(tied, p, (x[:, :3],)).sum())(
+            {"a.weight": W, "b.weight": W}
+        ),
+    ],
+)
+def test_functional_call_two_values_for_a_tied_weight(make):
+    both_raise(make, ValueError, "tied names")
+
+
+@pytest.mark.parametrize(
+    "make, exc",
+    [
+        (
+            lambda M: M.functional_call(tied, {"a.weight": W}, (x[:, :3],), strict=True),
+            RuntimeError,
+        ),
+        (
+            lambda M: M.functional_call(tied, ({"a.weight": W}, {"a.weight": W}), (x[:, :3],)),
+            ValueError,
+        ),
+    ],
+)
+def test_functional_call_bad_dicts(make, exc):
+    both_raise(make, exc, "functional_call")
