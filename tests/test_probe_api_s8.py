@@ -4,6 +4,7 @@ structure, or raise the same exception class (ours with a message naming the cal
 Deliberate differences are in docs/torch_func_differences.md and are tested there."""
 
 import collections
+import dataclasses
 import functools
 
 import pytest
@@ -293,3 +294,54 @@ def test_functional_call_two_values_for_a_tied_weight(make):
 )
 def test_functional_call_bad_dicts(make, exc):
     both_raise(make, exc, "functional_call")
+
+
+# -- classes registered with torch.utils._pytree are pytree nodes, as for torch.func --
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+@dataclasses.dataclass
+class DC:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+torch.utils._pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda c, _: Pair(*c))
+torch.utils._pytree.register_dataclass(DC)
+
+PYTREE = {
+    "vmap Pair in": lambda M: M.vmap(lambda p: p.a * p.b)(Pair(x, x)),
+    "vmap Pair in_dims": lambda M: M.vmap(lambda p: p.a * p.b, in_dims=(Pair(0, None),))(
+        Pair(x, x[0])
+    ),
+    "vmap Pair out_dims": lambda M: M.vmap(lambda t: Pair(t, t.sum()), out_dims=Pair(1, 0))(x),
+    "vmap dataclass in": lambda M: M.vmap(lambda p: p.a * p.b)(DC(x, x)),
+    "vmap dataclass out": lambda M: M.vmap(lambda t: DC(t, t.sum()))(x),
+    "grad dataclass": lambda M: M.grad(lambda p: (p.a * p.b).sum())(DC(z, w)),
+    "grad Pair": lambda M: M.grad(lambda p: (p.a * p.b).sum())(Pair(z, w)),
+    "grad dataclass aux": lambda M: M.grad(lambda t: (t.sum(), DC(t, t)), has_aux=True)(z),
+    "jacrev dataclass out": lambda M: M.jacrev(lambda t: DC(t.sin(), t.cos()))(z),
+    "jacfwd dataclass in": lambda M: M.jacfwd(lambda p: p.a * p.b)(DC(z, w)),
+    "vjp dataclass": lambda M: M.vjp(lambda p: DC(p.a * p.b, p.a), DC(z, w))[1](DC(w, z)),
+    "jvp dataclass": lambda M: M.jvp(lambda p: DC(p.a * p.b, p.a), (DC(z, w),), (DC(w, z),)),
+    "hessian dataclass": lambda M: M.hessian(lambda p: (p.a**2 * p.b).sum())(DC(z, w)),
+}
+
+
+@pytest.mark.parametrize("name", PYTREE)
+def test_torch_registered_pytree_nodes(name):
+    def flat(v):  # compare as leaves: the classes have no __eq__ for the tree specs
+        return tree_flatten(v)[0]
+
+    same(lambda M: flat(PYTREE[name](M)))
+    assert type(PYTREE[name](ft)) is type(PYTREE[name](tf))
+
+
+def test_torch_registered_node_structure_is_checked():
+    both_raise(
+        lambda M: M.vjp(lambda p: DC(p.a * p.b, p.a), DC(z, w))[1]((w, z)),
+        RuntimeError,
+        "structure",
+    )
