@@ -511,6 +511,13 @@ def jvp(
                 f"{call}: a tangent is a {t.dtype} tensor; expected a floating-point or complex "
                 "tensor (the primal's dtype)."
             )
+        if isinstance(p, torch.Tensor) and t.is_complex() and not p.is_complex():
+            # the cast to the real primal's dtype would drop the imaginary part (torch.func
+            # keeps it and returns a complex output tangent): refuse rather than guess
+            raise ValueError(
+                f"{call}: a tangent is a {t.dtype} tensor but its primal is real ({p.dtype}); "
+                "expected a real tangent (pass the real and imaginary parts as two jvp calls)."
+            )
     return _jvp(func, flat_p, flat_t, spec, has_aux, call)
 
 
@@ -604,7 +611,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
     def jvp_fn(*tangents):
         flat_t, spec = pt.tree_flatten(tangents)
         if not pt.same_structure(spec, primal_spec):
-            raise ValueError(
+            raise RuntimeError(  # torch.func's class, here and below
                 f"jvp_fn(*tangents) of {call}: expected tangents with the structure of the "
                 f"primals, {primal_spec}; got {spec}."
             )
@@ -613,9 +620,19 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
             p = torch.as_tensor(p)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
+                raise RuntimeError(
                     f"jvp_fn(*tangents) of {call}: a tangent has shape {got} but its primal has "
                     f"shape {tuple(p.shape)}; expected equal shapes."
+                )
+            if not (t.is_floating_point() or t.is_complex()) or (
+                t.is_complex() and not p.is_complex()
+            ):
+                # torch.func refuses any other dtype; we cast between floating dtypes only (as
+                # jvp): an integer tangent is a mistake and a complex one would lose its
+                # imaginary part
+                raise RuntimeError(
+                    f"jvp_fn(*tangents) of {call}: a tangent is a {t.dtype} tensor but its primal "
+                    f"is {p.dtype}; expected a tangent of the primal's dtype."
                 )
             cast.append(t.to(p.dtype) if t.dtype != p.dtype else t)
         return transpose(pt.tree_unflatten(primal_spec, cast))[0]

@@ -345,3 +345,29 @@ def test_torch_registered_node_structure_is_checked():
         RuntimeError,
         "structure",
     )
+
+
+@pytest.mark.parametrize(
+    "tangent",
+    [
+        lambda: (w, w),  # structure
+        lambda: (w[:2],),  # shape
+        lambda: (torch.ones(3, dtype=torch.long),),  # an integer tangent
+        lambda: (w.to(torch.complex128),),  # complex for a real primal
+    ],
+)
+def test_linearize_jvp_fn_bad_tangents_raise_runtime_error(tangent):
+    both_raise(lambda M: M.linearize(lambda t: t.sin(), z)[1](*tangent()), RuntimeError, "jvp_fn")
+
+
+def test_linearize_jvp_fn_agrees():
+    same(lambda M: M.linearize(lambda a, b: a * b.sin(), z, w)[1](w, z))
+
+
+def test_jvp_complex_tangent_for_a_real_primal_raises():
+    # torch.func returns a complex output tangent; casting to the real primal's dtype dropped
+    # the imaginary part (a wrong number with a UserWarning): we refuse
+    with pytest.raises(ValueError, match="complex128 tensor but its primal is real"):
+        ft.jvp(torch.sin, (z,), (w.to(torch.complex128),))
+    with pytest.raises(ValueError, match="complex128"):
+        ft.jacfwd(lambda t: ft.jvp(torch.sin, (t,), (t * 1j,))[1])(z)
