@@ -65,7 +65,9 @@ def _as_primal(x, call, forward):
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
         return torch.tensor(x, dtype=_default_dtype(x))
-    raise ValueError(
+    # torch.func's classes: jvp raises RuntimeError ("Expected primals to only contain
+    # Tensors"), grad/vjp/jacrev ValueError
+    raise (RuntimeError if forward == "jvp" else ValueError)(
         f"{call}: expected the differentiated inputs to be tensors (or Python floats); got a "
         f"{type(x).__name__} ({x!r}). Pass non-differentiated values through a closure or "
         "another argument."
@@ -493,7 +495,7 @@ def jvp(
         raise RuntimeError(
             f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
         )
-    flat_p = [_as_primal(p, call, forward=True) for p in flat_p]
+    flat_p = [_as_primal(p, call, forward="jvp") for p in flat_p]
     flat_t = [
         torch.tensor(t, dtype=p.dtype) if isinstance(t, (float, complex, int)) else t
         for p, t in zip(flat_p, flat_t)

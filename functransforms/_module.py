@@ -95,6 +95,15 @@ def functional_call(
     """
     if isinstance(parameter_and_buffer_dicts, dict):
         tensors = dict(parameter_and_buffer_dicts)
+    elif not (
+        isinstance(parameter_and_buffer_dicts, (list, tuple))
+        and all(isinstance(d, dict) for d in parameter_and_buffer_dicts)
+    ):
+        raise ValueError(  # torch.func's class
+            "functional_call(module, parameter_and_buffer_dicts, ...): expected a dict, or a "
+            "list/tuple of dicts, of name -> tensor; got "
+            f"{type(parameter_and_buffer_dicts).__name__}."
+        )
     else:
         tensors = {}
         for d in parameter_and_buffer_dicts:

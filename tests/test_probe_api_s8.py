@@ -371,3 +371,37 @@ def test_jvp_complex_tangent_for_a_real_primal_raises():
         ft.jvp(torch.sin, (z,), (w.to(torch.complex128),))
     with pytest.raises(ValueError, match="complex128"):
         ft.jacfwd(lambda t: ft.jvp(torch.sin, (t,), (t * 1j,))[1])(z)
+
+
+@pytest.mark.parametrize(
+    "make, exc",
+    [
+        (lambda M: M.jvp(lambda a, n: a * n, (z, 3), (w, 0)), RuntimeError),
+        (lambda M: M.jvp(lambda a: a, ("s",), ("s",)), RuntimeError),
+        (lambda M: M.vjp(lambda a, n: a * n, z, 3), ValueError),
+        (lambda M: M.grad(lambda a: a * 2)(3), ValueError),
+        (lambda M: M.jacrev(lambda a: a * 2)(3), ValueError),
+        (lambda M: M.functional_call(nn.Linear(3, 2), 3, (z,)), ValueError),
+        (lambda M: M.functional_call(nn.Linear(3, 2), [3], (z,)), ValueError),
+    ],
+)
+def test_non_tensor_inputs_raise_torch_funcs_class(make, exc):
+    with pytest.raises(exc):
+        make(tf)
+    with pytest.raises(exc, match=r"jvp\(|vjp\(|grad\(|jacrev\(|functional_call\("):
+        make(ft)
+
+
+KWARGS = {  # torch.func's jacrev/jacfwd/hessian take no keyword arguments (TypeError)
+    "jacrev": lambda: ft.jacrev(lambda t, k=1.0: t * k)(z, k=w),
+    "hessian": lambda: ft.hessian(lambda t, k=1.0: (t**3 * k).sum())(z, k=2.0),
+}
+
+
+def test_keyword_arguments_reach_the_function():
+    torch.testing.assert_close(KWARGS["jacrev"](), torch.diag(w))
+    torch.testing.assert_close(KWARGS["hessian"](), torch.diag(12.0 * z))
+    same(lambda M: M.vmap(M.grad(lambda t, k=None: (t * k).sum()))(x[:, :3], k=z))
+    torch.testing.assert_close(ft.jacfwd(lambda t, k=1.0: t * k)(z, k=w), torch.diag(w))
+    with pytest.raises(TypeError):
+        tf.jacfwd(lambda t, k=1.0: t * k)(z, k=w)
