@@ -17,6 +17,12 @@ def _name(func):
     return getattr(func, "__name__", type(func).__name__)
 
 
+def _check_callable(func, call):
+    """TypeError as torch.func's ("'int' object is not callable"), naming the call."""
+    if not callable(func):
+        raise TypeError(f"{call}: expected func to be a callable; got {type(func).__name__}.")
+
+
 # -- reverse mode -----------------------------------------------------------------------------
 def vjp(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any, ...]:
     """Run ``func(*primals)`` and return its output and a function computing vector-Jacobian
@@ -40,6 +46,7 @@ def vjp(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any, ...]:
         >>> torch.allclose(vjp_fn(torch.ones(2))[0], torch.cos(x))
         True
     """
+    _check_callable(func, f"vjp({_name(func)}, ...)")
     return _vjp(func, primals, has_aux, f"vjp({_name(func)}, ...)")
 
 
@@ -315,6 +322,7 @@ def grad_and_value(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = f"grad({_name(func)}, argnums={argnums!r})"
+        _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)
@@ -479,6 +487,7 @@ def jvp(
         tensor([1.0000, 0.5403])
     """
     call = f"jvp({_name(func)}, primals, tangents)"
+    _check_callable(func, call)
     if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
         raise RuntimeError(
             f"{call}: expected primals and tangents to be tuples; got {type(primals).__name__} "
@@ -603,6 +612,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
         tensor([1., 1.])
     """
     call = f"linearize({_name(func)}, ...)"
+    _check_callable(func, call)
     res = _vjp(func, primals, has_aux, call)
     out, vjp_fn = res[0], res[1]
     zeros = pt.tree_map(torch.zeros_like, out)
@@ -673,6 +683,7 @@ def jacrev(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacrev({_name(func)}, argnums={argnums!r})"
+        _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)
@@ -744,6 +755,7 @@ def jacfwd(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacfwd({_name(func)}, argnums={argnums!r})"
+        _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)

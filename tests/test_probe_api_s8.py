@@ -405,3 +405,21 @@ def test_keyword_arguments_reach_the_function():
     torch.testing.assert_close(ft.jacfwd(lambda t, k=1.0: t * k)(z, k=w), torch.diag(w))
     with pytest.raises(TypeError):
         tf.jacfwd(lambda t, k=1.0: t * k)(z, k=w)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda M: M.grad(3)(z),
+        lambda M: M.grad_and_value(None)(z),
+        lambda M: M.jacrev(3)(z),
+        lambda M: M.jacfwd(3)(z),
+        lambda M: M.hessian(3)(z),
+        lambda M: M.vjp(3, z),
+        lambda M: M.jvp(3, (z,), (w,)),
+        lambda M: M.linearize(3, z),
+        lambda M: M.vmap(3)(x),
+    ],
+)
+def test_a_non_callable_func_raises_type_error_naming_the_call(make):
+    both_raise(make, TypeError, r"^(grad|jacrev|jacfwd|hessian|vjp|jvp|linearize|vmap)\(.*callable")
