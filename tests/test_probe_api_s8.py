@@ -423,3 +423,45 @@ def test_keyword_arguments_reach_the_function():
 )
 def test_a_non_callable_func_raises_type_error_naming_the_call(make):
     both_raise(make, TypeError, r"^(grad|jacrev|jacfwd|hessian|vjp|jvp|linearize|vmap)\(.*callable")
+
+
+xb = torch.randn(5, 4, dtype=torch.float64, generator=g)
+dropout = nn.Dropout(0.5)
+MORE = {
+    "chunk unbatched out": lambda M: M.vmap(lambda t: (t, xb[0]), chunk_size=2)(xb),
+    "chunk in_dims None": lambda M: M.vmap(lambda t, u: t * u, in_dims=(0, None), chunk_size=3)(
+        xb, xb[0]
+    ),
+    "chunk dict out_dims": lambda M: M.vmap(
+        lambda t: {"a": t, "b": t.sum()}, chunk_size=2, out_dims={"a": 1, "b": 0}
+    )(xb),
+    "chunk under grad": lambda M: M.grad(
+        lambda u: M.vmap(lambda t: (t * u).sum(), chunk_size=2)(xb).sum()
+    )(xb[0]),
+    "chunk nested": lambda M: M.vmap(M.vmap(lambda a: a * 2, chunk_size=3), chunk_size=2)(xb),
+    "chunk randomness different": lambda M: M.vmap(
+        lambda t: t + torch.rand(4, dtype=torch.float64), chunk_size=2, randomness="different"
+    )(xb),
+    "chunk randomness same": lambda M: M.vmap(
+        lambda t: t + torch.rand(4, dtype=torch.float64), chunk_size=2, randomness="same"
+    )(xb),
+    "same tensor as two argnums": lambda M: M.jacrev(lambda a, b: a * b.sin(), argnums=(0, 1))(
+        z, z
+    ),
+    "same tensor twice jacfwd": lambda M: M.jacfwd(lambda a, b: a * b.sin(), argnums=(0, 1))(z, z),
+    "vjp output twice": lambda M: M.vjp(lambda t: (t.sin(),) * 2, z)[1]((w, w)),
+    "grad non-contiguous": lambda M: M.grad(lambda t: (t**2).sum())(x.t()),
+    "vmap of bound method": lambda M: M.vmap(z.add)(x[:, :3]),
+    "vmap dropout different": lambda M: M.vmap(dropout, randomness="different")(xb),
+    "vmap dropout same chunked": lambda M: M.vmap(dropout, randomness="same", chunk_size=2)(xb),
+    "vmap jacfwd dropout": lambda M: M.vmap(
+        M.jacfwd(dropout, randomness="different"), randomness="different"
+    )(xb),
+    "vmap randperm": lambda M: M.vmap(lambda t: t[torch.randperm(4)], randomness="different")(xb),
+    "jvp dropout": lambda M: M.jvp(dropout, (z,), (w,)),
+}
+
+
+@pytest.mark.parametrize("name", MORE)
+def test_more_agreements(name):
+    same(MORE[name])
