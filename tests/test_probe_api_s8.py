@@ -465,3 +465,25 @@ MORE = {
 @pytest.mark.parametrize("name", MORE)
 def test_more_agreements(name):
     same(MORE[name])
+
+
+def test_dicts_match_by_key_where_torch_func_matches_by_order():
+    a, b = x, z.new_ones(4)
+    ours = ft.vmap(lambda d: d["a"] * d["b"], in_dims=({"b": None, "a": 0},))({"a": a, "b": b})
+    torch.testing.assert_close(ours, a * b)
+    # torch.func maps the dicts by insertion order: b over its dim 0, a not at all
+    ref = tf.vmap(lambda d: d["a"] * d["b"], in_dims=({"b": None, "a": 0},))({"a": a, "b": b})
+    assert ref.shape == (4, 3, 4)
+    # in order, both agree
+    same(
+        lambda M: M.vmap(lambda d: d["a"] * d["b"], in_dims=({"a": 0, "b": None},))(
+            {"a": a, "b": b}
+        )
+    )
+    out = ft.vmap(lambda t: {"a": t, "b": t.sum()}, out_dims={"b": 0, "a": 1})(x)
+    torch.testing.assert_close(out["a"], x.T)
+    torch.testing.assert_close(out["b"], x.sum(1))
+    (gz,) = ft.vjp(lambda t: {"a": t.sin(), "b": t}, z)[1]({"b": w, "a": 2 * w})
+    torch.testing.assert_close(gz, z.cos() * 2 * w + w)
+    _, tz = ft.jvp(lambda d: d["a"] * d["b"], ({"a": z, "b": w},), ({"b": z, "a": w},))
+    torch.testing.assert_close(tz, w * w + z * z)
