@@ -17,6 +17,12 @@ def _name(func):
     return getattr(func, "__name__", type(func).__name__)
 
 
+def _check_callable(func, call):
+    """TypeError as torch.func's ("'int' object is not callable"), naming the call."""
+    if not callable(func):
+        raise TypeError(f"{call}: expected func to be a callable; got {type(func).__name__}.")
+
+
 # -- reverse mode -----------------------------------------------------------------------------
 def vjp(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any, ...]:
     """Run ``func(*primals)`` and return its output and a function computing vector-Jacobian
@@ -40,6 +46,7 @@ def vjp(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any, ...]:
         >>> torch.allclose(vjp_fn(torch.ones(2))[0], torch.cos(x))
         True
     """
+    _check_callable(func, f"vjp({_name(func)}, ...)")
     return _vjp(func, primals, has_aux, f"vjp({_name(func)}, ...)")
 
 
@@ -65,7 +72,9 @@ def _as_primal(x, call, forward):
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
         return torch.tensor(x, dtype=_default_dtype(x))
-    raise ValueError(
+    # torch.func's classes: jvp raises RuntimeError ("Expected primals to only contain
+    # Tensors"), grad/vjp/jacrev ValueError
+    raise (RuntimeError if forward == "jvp" else ValueError)(
         f"{call}: expected the differentiated inputs to be tensors (or Python floats); got a "
         f"{type(x).__name__} ({x!r}). Pass non-differentiated values through a closure or "
         "another argument."
@@ -121,7 +130,10 @@ def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
     flat_out, out_spec, spec, pull, aux = _vjp_flat(func, primals, has_aux, call)
 
-    def vjp_fn(*cotangents):
+    def vjp_fn(*cotangents, retain_graph=True, create_graph=None):
+        # torch.func's keywords: retain_graph is moot (our pullback can always run again);
+        # create_graph=False makes the cotangents constants for the enclosing transforms, as
+        # torch.func's (its outer gradients through them are zero)
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
         flat_ct, ct_spec = pt.tree_flatten(cts)
         if not pt.same_structure(ct_spec, out_spec):
@@ -129,7 +141,10 @@ def _vjp(func, primals, has_aux, call):
                 f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
                 f"the output, {out_spec}; got {ct_spec}."
             )
-        return tuple(pt.tree_unflatten(spec, pull(flat_ct)))
+        flat_in = pull(flat_ct)
+        if create_graph is False:
+            flat_in = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat_in]
+        return tuple(pt.tree_unflatten(spec, flat_in))
 
     output = pt.tree_unflatten(out_spec, flat_out)
     if has_aux:
@@ -307,6 +322,7 @@ def grad_and_value(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = f"grad({_name(func)}, argnums={argnums!r})"
+        _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)
@@ -471,6 +487,7 @@ def jvp(
         tensor([1.0000, 0.5403])
     """
     call = f"jvp({_name(func)}, primals, tangents)"
+    _check_callable(func, call)
     if not isinstance(primals, tuple) or not isinstance(tangents, tuple):
         raise RuntimeError(
             f"{call}: expected primals and tangents to be tuples; got {type(primals).__name__} "
@@ -487,7 +504,7 @@ def jvp(
         raise RuntimeError(
             f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
         )
-    flat_p = [_as_primal(p, call, forward=True) for p in flat_p]
+    flat_p = [_as_primal(p, call, forward="jvp") for p in flat_p]
     flat_t = [
         torch.tensor(t, dtype=p.dtype) if isinstance(t, (float, complex, int)) else t
         for p, t in zip(flat_p, flat_t)
@@ -504,6 +521,13 @@ def jvp(
             raise ValueError(
                 f"{call}: a tangent is a {t.dtype} tensor; expected a floating-point or complex "
                 "tensor (the primal's dtype)."
+            )
+        if isinstance(p, torch.Tensor) and t.is_complex() and not p.is_complex():
+            # the cast to the real primal's dtype would drop the imaginary part (torch.func
+            # keeps it and returns a complex output tangent): refuse rather than guess
+            raise ValueError(
+                f"{call}: a tangent is a {t.dtype} tensor but its primal is real ({p.dtype}); "
+                "expected a real tangent (pass the real and imaginary parts as two jvp calls)."
             )
     return _jvp(func, flat_p, flat_t, spec, has_aux, call)
 
@@ -533,10 +557,15 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
             aux = _unwrap_dual(aux, interp)
         flat_out, out_spec = pt.tree_flatten(result)
         outs, touts = [], []
-        for o in flat_out:
+        for i, o in enumerate(flat_out):
             if isinstance(o, DualTensor) and o._interp is interp:
                 outs.append(o._primal)
                 touts.append(o._tangent)
+            elif not isinstance(o, torch.Tensor):  # RuntimeError, as torch.func
+                raise RuntimeError(
+                    f"{call}: output {i} (flattened) is a {type(o).__name__}; "
+                    "expected the function to return tensors (or pytrees of tensors)."
+                )
             else:
                 outs.append(o)
                 touts.append(torch.zeros_like(o))
@@ -583,6 +612,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
         tensor([1., 1.])
     """
     call = f"linearize({_name(func)}, ...)"
+    _check_callable(func, call)
     res = _vjp(func, primals, has_aux, call)
     out, vjp_fn = res[0], res[1]
     zeros = pt.tree_map(torch.zeros_like, out)
@@ -593,7 +623,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
     def jvp_fn(*tangents):
         flat_t, spec = pt.tree_flatten(tangents)
         if not pt.same_structure(spec, primal_spec):
-            raise ValueError(
+            raise RuntimeError(  # torch.func's class, here and below
                 f"jvp_fn(*tangents) of {call}: expected tangents with the structure of the "
                 f"primals, {primal_spec}; got {spec}."
             )
@@ -602,9 +632,19 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
             p = torch.as_tensor(p)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
+                raise RuntimeError(
                     f"jvp_fn(*tangents) of {call}: a tangent has shape {got} but its primal has "
                     f"shape {tuple(p.shape)}; expected equal shapes."
+                )
+            if not (t.is_floating_point() or t.is_complex()) or (
+                t.is_complex() and not p.is_complex()
+            ):
+                # torch.func refuses any other dtype; we cast between floating dtypes only (as
+                # jvp): an integer tangent is a mistake and a complex one would lose its
+                # imaginary part
+                raise RuntimeError(
+                    f"jvp_fn(*tangents) of {call}: a tangent is a {t.dtype} tensor but its primal "
+                    f"is {p.dtype}; expected a tangent of the primal's dtype."
                 )
             cast.append(t.to(p.dtype) if t.dtype != p.dtype else t)
         return transpose(pt.tree_unflatten(primal_spec, cast))[0]
@@ -643,6 +683,7 @@ def jacrev(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacrev({_name(func)}, argnums={argnums!r})"
+        _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)
@@ -714,6 +755,7 @@ def jacfwd(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacfwd({_name(func)}, argnums={argnums!r})"
+        _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
         diff = tuple(args[i] for i in nums)

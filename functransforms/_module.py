@@ -95,6 +95,15 @@ def functional_call(
     """
     if isinstance(parameter_and_buffer_dicts, dict):
         tensors = dict(parameter_and_buffer_dicts)
+    elif not (
+        isinstance(parameter_and_buffer_dicts, (list, tuple))
+        and all(isinstance(d, dict) for d in parameter_and_buffer_dicts)
+    ):
+        raise ValueError(  # torch.func's class
+            "functional_call(module, parameter_and_buffer_dicts, ...): expected a dict, or a "
+            "list/tuple of dicts, of name -> tensor; got "
+            f"{type(parameter_and_buffer_dicts).__name__}."
+        )
     else:
         tensors = {}
         for d in parameter_and_buffer_dicts:
@@ -110,6 +119,14 @@ def functional_call(
             by_id.setdefault(id(t), []).append(name)
         for names in by_id.values():
             given = [n for n in names if n in tensors]
+            if len({id(tensors[n]) for n in given}) > 1:
+                # torch.func's refusal: one weight cannot take two values (differentiating
+                # both would silently give one of them a zero gradient)
+                raise ValueError(
+                    f"functional_call(module, parameter_and_buffer_dicts, tie_weights=True): "
+                    f"the tied names {sorted(given)} got different tensors; expected one tensor "
+                    "for a tied weight (give one of the names), or pass tie_weights=False."
+                )
             if given:
                 for n in names:
                     tensors.setdefault(n, tensors[given[0]])

@@ -10,13 +10,39 @@ import re
 
 import optree
 
+from . import _compat
+
 NAMESPACE = "functransforms"
 
 # None is a node with no children (as in PyTorch and JAX): `f(x, None)` maps over x only.
 _KW = dict(none_is_leaf=False, namespace=NAMESPACE)
 
 
+# torch.func flattens with torch.utils._pytree, so a class registered there (register_pytree_node,
+# register_dataclass) is a node for torch.func's transforms: it must be one for ours. Its
+# registrations are copied into our namespace when their count changes (a len() per call).
+_torch_nodes = _compat.torch_pytree.SUPPORTED_NODES
+_copied = [0]
+
+
+def _copy_torch_registrations():
+    get = optree.register_pytree_node.get
+    for cls, node in list(_torch_nodes.items()):
+        # builtins, namedtuples and structseqs are nodes for optree already
+        if not isinstance(cls, type) or get(cls, namespace=NAMESPACE) is not None:
+            continue
+        optree.register_pytree_node(
+            cls,
+            lambda obj, flatten=node.flatten_fn: tuple(flatten(obj)),
+            lambda ctx, children, unflatten=node.unflatten_fn: unflatten(list(children), ctx),
+            namespace=NAMESPACE,
+        )
+    _copied[0] = len(_torch_nodes)
+
+
 def tree_flatten(tree):
+    if len(_torch_nodes) != _copied[0]:
+        _copy_torch_registrations()
     return optree.tree_flatten(tree, **_KW)
 
 
@@ -25,14 +51,20 @@ def tree_unflatten(treespec, leaves):
 
 
 def tree_leaves(tree):
+    if len(_torch_nodes) != _copied[0]:
+        _copy_torch_registrations()
     return optree.tree_leaves(tree, **_KW)
 
 
 def tree_map(fn, tree, *rest):
+    if len(_torch_nodes) != _copied[0]:
+        _copy_torch_registrations()
     return optree.tree_map(fn, tree, *rest, **_KW)
 
 
 def tree_structure(tree):
+    if len(_torch_nodes) != _copied[0]:
+        _copy_torch_registrations()
     return optree.tree_structure(tree, **_KW)
 
 
@@ -52,6 +84,8 @@ _NAMESPACE_TAG = re.compile(r", namespace='[^']*'")
 def one_level(node):
     """``(children, structure)`` of a pytree node one level deep, or None for a leaf. The
     structure compares equal for two nodes of the same type and metadata."""
+    if len(_torch_nodes) != _copied[0]:
+        _copy_torch_registrations()
     if optree.treespec_is_leaf(optree.tree_structure(node, none_is_leaf=True, namespace=NAMESPACE)):
         return None
     children, spec = optree.tree_flatten(

@@ -147,7 +147,8 @@ def test_in_dims_length_mismatch():
 
 
 def test_in_dims_wrong_type():
-    with pytest.raises(TypeError, match=r"in_dims to be an int, None or a tuple"):
+    # ValueError, as torch.func
+    with pytest.raises(ValueError, match=r"in_dims to be an int, None or a tuple"):
         ft.vmap(torch.add, in_dims=[0, 0])(torch.randn(3), torch.randn(3))
 
 
