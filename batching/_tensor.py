@@ -60,16 +60,9 @@ class BatchedTensor(TransformTensor):
     has the per-example (logical) shape.
     """
 
-    # Note [Wrapper fields in slots]
-    #     The three fields are slots, not entries of the instance ``__dict__`` (torch.Tensor's
-    #     ``__dict__`` stays, for other attributes): storing them on a new wrapper costs ~0.1 us
-    #     less per op and each read ~0.015 us less (issue 13's pointwise row). A slot is a data
-    #     descriptor, so it takes precedence over a ``__dict__`` entry of the same name: code
-    #     making wrappers must assign the attributes (never fill ``__dict__`` with them), and a
-    #     subclass switching ``__class__`` to BatchedTensor (LazyPiece) keeps the layout, as it
-    #     adds no slots. Subclasses may shadow ``_value`` with a property (LazyPiece,
-    #     ConjBatchedTensor); the slot then stays unused.
-    __slots__ = ("_value", "_bdim", "_interp")
+    # Not ``__slots__`` for the three fields (~0.1 us less per op): autodiff's promotion of a
+    # buffer written under vmap(grad) swaps ``__class__`` between a BatchedTensor and a grad
+    # wrapper (autodiff/_util.py, _swap), which needs one object layout
     _value: torch.Tensor
     _bdim: int
 

@@ -347,8 +347,8 @@ def flip_vmap_rule(interp, args, bdims, kwargs):
 #     and a lean loop wraps them: the logical strides, dtype and device are the same for every
 #     piece and the shape for every piece of a run (all pieces for unbind, all but the last for
 #     split/chunk by a size), so each wrapper costs one ``_make_wrapper_subclass`` with
-#     positional arguments (keyword parsing costs ~0.2 us per call) and three slot
-#     stores. Measured alternatives: wrappers as C++ views of the input wrapper (one ``unbind``
+#     positional arguments (keyword parsing costs ~0.2 us per call) and one ``__dict__``
+#     store. Measured alternatives: wrappers as C++ views of the input wrapper (one ``unbind``
 #     for all) are cheaper, but a C++-made TensorImpl never carries the Python dispatch key
 #     (only a subclass's constructor sets it), and ``as_subclass`` to add it costs more than
 #     building each wrapper.
@@ -452,18 +452,14 @@ def _lazy_pieces(func, a, v, pd, bdim, sections):
     append = ws.append
     for i in starts:
         w = _mk(LazyPiece, size, logical_st, *tail)
-        w._piece = (v, pd, i, length)  # Note [Wrapper fields in slots]: attributes, not __dict__
-        w._bdim = out_bdim
-        w._interp = interp
+        w.__dict__ = {"_piece": (v, pd, i, length), "_bdim": out_bdim, "_interp": interp}
         append(w)
     if last is not None and last != length:  # the last piece of an uneven split
         shape[pd] = last
         w = _mk(
             LazyPiece, shape[:bdim] + shape[bdim + 1 :], st[:out_bdim] + st[out_bdim + 1 :], *tail
         )
-        w._piece = (v, pd, starts[-1], last)
-        w._bdim = out_bdim
-        w._interp = interp
+        w.__dict__ = {"_piece": (v, pd, starts[-1], last), "_bdim": out_bdim, "_interp": interp}
         ws[-1] = w
     return tuple(ws)
 
@@ -513,14 +509,15 @@ class LazyPiece(BatchedTensor):
         return self._materialize()
 
     def _materialize(self):
-        v, pd, start, length = self.__dict__.pop("_piece")
+        d = self.__dict__
+        v, pd, start, length = d.pop("_piece")
         if v.requires_grad and below_torch_autograd():  # written with a grad-requiring value
             with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS):  # since: record
                 value = v.select(pd, start) if length is None else v.narrow(pd, start, length)
         else:
             value = v.select(pd, start) if length is None else v.narrow(pd, start, length)
-        self.__class__ = BatchedTensor  # then ``_value`` is the slot, no longer the property
-        self._value = value
+        d["_value"] = value
+        self.__class__ = BatchedTensor
         return value
 
 
@@ -570,16 +567,12 @@ def wrap_many(a, outs, bdim, kind=None, conj=False):
             for p in outs[i : i + k]:
                 w = _mk(ConjBatchedTensor, size, run_st, *tail)
                 _compat.set_conj(w, True)
-                w._lazy_conj = (p,)
-                w._bdim = bdim
-                w._interp = interp
+                w.__dict__ = {"_lazy_conj": (p,), "_bdim": bdim, "_interp": interp}
                 append(w)
             continue
         for p in outs[i : i + k]:
             w = _mk(BatchedTensor, size, run_st, *tail)
-            w._value = p  # Note [Wrapper fields in slots]
-            w._bdim = bdim
-            w._interp = interp
+            w.__dict__ = {"_value": p, "_bdim": bdim, "_interp": interp}  # one store, not three
             append(w)
     return tuple(ws)
 
@@ -671,9 +664,7 @@ def wrap_lazy_conj(value, bdim, interp):
         device,
     )
     _compat.set_conj(r, True)
-    r._lazy_conj = (value,)
-    r._bdim = bdim
-    r._interp = interp
+    r.__dict__ = {"_lazy_conj": (value,), "_bdim": bdim, "_interp": interp}
     return r
 
 
