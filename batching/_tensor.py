@@ -50,6 +50,7 @@ _NUMBERS = frozenset((int, float, bool, complex))
 _Tensor = torch.Tensor
 _DATA_GET = torch.Tensor.data.__get__
 _STRIDED = torch.strided
+_NO_RESULT = object()  # the inline fast path did not apply
 
 
 class BatchedTensor(TransformTensor):
@@ -59,6 +60,9 @@ class BatchedTensor(TransformTensor):
     has the per-example (logical) shape.
     """
 
+    # Not ``__slots__`` for the three fields (~0.1 us less per op): autodiff's promotion of a
+    # buffer written under vmap(grad) swaps ``__class__`` between a BatchedTensor and a grad
+    # wrapper (autodiff/_util.py, _swap), which needs one object layout
     _value: torch.Tensor
     _bdim: int
 
@@ -73,12 +77,12 @@ class BatchedTensor(TransformTensor):
             if inplace_at < 0 and not kwargs and type(args[0]) is cls:
                 a = args[0]
                 v, interp = a._value, a._interp
+                out = _NO_RESULT
                 if type(v) is _Tensor and interp.alive:
                     n = len(args)
                     if n == 1 or (n == 2 and type(args[1]) in _NUMBERS):
                         if not (_torch_requires_grad(v) and below_torch_autograd()):
                             out = func(v) if n == 1 else func(v, args[1])
-                            return _wrap_fresh(out, a._bdim, interp)
                     elif n == 2:
                         b = args[1]
                         if type(b) is cls:
@@ -93,7 +97,7 @@ class BatchedTensor(TransformTensor):
                                     and below_torch_autograd()
                                 )
                             ):
-                                return _wrap_fresh(func(v, w), a._bdim, interp)
+                                out = func(v, w)
                         elif (
                             type(b) is _Tensor
                             and a._bdim == 0
@@ -103,7 +107,27 @@ class BatchedTensor(TransformTensor):
                                 and below_torch_autograd()
                             )
                         ):
-                            return _wrap_fresh(func(v, b), 0, interp)
+                            out = func(v, b)
+                if out is not _NO_RESULT:
+                    if type(out) is not _Tensor:
+                        return out
+                    # wrap_batched's common case, inline (a call is ~0.1 us of the ~4 us an op
+                    # pays: issue 13's pointwise row), without its check for lazy conjugate or
+                    # negative bits: ``out`` is the fresh result of a function of the pointwise
+                    # table (one new tensor, no alias) applied to values that enter wrappers
+                    # without such bits, so it has none; its batch dim is the one of ``a``
+                    bdim = a._bdim
+                    shape, st = out.shape, out.stride()
+                    if bdim == 0:
+                        shape, st = shape[1:], st[1:]
+                    else:
+                        shape = shape[:bdim] + shape[bdim + 1 :]
+                        st = st[:bdim] + st[bdim + 1 :]
+                    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, out.device)
+                    r._value = out
+                    r._bdim = bdim
+                    r._interp = interp
+                    return r
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
                 return out
@@ -190,29 +214,6 @@ def _tensor_index(index):
     if all(e is None or isinstance(e, torch.Tensor) for e in entries):
         return list(entries)
     return None
-
-
-def _wrap_fresh(out, bdim, interp):
-    """The inline fast path's result ``out`` as a wrapper of ``interp``'s level; a non-tensor
-    result is returned as it is.
-
-    ``wrap_batched``'s common case without its check for lazy conjugate/negative bits: ``out``
-    is the fresh result of a function of the pointwise table (one new tensor, no alias, Note
-    [Pointwise fast path]) applied to values that enter wrappers without such bits, so it has
-    none. The check and the call are ~0.35 us of the ~4 us an op pays under vmap (the
-    20-op pointwise workload, issue 13)."""
-    if type(out) is not _Tensor:
-        return out
-    shape, st = out.shape, out.stride()
-    if bdim == 0:
-        shape, st = shape[1:], st[1:]
-    else:
-        shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
-    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, out.device)
-    r._value = out
-    r._bdim = bdim
-    r._interp = interp
-    return r
 
 
 def wrap_batched(value, bdim, interp):
