@@ -1013,8 +1013,9 @@ def main(argv=None):
             (f"## {dev}\n\n" if len(sections) > 1 else "") + t for dev, t in sections
         )
         os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
+        kept = _kept_sections(ns.out)  # read before open(..., "w") truncates the file
         with open(ns.out, "w") as fh:
-            fh.write(header + BEGIN + "\n" + body + "\n" + END + "\n" + _kept_sections(ns.out))
+            fh.write(header + BEGIN + "\n" + body + "\n" + END + "\n" + kept)
         with open(os.path.splitext(ns.out)[0] + ".json", "w") as fh:
             json.dump({"meta": meta, **report}, fh, indent=1, default=str)
         print(f"\nwrote {ns.out} and its .json")
