@@ -18,7 +18,7 @@ def _name(func):
 
 
 def _check_callable(func, call):
-    """TypeError as torch.func's ("'int' object is not callable"), naming the call."""
+    """TypeError as functorch's ("'int' object is not callable"), naming the call."""
     if not callable(func):
         raise TypeError(f"{call}: expected func to be a callable; got {type(func).__name__}.")
 
@@ -72,7 +72,7 @@ def _as_primal(x, call, forward):
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
         return torch.tensor(x, dtype=_default_dtype(x))
-    # torch.func's classes: jvp raises RuntimeError ("Expected primals to only contain
+    # functorch's classes: jvp raises RuntimeError ("Expected primals to only contain
     # Tensors"), grad/vjp/jacrev ValueError
     raise (RuntimeError if forward == "jvp" else ValueError)(
         f"{call}: expected the differentiated inputs to be tensors (or Python floats); got a "
@@ -131,9 +131,9 @@ def _vjp(func, primals, has_aux, call):
     flat_out, out_spec, spec, pull, aux = _vjp_flat(func, primals, has_aux, call)
 
     def vjp_fn(*cotangents, retain_graph=True, create_graph=None):
-        # torch.func's keywords: retain_graph is moot (our pullback can always run again);
+        # functorch's keywords: retain_graph is moot (our pullback can always run again);
         # create_graph=False makes the cotangents constants for the enclosing transforms, as
-        # torch.func's (its outer gradients through them are zero)
+        # functorch's (its outer gradients through them are zero)
         cts = cotangents[0] if len(cotangents) == 1 else cotangents
         flat_ct, ct_spec = pt.tree_flatten(cts)
         if not pt.same_structure(ct_spec, out_spec):
@@ -523,7 +523,7 @@ def jvp(
                 "tensor (the primal's dtype)."
             )
         if isinstance(p, torch.Tensor) and t.is_complex() and not p.is_complex():
-            # the cast to the real primal's dtype would drop the imaginary part (torch.func
+            # the cast to the real primal's dtype would drop the imaginary part (functorch
             # keeps it and returns a complex output tangent): refuse rather than guess
             raise ValueError(
                 f"{call}: a tangent is a {t.dtype} tensor but its primal is real ({p.dtype}); "
@@ -561,7 +561,7 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
             if isinstance(o, DualTensor) and o._interp is interp:
                 outs.append(o._primal)
                 touts.append(o._tangent)
-            elif not isinstance(o, torch.Tensor):  # RuntimeError, as torch.func
+            elif not isinstance(o, torch.Tensor):  # RuntimeError, as functorch
                 raise RuntimeError(
                     f"{call}: output {i} (flattened) is a {type(o).__name__}; "
                     "expected the function to return tensors (or pytrees of tensors)."
@@ -623,7 +623,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
     def jvp_fn(*tangents):
         flat_t, spec = pt.tree_flatten(tangents)
         if not pt.same_structure(spec, primal_spec):
-            raise RuntimeError(  # torch.func's class, here and below
+            raise RuntimeError(  # functorch's class, here and below
                 f"jvp_fn(*tangents) of {call}: expected tangents with the structure of the "
                 f"primals, {primal_spec}; got {spec}."
             )
@@ -639,7 +639,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
             if not (t.is_floating_point() or t.is_complex()) or (
                 t.is_complex() and not p.is_complex()
             ):
-                # torch.func refuses any other dtype; we cast between floating dtypes only (as
+                # functorch refuses any other dtype; we cast between floating dtypes only (as
                 # jvp): an integer tangent is a mistake and a complex one would lose its
                 # imaginary part
                 raise RuntimeError(

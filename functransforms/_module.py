@@ -99,7 +99,7 @@ def functional_call(
         isinstance(parameter_and_buffer_dicts, (list, tuple))
         and all(isinstance(d, dict) for d in parameter_and_buffer_dicts)
     ):
-        raise ValueError(  # torch.func's class
+        raise ValueError(  # functorch's class
             "functional_call(module, parameter_and_buffer_dicts, ...): expected a dict, or a "
             "list/tuple of dicts, of name -> tensor; got "
             f"{type(parameter_and_buffer_dicts).__name__}."
@@ -120,7 +120,7 @@ def functional_call(
         for names in by_id.values():
             given = [n for n in names if n in tensors]
             if len({id(tensors[n]) for n in given}) > 1:
-                # torch.func's refusal: one weight cannot take two values (differentiating
+                # functorch's refusal: one weight cannot take two values (differentiating
                 # both would silently give one of them a zero gradient)
                 raise ValueError(
                     f"functional_call(module, parameter_and_buffer_dicts, tie_weights=True): "

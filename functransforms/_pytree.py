@@ -18,8 +18,8 @@ NAMESPACE = "functransforms"
 _KW = dict(none_is_leaf=False, namespace=NAMESPACE)
 
 
-# torch.func flattens with torch.utils._pytree, so a class registered there (register_pytree_node,
-# register_dataclass) is a node for torch.func's transforms: it must be one for ours. Its
+# functorch flattens with torch.utils._pytree, so a class registered there (register_pytree_node,
+# register_dataclass) is a node for functorch's transforms: it must be one for ours. Its
 # registrations are copied into our namespace when their count changes (a len() per call).
 _torch_nodes = _compat.torch_pytree.SUPPORTED_NODES
 _copied = [0]

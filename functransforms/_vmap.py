@@ -215,7 +215,7 @@ def _broadcast(prefix, tree, what, call, out, path):
         for i, (p, t) in enumerate(zip(children, value[0])):
             _broadcast(p, t, what, call, out, f"{path}.<child {i}>")
         return
-    raise ValueError(  # torch.func's class for a malformed in_dims/out_dims
+    raise ValueError(  # functorch's class for a malformed in_dims/out_dims
         f"{call}: {path} must be an int, None, or a tree (tuple/list/dict or registered pytree "
         f"node) of those; got {type(prefix).__name__} ({prefix!r})."
     )
@@ -381,7 +381,7 @@ def _vmap_call(
     ) = _BATCHING or _import_batching()
 
     if not isinstance(in_dims, (int, tuple, type(None))) or isinstance(in_dims, bool):
-        # ValueError as torch.func (its TypeError for a bool comes from x.size(True))
+        # ValueError as functorch (its TypeError for a bool comes from x.size(True))
         raise (TypeError if isinstance(in_dims, bool) else ValueError)(
             f"{_call_repr(func, in_dims)}: expected in_dims to be an int, None or a tuple with one "
             f"entry per positional input; got {type(in_dims).__name__}."
