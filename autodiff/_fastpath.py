@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, below_torch_autograd, metadata, metadata_conj
+from functransforms._core import (
+    TransformTensor,
+    below_torch_autograd,
+    linear_args,
+    metadata,
+    metadata_conj,
+)
 from functransforms._ops import facts
 
 from .reverse import GRAD_FAST, NONDIFFERENTIABLE, GradTensorInVmap, Node, _prune, wrap_grad
@@ -38,11 +44,8 @@ _rules = []  # (unbroadcast, _mm_vjp_a, _mm_vjp_b), imported at first use (rule 
 
 def _linear_fast(args, kwargs):
     """``F.linear`` as one tape node (Note [F.linear as one node]), or None to decline."""
-    if kwargs:
-        if len(args) != 2 or len(kwargs) != 1 or "bias" not in kwargs:
-            return None
-        args = (args[0], args[1], kwargs["bias"])
-    if len(args) != 3:
+    args = linear_args(args, kwargs)
+    if args is None:
         return None
     interp = None
     for a in args:

@@ -34,6 +34,7 @@ from functransforms._core import (
     DEFERRING,
     SLOW_METADATA,
     Interpreter,
+    PlainMetadata,
     TransformTensor,
     below_torch_autograd,
     eager_under_compile,
@@ -41,8 +42,6 @@ from functransforms._core import (
     is_floating,
     metadata,
     metadata_conj,
-    no_tf_method,
-    no_tf_property,
     redispatch,
 )
 from functransforms._decomp import decomposition
@@ -174,7 +173,7 @@ _no_torch_function = _compat.disabled_torch_function_impl
 GRAD_FAST: dict = {}  # torch function -> fast(args, kwargs): the result, or None to decline
 
 
-class GradTensorInVmap(GradTensor):
+class GradTensorInVmap(PlainMetadata, GradTensor):
     """A GradTensor of a grad level entered directly inside a vmap (Note [Torch functions at
     the grad level under vmap])."""
 
@@ -187,18 +186,7 @@ class GradTensorInVmap(GradTensor):
                 return out
         return _no_torch_function(func, types, args, kwargs or {})
 
-    # Note [Metadata reads without __torch_function__] (batching/_tensor.py)
-    dtype = no_tf_property(_compat.TensorBase.dtype)
-    shape = no_tf_property(_compat.TensorBase.shape)
-    device = no_tf_property(_compat.TensorBase.device)
-    ndim = no_tf_property(_compat.TensorBase.ndim)
-    is_conj = no_tf_method(_compat.TensorBase.is_conj)
-    is_neg = no_tf_method(_compat.TensorBase.is_neg)
-    stride = no_tf_method(_compat.TensorBase.stride)
-    size = no_tf_method(_compat.TensorBase.size)
-    dim = no_tf_method(_compat.TensorBase.dim)
-    is_complex = no_tf_method(_compat.TensorBase.is_complex)
-    is_floating_point = no_tf_method(_compat.TensorBase.is_floating_point)
+    # metadata accessors: PlainMetadata's (Note [Metadata reads without __torch_function__])
 
 
 SLOW_METADATA.add(GradTensorInVmap)  # Note [Reading a wrapper's metadata]

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, below_torch_autograd
+from functransforms._core import TransformTensor, below_torch_autograd, linear_args
 
 _aten = torch.ops.aten
 _torch_requires_grad = _compat.tensor_requires_grad  # not a wrapper's property
@@ -490,11 +490,8 @@ def _linear(func, args, kwargs, batched_cls, wrap):
     ``[B, 1, n]`` view: three dispatched ops and two wrappers saved per layer of a per-sample
     MLP (issue 13). Other shapes, layouts, dtype or device mixes, lazy conjugates: the ordinary
     path (its errors)."""
-    if kwargs:
-        if len(args) != 2 or len(kwargs) != 1 or "bias" not in kwargs:
-            return None
-        args = (args[0], args[1], kwargs["bias"])
-    if len(args) != 3:
+    args = linear_args(args, kwargs)
+    if args is None:
         return None
     x, w, b = args
     if type(w) is not torch.Tensor or type(b) is not torch.Tensor or type(x) is not batched_cls:

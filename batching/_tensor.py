@@ -12,13 +12,12 @@ from functransforms._core import (
     DEFERRING,
     SLOW_METADATA,
     Interpreter,
+    PlainMetadata,
     TransformTensor,
     below_torch_autograd,
     is_floating,
     metadata,
 )
-from functransforms._core import no_tf_method as _no_tf_method
-from functransforms._core import no_tf_property as _no_tf_property
 from functransforms._custom import _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import draws_random, facts, op_name
@@ -53,7 +52,7 @@ _STRIDED = torch.strided
 _NO_RESULT = object()  # the inline fast path did not apply
 
 
-class BatchedTensor(TransformTensor):
+class BatchedTensor(PlainMetadata, TransformTensor):
     """A value with one extra (physical) batch dimension ``_bdim``, hidden from user code.
 
     ``_value`` is the physical tensor (possibly a wrapper of a lower level); the wrapper itself
@@ -160,17 +159,7 @@ class BatchedTensor(TransformTensor):
     #     a BatchedTensor). ``__torch_function__`` never changes what these return, so the class
     #     shadows torch's accessors with ones that read the same C++ fields with subclass torch
     #     functions disabled (torch function *modes* still see them, as before).
-    dtype = _no_tf_property(_compat.TensorBase.dtype)
-    shape = _no_tf_property(_compat.TensorBase.shape)
-    device = _no_tf_property(_compat.TensorBase.device)
-    ndim = _no_tf_property(_compat.TensorBase.ndim)
-    is_conj = _no_tf_method(_compat.TensorBase.is_conj)
-    is_neg = _no_tf_method(_compat.TensorBase.is_neg)
-    stride = _no_tf_method(_compat.TensorBase.stride)
-    size = _no_tf_method(_compat.TensorBase.size)
-    dim = _no_tf_method(_compat.TensorBase.dim)
-    is_complex = _no_tf_method(_compat.TensorBase.is_complex)
-    is_floating_point = _no_tf_method(_compat.TensorBase.is_floating_point)
+    #     The accessors are PlainMetadata's (functransforms/_core.py), a base of this class.
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         v = self._value

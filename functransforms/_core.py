@@ -564,6 +564,16 @@ plain_metadata = _compat.DisableTorchFunctionSubclass
 DEFERRING: dict = {}
 
 
+def linear_args(args, kwargs):
+    """``F.linear``'s ``(x, w, b)`` with the bias given (positionally or as ``bias=``), or None:
+    the calls the fast paths take (batching/_fastpath.py and autodiff/_fastpath.py)."""
+    if kwargs:
+        if len(args) != 2 or len(kwargs) != 1 or "bias" not in kwargs:
+            return None
+        args = (args[0], args[1], kwargs["bias"])
+    return args if len(args) == 3 else None
+
+
 def no_tf_property(getset):
     """Note [Metadata reads without __torch_function__] (batching/_tensor.py): ``getset`` read
     with subclass torch functions disabled, for a wrapper class with a Python
@@ -588,6 +598,27 @@ def no_tf_method(method):
     call.__name__ = method.__name__
     call.__doc__ = method.__doc__
     return call
+
+
+_TB = _compat.TensorBase
+
+
+class PlainMetadata:
+    """Note [Metadata reads without __torch_function__]: the metadata accessors of a wrapper class
+    with a Python ``__torch_function__`` (BatchedTensor, GradTensorInVmap), read with subclass
+    torch functions disabled. A mixin placed before the wrapper's tensor base."""
+
+    dtype = no_tf_property(_TB.dtype)
+    shape = no_tf_property(_TB.shape)
+    device = no_tf_property(_TB.device)
+    ndim = no_tf_property(_TB.ndim)
+    is_conj = no_tf_method(_TB.is_conj)
+    is_neg = no_tf_method(_TB.is_neg)
+    stride = no_tf_method(_TB.stride)
+    size = no_tf_method(_TB.size)
+    dim = no_tf_method(_TB.dim)
+    is_complex = no_tf_method(_TB.is_complex)
+    is_floating_point = no_tf_method(_TB.is_floating_point)
 
 
 _shape = _compat.TensorBase.shape.__get__
