@@ -22,6 +22,7 @@ import torch
 
 from functransforms import _compat
 from functransforms._core import TransformTensor, interpreter_stack
+from functransforms._gcpause import collector_paused
 from functransforms._ops import facts, op_name
 from functransforms.errors import (
     RandomnessError,
@@ -103,6 +104,7 @@ def _random_op_kernel(op):
     return random_op_in_error_vmap
 
 
+@collector_paused  # Note [Long-lived setup without young collections]
 def _register_random_kernels():
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(torch.library.fallthrough_kernel, _RANDOM_KEY)

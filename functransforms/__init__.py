@@ -11,17 +11,31 @@ _here = _os.path.dirname(__file__)
 if not _os.path.isdir(_os.path.join(_here, "autodiff")):
     __path__.append(_os.path.dirname(_here))
 
-from . import (  # noqa: E402, F401  (the interpreters of grad/vjp/jvp; determinism)
-    autodiff,
-    deterministic,  # noqa: E402, F401
-)
-from ._ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, value_and_grad, vjp
-from ._autograd_function import install as _install_autograd_function  # noqa: E402
-from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
-from ._functionalize import functionalize
-from ._vmap import vmap
+from ._gcpause import paused_collector as _paused_collector  # noqa: E402
 
-_install_autograd_function()  # Note [autograd.Function under transforms]
+# Note [Long-lived setup without young collections] (_gcpause.py)
+with _paused_collector():
+    from . import (  # noqa: E402, F401  (the interpreters of grad/vjp/jvp; determinism)
+        autodiff,
+        deterministic,  # noqa: E402, F401
+    )
+    from ._ad import (
+        grad,
+        grad_and_value,
+        hessian,
+        jacfwd,
+        jacrev,
+        jvp,
+        linearize,
+        value_and_grad,
+        vjp,
+    )
+    from ._autograd_function import install as _install_autograd_function  # noqa: E402
+    from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
+    from ._functionalize import functionalize
+    from ._vmap import vmap
+
+    _install_autograd_function()  # Note [autograd.Function under transforms]
 
 # Note [Lazy parts of the package]: what no rule needs loads at first use (PEP 562), so
 # ``import functransforms`` stays cheap (cold start, docs/performance.md): ``jit`` (make_fx's
@@ -65,7 +79,8 @@ def __getattr__(name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    mod = importlib.import_module(module, __name__)
+    with _paused_collector():  # Note [Long-lived setup without young collections]
+        mod = importlib.import_module(module, __name__)
     value = mod if name in ("distributed", "batching") else getattr(mod, name)
     globals()[name] = value
     return value

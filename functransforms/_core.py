@@ -24,6 +24,7 @@ import threading
 import torch
 
 from . import _compat
+from ._gcpause import collector_paused
 from ._ops import facts
 from .errors import EscapedTracerError
 
@@ -127,6 +128,7 @@ _ALSO_ENTERING = (
 _entered: set = set()  # the wrapper classes whose per-op rules are registered
 
 
+@collector_paused  # Note [Long-lived setup without young collections]
 def _install_entry():
     """Note [Entering through registered rules]: register each wrapper class's
     ``__torch_dispatch__`` as its per-op rule, at the first transform call after the class

@@ -418,13 +418,15 @@ def load_families(mask):
         return
     import importlib
 
+    from ._gcpause import paused_collector
     from ._rule_index import FAMILIES
 
-    for i, name in enumerate(FAMILIES):
-        if todo >> i & 1:
-            # a family being imported (sys.modules holds it) comes back as it is: no recursion
-            importlib.import_module("functransforms." + name)
-            _LOADED[0] |= 1 << i
+    with paused_collector():  # Note [Long-lived setup without young collections]
+        for i, name in enumerate(FAMILIES):
+            if todo >> i & 1:
+                # a family being imported (sys.modules holds it) comes back as it is
+                importlib.import_module("functransforms." + name)
+                _LOADED[0] |= 1 << i
 
 
 def load_for(kind, op):

@@ -14,6 +14,7 @@ from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
 from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
 from ._compat import functorch_interpreter as _functorch_interpreter
 from ._core import eager_under_compile
+from ._gcpause import collector_paused
 from ._typing import Dims, Func, Randomness
 
 _RANDOMNESS = ("error", "different", "same")
@@ -224,6 +225,7 @@ def _broadcast(prefix, tree, what, call, out, path):
 _BATCHING: tuple = ()
 
 
+@collector_paused  # Note [Long-lived setup without young collections]
 def _import_batching():
     """The batching machinery vmap calls, imported at the first call (functransforms.batching
     imports this package) and kept: an import statement per call cost 0.7 us."""

@@ -253,3 +253,55 @@ def test_a_duplicate_of_a_lazily_loaded_rule_still_raises_at_once():
     )
     out = _run(code)
     assert out[0] == "raised True" and out[1] == "True True"
+
+
+# Note [Long-lived setup without young collections] (functransforms/_gcpause.py)
+_UNTIL_FULL_GC = """
+import gc, sys, torch
+full = []
+def on_gc(phase, info):
+    if phase == "start" and info["generation"] == 2:
+        full.append(1)
+gc.callbacks.append(on_gc)
+{setup}
+seen = len(full)
+keep = []
+while len(full) == seen and len(keep) < 200_000:
+    keep.append([])
+print(seen, len(keep), gc.isenabled())
+"""
+
+
+def _until_full_gc(setup):
+    out = subprocess.run(
+        [sys.executable, "-c", _UNTIL_FULL_GC.format(setup=setup)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    seen, allocations, enabled = out.stdout.split()
+    return int(seen), int(allocations), enabled == "True"
+
+
+def test_library_setup_leaves_the_programs_collection_schedule_nearly_as_it_was():
+    """Without the pause, import + first vmap(grad) ran the full collection torch's import
+    leaves due (the first call paid ~70 ms for torch's heap) and without functransforms the
+    program's ~12k-th allocation runs it. With the setup paused the program's own code still
+    reaches it, and not much sooner: the library's setup counts as a few young collections,
+    not ~19."""
+    _, alone, _ = _until_full_gc("")
+    seen, after_setup, enabled = _until_full_gc(
+        "import functransforms as ft\nft.vmap(ft.grad(lambda x: x.sin().sum()))(torch.randn(2, 3))"
+    )
+    assert enabled
+    assert seen == 0, "the library's setup ran the full collection torch's import left due"
+    assert after_setup > 0.6 * alone, (after_setup, alone)
+
+
+def test_a_collector_the_program_disabled_stays_disabled():
+    seen, _, enabled = _until_full_gc(
+        "gc.disable()\nimport functransforms as ft\nft.vmap(ft.grad(torch.sin))(torch.randn(2))\n"
+        "ft.jit"
+    )
+    assert not enabled
