@@ -50,6 +50,17 @@ _Tensor = torch.Tensor
 _DATA_GET = torch.Tensor.data.__get__
 _STRIDED = torch.strided
 _NO_RESULT = object()  # the inline fast path did not apply
+# Note [Logical metadata without torch.Size]
+#     A new wrapper's logical sizes are its value's minus the batch dim. Slicing the
+#     ``torch.Size`` that ``.shape`` returns builds another ``torch.Size`` through a call of
+#     the type (~0.2 us warm per wrapper, several times that right after a large kernel has
+#     flushed the caches: issue 14 (a)); ``tuple.__getitem__`` slices it into a plain tuple,
+#     which ``_make_wrapper_subclass`` reads the same (an int sequence; SymInts too). A CPU
+#     value's device is always ``device(type='cpu')``: the one built here is passed instead of
+#     a new one per wrapper (``is_cpu`` reads a flag, ``.device`` allocates).
+_tuple_item = tuple.__getitem__
+_FROM_1 = slice(1, None)
+_CPU = torch.device("cpu")
 
 
 class BatchedTensor(PlainMetadata, TransformTensor):
@@ -116,16 +127,15 @@ class BatchedTensor(PlainMetadata, TransformTensor):
                     # table (one new tensor, no alias) applied to values that enter wrappers
                     # without such bits, so it has none; its batch dim is the one of ``a``
                     bdim = a._bdim
-                    shape, st = out.shape, out.stride()
-                    if bdim == 0:
-                        shape, st = shape[1:], st[1:]
+                    st = out.stride()
+                    if bdim == 0:  # Note [Logical metadata without torch.Size]
+                        shape, st = _tuple_item(out.shape, _FROM_1), st[1:]
                     else:
-                        shape = shape[:bdim] + shape[bdim + 1 :]
-                        st = st[:bdim] + st[bdim + 1 :]
-                    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, out.device)
-                    r._value = out
-                    r._bdim = bdim
-                    r._interp = interp
+                        shape = tuple(out.shape)
+                        shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
+                    dev = _CPU if out.is_cpu else out.device
+                    r = _mk(BatchedTensor, shape, st, None, None, out.dtype, _STRIDED, dev)
+                    r.__dict__ = {"_value": out, "_bdim": bdim, "_interp": interp}  # one store
                     return r
             out = pointwise_fast(func, inplace_at, args, kwargs, cls, wrap_batched)
             if out is not None:
@@ -209,15 +219,15 @@ def wrap_batched(value, bdim, interp):
     if type(value) is torch.Tensor and not (value.is_conj() or value.is_neg()):
         # the common case, on the per-op path: a plain value (an op's result), no lazy bits;
         # dtype and device positionally: keywords cost _make_wrapper_subclass ~0.5 us of parsing
-        shape, st = value.shape, value.stride()
-        if bdim == 0:
-            shape, st = shape[1:], st[1:]
+        st = value.stride()
+        if bdim == 0:  # Note [Logical metadata without torch.Size]
+            shape, st = _tuple_item(value.shape, _FROM_1), st[1:]
         else:
+            shape = tuple(value.shape)
             shape, st = shape[:bdim] + shape[bdim + 1 :], st[:bdim] + st[bdim + 1 :]
-        r = _mk(BatchedTensor, shape, st, None, None, value.dtype, _STRIDED, value.device)
-        r._value = value
-        r._bdim = bdim
-        r._interp = interp
+        dev = _CPU if value.is_cpu else value.device
+        r = _mk(BatchedTensor, shape, st, None, None, value.dtype, _STRIDED, dev)
+        r.__dict__ = {"_value": value, "_bdim": bdim, "_interp": interp}  # one store, not three
         return r
     shape, st, dtype, device = metadata(value)  # Note [Reading a wrapper's metadata]
     if value.is_conj() or value.is_neg():

@@ -270,59 +270,76 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
     an int out_dims (Note [vmap's lean path]); anything else returns ``_GENERAL`` before any
     side effect, and ``_vmap_call`` handles it (and raises its errors)."""
     call, in_dims, randomness, key = facts
-    if type(in_dims) is int:
-        dims = (in_dims,) * len(args)
-    elif len(in_dims) == len(args):
-        dims = in_dims
-    else:
-        return _GENERAL
-    batch_size = None
-    mapped = []
-    for x, d in zip(args, dims):
-        if not isinstance(x, _Tensor):
-            return _GENERAL
-        if d is None:
-            mapped.append(None)
-            continue
-        if x.is_nested:
+    if len(args) == 1 and type(in_dims) is int:  # the commonest call: one tensor, mapped
+        x = args[0]
+        if not isinstance(x, _Tensor) or x.is_nested:
             return _GENERAL
         shape = x.shape
         n = len(shape)
+        d = in_dims
         if not -n <= d < n:
             return _GENERAL
         if d < 0:
             d += n
-        if batch_size is None:
-            batch_size = shape[d]
-        elif shape[d] != batch_size:
+        batch_size = shape[d]
+        mapped = None
+    else:
+        if type(in_dims) is int:
+            dims = (in_dims,) * len(args)
+        elif len(in_dims) == len(args):
+            dims = in_dims
+        else:
             return _GENERAL
-        mapped.append(d)
-    if batch_size is None:
-        return _GENERAL
+        batch_size = None
+        mapped = []
+        for x, d in zip(args, dims):
+            if not isinstance(x, _Tensor):
+                return _GENERAL
+            if d is None:
+                mapped.append(None)
+                continue
+            if x.is_nested:
+                return _GENERAL
+            shape = x.shape
+            n = len(shape)
+            if not -n <= d < n:
+                return _GENERAL
+            if d < 0:
+                d += n
+            if batch_size is None:
+                batch_size = shape[d]
+            elif shape[d] != batch_size:
+                return _GENERAL
+            mapped.append(d)
+        if batch_size is None:
+            return _GENERAL
 
     _, BatchedTensor, VmapInterpreter, wrap_batched = _BATCHING[:4]
     # VmapInterpreter(batch_size, randomness, call), its __enter__ and __exit__, inline: five
     # Python frames fewer (the table ensure_table builds was built by _lean_facts; the test
-    # test_lean_interpreter_matches_the_class keeps the attributes those methods set in step)
+    # test_lean_interpreter_matches_the_class keeps the attributes those methods set in step),
+    # its attributes in one store
     interp = _new(VmapInterpreter)
-    interp.level = next(_core._level_counter)
-    interp.alive = True
-    interp.batch_size = batch_size
-    interp.randomness = randomness
-    interp.call = call
-    interp.axis_name = axis_name
-    interp.chunked = False
+    interp.__dict__ = {
+        "level": next(_core._level_counter),
+        "alive": True,
+        "batch_size": batch_size,
+        "randomness": randomness,
+        "call": call,
+        "axis_name": axis_name,
+        "chunked": False,
+    }
     if _core._entry_pending:
         _core._install_entry()
     stack = _core._state.stack
     stack.append(interp)
     try:
-        wrapped = []
-        for x, m in zip(args, mapped):
-            if m is None:
-                wrapped.append(x)
-                continue
-            wrapped.append(wrap_batched(x, m, interp))
+        if mapped is None:
+            wrapped = (wrap_batched(x, d, interp),)
+        else:
+            wrapped = []
+            for x, m in zip(args, mapped):
+                wrapped.append(x if m is None else wrap_batched(x, m, interp))
         if key is None:
             out = func(*wrapped, **kwargs)
         else:  # Note [Random ops by their tags]: no_random_ops, inline
