@@ -46,6 +46,10 @@ class _Ctx:
 
     def __init__(self, needs_input_grad=()):
         self.saved_tensors = ()
+        # torch keeps two lists: ``saved_tensors`` is what ``save_for_backward`` saved inside
+        # ``backward`` and what ``save_for_forward`` saved inside ``jvp`` (one list for both
+        # gave ``backward`` the forward's tensors when a Function saved different ones)
+        self.saved_for_forward = ()
         self.needs_input_grad = needs_input_grad
         self.materialize_grads = True
 
@@ -53,7 +57,7 @@ class _Ctx:
         self.saved_tensors = tensors
 
     def save_for_forward(self, *tensors):
-        self.saved_tensors = tensors
+        self.saved_for_forward = tensors
 
     def mark_dirty(self, *tensors):
         pass
@@ -145,7 +149,9 @@ def _make_custom_function(cls):
 
     def make_fwd(run):
         def fwd(*args):
-            ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args))
+            # every inexact input may be differentiated: a complex one too (False there made a
+            # backward that returns None when not ``needs_input_grad`` give a zero gradient)
+            ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and _inexact(a) for a in args))
             out = run(*args)
             cls.setup_context(ctx, args, out)
             return out, ctx
@@ -171,6 +177,7 @@ def _make_custom_function(cls):
     def make_jvp(fwd):
         def jvp_rule(primals, tangents):
             out, ctx = fwd(*primals)
+            ctx.saved_tensors = ctx.saved_for_forward  # torch's ``jvp`` sees these
             return out, cls.jvp(ctx, *tangents)
 
         return jvp_rule
@@ -189,6 +196,10 @@ def _make_custom_function(cls):
     else:
         cf.vmap_rule = _no_vmap_rule(cls)
     return cf
+
+
+def _inexact(t):
+    return t.is_floating_point() or t.is_complex()
 
 
 def _differentiated(c):

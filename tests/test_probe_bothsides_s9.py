@@ -1,0 +1,146 @@
+"""Session 9 probe: our transforms where they meet torch's own autograd and nn.Module machinery
+(design.md, "Session 9 probe: autograd on both sides and nn.Module machinery"). Every test runs
+torch.func (or plain autograd) beside us and fails if the bug it names came back."""
+
+import pytest
+import torch
+import torch.func as tf
+
+import functransforms as ft
+
+D = torch.float64
+_g = torch.Generator().manual_seed(0)
+X = torch.randn(5, 3, dtype=D, generator=_g)
+Y = torch.randn(3, dtype=D, generator=_g)
+
+
+def assert_same(ours, ref, check_requires_grad=True):
+    la, lb = torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(ref)
+    assert len(la) == len(lb)
+    for a, b in zip(la, lb):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a.detach(), b.detach())
+            if check_requires_grad:
+                assert a.requires_grad == b.requires_grad
+        else:
+            assert a == b
+
+
+# --- autograd.Function: what setup_context saved, and for which inputs -----------------------
+
+
+class MulSavedTwice(torch.autograd.Function):
+    """``backward`` needs both inputs, ``jvp`` only ``y``: two different saved lists."""
+
+    @staticmethod
+    def forward(x, y):
+        return x * y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y = inputs
+        ctx.save_for_backward(x, y)
+        ctx.save_for_forward(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y, g * x
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        (y,) = ctx.saved_tensors
+        return tx * y
+
+    generate_vmap_rule = True
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L: L.grad(lambda a: MulSavedTwice.apply(a, Y).sum())(X[0]),
+        lambda L: L.vmap(L.grad(lambda a: MulSavedTwice.apply(a, Y).sum()))(X),
+        lambda L: L.jacrev(lambda a: MulSavedTwice.apply(a, Y))(X[0]),
+        lambda L: L.jvp(lambda a: MulSavedTwice.apply(a, Y), (X[0],), (X[1],)),
+        lambda L: L.jacfwd(lambda a: MulSavedTwice.apply(a, Y))(X[0]),
+    ],
+    ids=["grad", "vmap(grad)", "jacrev", "jvp", "jacfwd"],
+)
+def test_save_for_forward_does_not_replace_save_for_backward(call):
+    # ctx kept one list: backward unpacked jvp's one tensor ("not enough values to unpack")
+    assert_same(call(ft), call(tf))
+
+
+class NeedsInputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(z, w):
+        return z * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        z, w = ctx.saved_tensors
+        return (
+            g * w.conj() if ctx.needs_input_grad[0] else None,
+            g * z.conj() if ctx.needs_input_grad[1] else None,
+        )
+
+    generate_vmap_rule = True
+
+
+def test_needs_input_grad_of_complex_inputs():
+    # complex inputs read as needs_input_grad=False: backward returned None, a zero gradient
+    z = torch.randn(4, dtype=torch.complex128, generator=_g)
+    w = torch.randn(4, dtype=torch.complex128, generator=_g)
+    f = lambda z: NeedsInputGrad.apply(z, w).abs().sum()  # noqa: E731
+    g = ft.grad(f)(z)
+    assert g.abs().min() > 0
+    assert_same(g, tf.grad(f)(z))
+    h = lambda w: NeedsInputGrad.apply(z, w).abs().sum()  # noqa: E731
+    assert_same(
+        ft.vmap(ft.grad(h))(torch.stack([w, 2 * w])), tf.vmap(tf.grad(h))(torch.stack([w, 2 * w]))
+    )
+
+
+# --- tensor hooks on values a grad level tracks ---------------------------------------------
+
+
+def hooked(where):
+    def f(x):
+        y = x.sin()
+        z = y * y
+        if where == "intermediate":
+            y.register_hook(lambda g: g * 10)
+        elif where == "input":
+            x.register_hook(lambda g: g + 1)
+        elif where == "removed":
+            handle = y.register_hook(lambda g: g * 10)
+            y.register_hook(lambda g: g - 1)
+            handle.remove()
+        elif where == "output":
+            z.register_hook(lambda g: g * 3)
+        elif where == "observer":  # returns None: the cotangent is kept
+            y.register_hook(lambda g: None)
+        return (z + y).sum()
+
+    return f
+
+
+@pytest.mark.parametrize("where", ["intermediate", "input", "removed", "output", "observer"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L, f: L.grad(f)(X[0]),
+        lambda L, f: L.vmap(L.grad(f))(X),
+        lambda L, f: L.jacrev(f)(X[0]),
+        lambda L, f: L.hessian(f)(X[0]),
+        lambda L, f: L.grad(lambda a: L.grad(f)(a).sum())(X[0]),
+    ],
+    ids=["grad", "vmap(grad)", "jacrev", "hessian", "grad(grad)"],
+)
+def test_register_hook_inside_grad(where, call):
+    # register_hook reached for torch's C++ grad_fn: AttributeError '_register_hook_dict'
+    assert_same(call(ft, hooked(where)), call(tf, hooked(where)))
