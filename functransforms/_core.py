@@ -481,12 +481,28 @@ def _innermost(args, kwargs) -> Interpreter | None:
                 if i.level > level:
                     best, level = i, i.level
     if best is not None and not best.alive:
+        why = (
+            _IN_TORCH_BACKWARD
+            if torch._C._current_autograd_node() is not None
+            else "a value leaked out of the transformed function (stored in a global, a closure "
+            "or an attribute). Return it from the function instead."
+        )
         raise EscapedTracerError(
             f"A {best.name} wrapper tensor (level {best.level}) was used after its "
-            f"{best.name} call returned: a value leaked out of the transformed function "
-            "(stored in a global, a closure or an attribute). Return it from the function instead."
+            f"{best.name} call returned: {why}"
         )
     return best
+
+
+# the one way a wrapper reaches torch's backward pass without user code keeping it: a
+# recomputation that torch's non-reentrant checkpoint runs there, with the forward's arguments
+_IN_TORCH_BACKWARD = (
+    "torch's autograd used it in a backward pass. torch.utils.checkpoint("
+    "use_reentrant=False) inside a transformed function recomputes that function with the "
+    "transform's values when torch's backward runs, after the transform returned. Use "
+    "functransforms.checkpoint inside transforms, or torch's checkpoint around the "
+    "transformed call."
+)
 
 
 def innermost(values) -> Interpreter | None:

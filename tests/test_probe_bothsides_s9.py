@@ -144,3 +144,68 @@ def hooked(where):
 def test_register_hook_inside_grad(where, call):
     # register_hook reached for torch's C++ grad_fn: AttributeError '_register_hook_dict'
     assert_same(call(ft, hooked(where)), call(tf, hooked(where)))
+
+
+# --- torch.utils.checkpoint inside and around our transforms --------------------------------
+
+W = torch.randn(3, 3, dtype=D, generator=_g)
+
+
+def block(x, w):
+    return (x @ w).tanh().sin()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L, f: L.grad(lambda x: f(x, W).sum())(X[0]),
+        lambda L, f: L.vmap(L.grad(lambda x: f(x, W).sum()))(X),
+        lambda L, f: L.hessian(lambda x: f(x, W).sum())(X[0]),
+        lambda L, f: L.jvp(lambda x: f(x, W), (X[0],), (X[1],)),
+        lambda L, f: L.vmap(lambda x: f(x, W))(X),
+    ],
+    ids=["grad", "vmap(grad)", "hessian", "jvp", "vmap"],
+)
+def test_torch_checkpoint_inside_is_the_function(call):
+    # torch.func's grad raises for saved-tensor hooks; ours computes the function's derivative
+    ckpt = lambda x, w: torch.utils.checkpoint.checkpoint(block, x, w, use_reentrant=False)  # noqa: E731
+    assert_same(call(ft, ckpt), call(tf, block))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_checkpoint_around_our_transforms(reentrant, transform):
+    def run(L, checkpointed):
+        w = W.clone().requires_grad_()
+        if transform == "grad":
+            fn = lambda w: L.grad(lambda x: block(x, w).sum())(X)  # noqa: E731
+        else:
+            fn = lambda w: L.vmap(lambda x: block(x, w))(X)  # noqa: E731
+        out = (
+            torch.utils.checkpoint.checkpoint(fn, w, use_reentrant=reentrant)
+            if checkpointed
+            else fn(w)
+        )
+        out.pow(2).sum().backward()
+        return out, w.grad
+
+    assert_same(run(ft, True), run(tf, False))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_checkpoint_inside_then_torch_backward_names_the_cause(transform):
+    # torch.func raises too; ours said a value "leaked out" of the function
+    from functransforms.errors import EscapedTracerError
+
+    w = W.clone().requires_grad_()
+    ckpt = lambda x: torch.utils.checkpoint.checkpoint(block, x, w, use_reentrant=False).sum()  # noqa: E731
+    out = ft.grad(ckpt)(X) if transform == "grad" else ft.vmap(ckpt)(X)
+    with pytest.raises(EscapedTracerError, match="torch.utils.checkpoint"):
+        out.sum().backward()
+    # functransforms.checkpoint works there
+    w.grad = None
+    ours = ft.grad(lambda x: ft.checkpoint(block)(x, w).sum())(X)
+    ours.sum().backward()
+    w2 = W.clone().requires_grad_()
+    tf.grad(lambda x: block(x, w2).sum())(X).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
