@@ -209,3 +209,142 @@ def test_torch_checkpoint_inside_then_torch_backward_names_the_cause(transform):
     w2 = W.clone().requires_grad_()
     tf.grad(lambda x: block(x, w2).sum())(X).sum().backward()
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+# --- autograd.Function: defaults, non-tensor tangents, missing jvp, mark_dirty ---------------
+
+
+class ScaleBy(torch.autograd.Function):
+    """a Python-number argument and a defaulted flag: torch binds the default, and jvp gets
+    None as the tangent of each non-tensor input"""
+
+    @staticmethod
+    def forward(x, k, y, flag=True):
+        return x * k * y if flag else x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+        ctx.save_for_backward(inputs[2])
+        ctx.save_for_forward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * ctx.k * y, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tx, tk, ty, tflag):
+        assert tk is None and tflag is None and ty is not None
+        (y,) = ctx.saved_tensors
+        return tx * ctx.k * y
+
+    generate_vmap_rule = True
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L: L.jvp(lambda x: ScaleBy.apply(x, 3.0, Y), (X,), (X,)),
+        lambda L: L.jacfwd(lambda x: ScaleBy.apply(x, 3.0, Y))(X[0]),
+        lambda L: L.grad(lambda x: ScaleBy.apply(x, 3.0, Y).sum())(X[0]),
+        lambda L: L.vmap(L.grad(lambda x: ScaleBy.apply(x, 3.0, Y).sum()))(X),
+    ],
+    ids=["jvp", "jacfwd", "grad", "vmap(grad)"],
+)
+def test_function_defaults_and_non_tensor_tangents(call):
+    # ours passed jvp one tangent too few (defaults unbound) and 3.0 as the tangent of 3.0
+    assert_same(call(ft), call(tf))
+
+
+class SinNoJvp(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0].cos()
+
+    generate_vmap_rule = True
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L: L.jvp(SinNoJvp.apply, (X,), (X,)),
+        lambda L: L.jacfwd(SinNoJvp.apply)(X[0]),
+        lambda L: L.hessian(lambda x: SinNoJvp.apply(x).sum())(X[0]),
+    ],
+    ids=["jvp", "jacfwd", "hessian"],
+)
+def test_forward_mode_of_function_without_jvp_raises_torch_funcs_class(call):
+    with pytest.raises(NotImplementedError):
+        call(tf)
+    with pytest.raises(NotImplementedError, match="no jvp staticmethod"):  # was TypeError
+        call(ft)
+
+
+class DoubleInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.mul_(2)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_dirty(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.mul_(2)
+
+    generate_vmap_rule = True
+
+
+def uses_dirty_input(x):
+    y = x.clone()
+    z = DoubleInPlace.apply(y)
+    assert z is y  # torch returns the input itself
+    return torch.stack([y, z, y * z])
+
+
+def eager_grad(f, x):
+    x = x.clone().requires_grad_()
+    f(x).backward()
+    return x.grad
+
+
+def test_mark_dirty_rebases_the_input_under_grad():
+    # the input kept its history from before the write: 6x instead of 8x, silently
+    f = lambda x: uses_dirty_input(x)[2].sum()  # noqa: E731  (2x)^2 -> 8x
+    g = ft.grad(f)(X[0])
+    torch.testing.assert_close(g, eager_grad(f, X[0]))
+    torch.testing.assert_close(g, 8 * X[0])
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian"])
+def test_mark_dirty_against_torch_func(transform):
+    f = uses_dirty_input if transform != "hessian" else lambda x: uses_dirty_input(x)[2].sum()
+    assert_same(getattr(ft, transform)(f)(X[0]), getattr(tf, transform)(f)(X[0]))
+
+
+def test_mark_dirty_under_vmap_against_the_loop():
+    # torch.func's generated vmap rule raises ("marked as dirty ... not returned as output")
+    f = lambda x: uses_dirty_input(x)[2].sum()  # noqa: E731
+    loop = torch.stack([ft.grad(f)(x) for x in X])
+    torch.testing.assert_close(ft.vmap(ft.grad(f))(X), loop)
+    torch.testing.assert_close(
+        ft.vmap(ft.jacrev(uses_dirty_input))(X),
+        torch.stack([tf.jacrev(uses_dirty_input)(x) for x in X]),
+    )
+    xs = X.clone()
+    out = ft.vmap(DoubleInPlace.apply)(xs)
+    assert out is xs and torch.equal(xs, 2 * X)
