@@ -348,3 +348,93 @@ def test_mark_dirty_under_vmap_against_the_loop():
     xs = X.clone()
     out = ft.vmap(DoubleInPlace.apply)(xs)
     assert out is xs and torch.equal(xs, 2 * X)
+
+
+# --- torch.autograd.grad inside our transforms: torch's saved outputs stay tracked ------------
+
+
+def inner_torch_grad(op):
+    def g(x):
+        w = Y.clone().requires_grad_()  # a leaf of torch's, made inside (differences.md 24)
+        y = op(x * w)
+        (gw,) = torch.autograd.grad(y.sum(), w, create_graph=True)
+        return (gw * w).sum()
+
+    return g
+
+
+def eager_grad_of(g, x):
+    x = x.clone().requires_grad_()
+    (h,) = torch.autograd.grad(g(x), x)
+    return h
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: t.logsumexp(0),
+        torch.exp,
+        torch.tanh,
+        torch.sigmoid,
+        lambda t: (t * t + 1).sqrt(),
+        torch.sin,
+    ],
+    ids=["logsumexp", "exp", "tanh", "sigmoid", "sqrt", "sin"],
+)
+def test_torch_autograd_grad_inside_grad(op):
+    # torch saved its nodes' outputs through aten.detach, a constant at our levels: the
+    # gradient lost the outputs' dependence on x (8% off for logsumexp), silently
+    g = inner_torch_grad(op)
+    x = X[0].abs() + 0.5
+    ref = eager_grad_of(g, x)
+    torch.testing.assert_close(ft.grad(g)(x).detach(), ref)
+    torch.testing.assert_close(ft.jvp(g, (x,), (X[1],))[1].detach(), ref @ X[1])
+    torch.testing.assert_close(ft.jacrev(g)(x).detach(), ref)
+
+
+def test_user_detach_inside_grad_is_still_a_constant():
+    f = lambda x: (x * x.detach()).sum()  # noqa: E731
+    assert_same(ft.grad(f)(X[0]), tf.grad(f)(X[0]))
+    assert_same(ft.jvp(f, (X[0],), (X[1],)), tf.jvp(f, (X[0],), (X[1],)))
+
+
+# --- torch's forward AD (dual tensors) meeting our transforms ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda g, w: ft.grad(g)(X[0]),
+        lambda g, w: ft.vmap(ft.grad(g))(X),
+        lambda g, w: ft.jacrev(g)(X[0]),
+        lambda g, w: ft.jvp(g, (X[0],), (X[1],)),
+        lambda g, w: ft.vmap(lambda x: torch.outer(x, w).logsumexp(0))(X),
+    ],
+    ids=["grad", "vmap(grad)", "jacrev", "jvp", "vmap-rule"],
+)
+def test_torch_forward_ad_tangent_inside_our_transforms_raises(call):
+    # the tangent was dropped (vmap's rules) or halved (x @ w.diag() under grad), silently
+    import torch.autograd.forward_ad as fwAD
+
+    from functransforms.errors import TransformError
+
+    with fwAD.dual_level():
+        w = fwAD.make_dual(Y, torch.ones(3, dtype=D))
+        g = lambda x: (x @ w.diag()).pow(2).sum()  # noqa: E731
+        with pytest.raises(TransformError, match="forward AD"):
+            call(g, w)
+
+
+def test_torch_forward_ad_through_vmaps_fast_paths_still_works():
+    import torch.autograd.forward_ad as fwAD
+
+    def run(L):
+        with fwAD.dual_level():
+            w = fwAD.make_dual(Y, torch.ones(3, dtype=D))
+            out = L.vmap(lambda x: (x * w).sin() + w)(X)
+            p, t = fwAD.unpack_dual(out)
+            return p, t
+
+    ours, ref = run(ft), run(tf)
+    assert ours[1] is not None
+    assert_same(ours, ref, check_requires_grad=False)
