@@ -24,6 +24,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import sys
+import weakref
+from collections import OrderedDict  # weakly referable, as RemovableHandle needs
 
 import torch
 
@@ -131,6 +133,14 @@ class GradTensor(TransformTensor):
     def is_leaf(self):
         return isinstance(self._node, Leaf)
 
+    def register_hook(self, hook):
+        """Run ``hook(ct)`` on this value's cotangent in the level's backward sweep, as
+        torch.func does (Note [Tensor hooks inside grad]); the hook may return a replacement."""
+        hooks = _HOOKS.setdefault(self._node, {}).setdefault(self._idx, OrderedDict())
+        handle = torch.utils.hooks.RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
 
 class GradFn:
     """``x.grad_fn`` of a value a grad level computed (Note [requires_grad and grad_fn inside
@@ -149,6 +159,14 @@ class GradFn:
     def __repr__(self):
         return f"<{self.name()} (functransforms tape node {self._node.id})>"
 
+
+# Note [Tensor hooks inside grad]
+#     ``y.register_hook(h)`` on a value a grad level tracks (torch's would reach for a C++
+#     grad_fn our wrappers do not have) puts ``h`` here, by the value's tape node and output
+#     index. The sweep visits a node once every consumer has added its cotangent, so that is
+#     where the node's hooks see the whole cotangent and may replace it, as torch's hooks do;
+#     the inputs' hooks run on their final cotangents. Nothing is read while no hook exists.
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Node -> {idx: {id: hook}}
 
 _torch_requires_grad = _compat.tensor_requires_grad
 _Tensor = torch.Tensor
@@ -551,6 +569,7 @@ def backward(roots, leaves, release=False):
     acc: dict = {}  # node -> list of cotangents per output
     heap = []  # (-id, node): the newest node first, compared as ints in C
     seen = set()
+    hooked = bool(_HOOKS)  # Note [Tensor hooks inside grad]
     for node, idx, ct in roots:
         if ct is None:
             continue
@@ -565,6 +584,8 @@ def backward(roots, leaves, release=False):
         cts = acc.get(node)
         if cts is None:
             continue
+        if hooked:
+            _run_hooks(node, cts)
         out = node.out
         if isinstance(out, torch.Tensor):
             ct = cts[0]
@@ -593,12 +614,31 @@ def backward(roots, leaves, release=False):
         if release:  # Note [Releasing saved values]
             node.primals = node.out = None
             input_cts = ct = cts = out = None
+    if hooked:
+        for leaf in leaves:
+            cts = acc.get(leaf)
+            if cts is not None:
+                _run_hooks(leaf, cts)
     return [_leaf_ct(acc, leaf) for leaf in leaves]
 
 
 def _leaf_ct(acc, leaf):
     cts = acc.get(leaf)
     return None if cts is None else cts[0]
+
+
+def _run_hooks(node, cts):
+    """Apply the hooks registered on ``node``'s outputs to their cotangents, in place."""
+    per_output = _HOOKS.get(node)
+    if not per_output:
+        return
+    for idx, hooks in per_output.items():
+        for hook in list(hooks.values()):
+            if cts[idx] is None:
+                break
+            new = hook(cts[idx])
+            if new is not None:
+                cts[idx] = new
 
 
 def _push(acc, heap, seen, inp, ct):

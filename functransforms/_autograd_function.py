@@ -46,6 +46,10 @@ class _Ctx:
 
     def __init__(self, needs_input_grad=()):
         self.saved_tensors = ()
+        # torch keeps two lists: ``saved_tensors`` is what ``save_for_backward`` saved inside
+        # ``backward`` and what ``save_for_forward`` saved inside ``jvp`` (one list for both
+        # gave ``backward`` the forward's tensors when a Function saved different ones)
+        self.saved_for_forward = ()
         self.needs_input_grad = needs_input_grad
         self.materialize_grads = True
 
@@ -53,10 +57,10 @@ class _Ctx:
         self.saved_tensors = tensors
 
     def save_for_forward(self, *tensors):
-        self.saved_tensors = tensors
+        self.saved_for_forward = tensors
 
     def mark_dirty(self, *tensors):
-        pass
+        self.dirty = tensors  # Note [mark_dirty under transforms]
 
     def mark_non_differentiable(self, *tensors):
         pass
@@ -112,11 +116,67 @@ def _apply_under_transforms(cls, args, kwargs):
             "the setup_context staticmethod (as PyTorch requires), with forward(*args) not "
             "taking ctx. See https://pytorch.org/docs/main/notes/extending.func.html"
         )
-    if kwargs:
-        bound = inspect.signature(cls.forward).bind(*args, **kwargs)
+    sig = _signature(cls)
+    if kwargs or len(args) < len(sig.parameters):
+        # torch's apply binds forward's defaults too, so setup_context's inputs, backward's
+        # gradients and jvp's tangents count every parameter of forward
+        bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         args = bound.args
-    return _as_custom_function(cls)(*args)
+    _DIRTY.append([])
+    try:
+        out = _as_custom_function(cls)(*args)
+    finally:
+        dirty = _DIRTY.pop()
+    return _dirty_outputs(args, out, dirty) if dirty else out
+
+
+# Note [mark_dirty under transforms]
+#     A Function that writes into an input and marks it dirty returns that input, and torch
+#     rebases the input's history on the Function's node, so later uses of the input are
+#     differentiated through the Function. Our levels saw only a new output: the input kept its
+#     old history (``y = x.clone(); z = F.apply(y); y * z`` differentiated ``y`` as ``x``,
+#     silently). Each forward run (``fwd`` at whatever level) records which input became which
+#     output here; once the Function's call returns, the output's value is written into the
+#     input with an ordinary ``copy_`` (the levels' in-place rules rebind it, as for any
+#     in-place op), and the input itself is returned, as torch returns it.
+_DIRTY: list = []  # per Function call in flight: [(input position, output position)]
+
+
+def _dirty_outputs(args, out, dirty):
+    flat, spec = pt.tree_flatten(out)
+    for i, j in set(dirty):
+        if flat[j] is not args[i]:
+            args[i].copy_(flat[j])
+            flat[j] = args[i]
+    return pt.tree_unflatten(spec, flat)
+
+
+def _same_tensor(o, t):
+    """``o`` is ``t``, or wraps the same memory (a lower level ran the in-place forward and
+    this level got its output rewrapped)."""
+    if o is t:
+        return True
+    if not isinstance(o, torch.Tensor) or not isinstance(t, torch.Tensor):
+        return False
+    o, t = _innermost(o), _innermost(t)
+    return o.shape == t.shape and o.device == t.device and o.data_ptr() == t.data_ptr()
+
+
+def _innermost(t):
+    while isinstance(t, TransformTensor):
+        t = t._value if hasattr(t, "_value") else t._primal
+    return t
+
+
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(cls):
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return sig
 
 
 _CUSTOM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # classes may be made per call
@@ -145,9 +205,22 @@ def _make_custom_function(cls):
 
     def make_fwd(run):
         def fwd(*args):
-            ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args))
+            # every inexact input may be differentiated: a complex one too (False there made a
+            # backward that returns None when not ``needs_input_grad`` give a zero gradient)
+            ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and _inexact(a) for a in args))
             out = run(*args)
             cls.setup_context(ctx, args, out)
+            dirty = ctx.__dict__.pop("dirty", ())
+            if dirty and _DIRTY:  # Note [mark_dirty under transforms]
+                flat_out = pt.tree_leaves(out)
+                _DIRTY[-1].extend(
+                    (i, j)
+                    for t in dirty
+                    for i, a in enumerate(args)
+                    if a is t
+                    for j, o in enumerate(flat_out)
+                    if _same_tensor(o, t)
+                )
             return out, ctx
 
         return fwd
@@ -171,14 +244,18 @@ def _make_custom_function(cls):
     def make_jvp(fwd):
         def jvp_rule(primals, tangents):
             out, ctx = fwd(*primals)
+            ctx.saved_tensors = ctx.saved_for_forward  # torch's ``jvp`` sees these
+            # torch gives a non-tensor input the tangent None
+            tangents = [
+                t if isinstance(p, torch.Tensor) else None for p, t in zip(primals, tangents)
+            ]
             return out, cls.jvp(ctx, *tangents)
 
         return jvp_rule
 
     cf.defvjp(fwd, bwd)
     has_jvp = _overrides(cls, "jvp")
-    if has_jvp:
-        cf.defjvp(make_jvp(fwd))
+    cf.defjvp(make_jvp(fwd) if has_jvp else _no_jvp_rule(cls))
     if _overrides(cls, "vmap"):
         cf.vmap_rule = _vmap_staticmethod_rule(cls)
     elif getattr(cls, "generate_vmap_rule", False):
@@ -189,6 +266,10 @@ def _make_custom_function(cls):
     else:
         cf.vmap_rule = _no_vmap_rule(cls)
     return cf
+
+
+def _inexact(t):
+    return t.is_floating_point() or t.is_complex()
 
 
 def _differentiated(c):
@@ -240,6 +321,17 @@ def _vmap_staticmethod_rule(cls):
             )
         moved = [o if d is None else o.movedim(d, 0) for o, d in zip(flat_out, flat_dims)]
         return pt.tree_unflatten(out_spec, moved), [d is not None for d in flat_dims]
+
+    return rule
+
+
+def _no_jvp_rule(cls):
+    def rule(primals, tangents):  # torch.func's exception class, for forward mode
+        raise NotImplementedError(
+            f"forward-mode AD (jvp, jacfwd, hessian) of {cls.__name__}.apply: the "
+            "autograd.Function has no jvp staticmethod. Expected: a jvp(ctx, *tangents) "
+            "staticmethod, as PyTorch requires for forward mode."
+        )
 
     return rule
 

@@ -22,11 +22,12 @@ import sys
 import threading
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from . import _compat
 from ._gcpause import collector_paused
 from ._ops import facts
-from .errors import EscapedTracerError
+from .errors import EscapedTracerError, TransformError
 
 
 class _State(threading.local):
@@ -184,6 +185,8 @@ class TransformTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is _DETACH and not _excluded(_ADINPLACE):  # Note [torch's own detach of a wrapper]
+            func = _ALIAS
         return _route(_innermost(args, kwargs), func, args, kwargs or {})
 
     def _inner_requires_grad(self) -> bool:  # pragma: no cover - every wrapper class overrides
@@ -289,11 +292,27 @@ _tls_exclude = _compat.dispatch_tls_local_exclude_set
 _grad_enabled = torch.is_grad_enabled
 _excluded = _compat.dispatch_tls_is_dispatch_key_excluded
 _ADINPLACE = _compat.ADInplaceOrView
+_unpack_dual = torch._VF._unpack_dual
+
+# Note [torch's own detach of a wrapper]
+#     torch's autograd saves the output of a node it records (``SavedVariable``) as a shallow
+#     copy, which for a subclass is ``aten.detach`` sent straight to ``__torch_dispatch__``,
+#     not through the dispatcher: the Autograd keys are not excluded then, as they are for a
+#     user's ``x.detach()`` (which passed torch's Autograd kernel on its way down). A detach
+#     makes a constant at our levels, so a node torch recorded on our wrappers (a tensor that
+#     requires grad, met inside ``grad``) held a constant for its output: ``torch.autograd.grad``
+#     of ``logsumexp``/``exp``/``tanh``/... called inside the function dropped the output's
+#     dependence on the transform's inputs, silently (8% off for a logsumexp). torch's copy
+#     is an alias of the value, so it stays one at our levels too.
+_DETACH = torch.ops.aten.detach.default
+_ALIAS = torch.ops.aten.alias.default
 
 
 def _route(interp, func, args, kwargs):
     """``interp.process`` of an op, with torch's autograd re-enabled when it must record
     (Note [Torch autograd through our transforms]): the body of ``__torch_dispatch__``."""
+    if _fwad._current_level >= 0 and _torch_forward_ad_wanted(interp, args, kwargs):
+        _refuse_torch_forward_ad(interp, func)
     if not _grad_enabled():
         return interp.process(func, args, kwargs)
     # _torch_autograd_wanted, its loop over the positional arguments inlined: this runs for
@@ -460,6 +479,52 @@ def _torch_autograd_wanted(interp, args, kwargs) -> bool:
     return False
 
 
+# Note [Torch forward AD through our transforms]
+#     torch's forward AD (``forward_ad.make_dual`` inside ``dual_level()``) is computed by the
+#     same Autograd kernels as its reverse mode, so an op a rule runs below them drops the
+#     tangent: the outputs of grad, jacrev, vjp and of vmap's rules lost the dual's tangent or
+#     got part of it (half of it for ``x @ w.diag()`` under grad), silently. Re-enabling the
+#     Autograd keys for them, as for reverse mode, is not enough: torch computes the forward
+#     formulas on the wrappers too, which reach kernels and rules that fail (and one crashed
+#     the process). Until that is designed, an op of ours that meets a tangent of torch's
+#     forward AD raises; vmap's ops that its fast paths run on plain tensors (above the
+#     dispatcher) keep the tangent, as torch.func does, and do not get here.
+def _torch_forward_ad_wanted(interp, args, kwargs) -> bool:
+    """Inside ``forward_ad.dual_level()``: does a plain tensor among the op's arguments, or
+    held by a wrapper of ``interp``'s level, carry a tangent of torch's forward AD?"""
+    level = _fwad._current_level
+    with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS):  # _unpack_dual's kernel
+        return any(_has_forward_grad(interp, a, level) for a in _tensor_args(args, kwargs))
+
+
+def _has_forward_grad(interp, a, level):
+    if isinstance(a, TransformTensor):
+        if a._interp is not interp:  # a lower level's wrapper: its own level decides
+            return False
+        held = [getattr(a, n, None) for n in ("_value", "_primal", "_tangent")]
+    else:
+        held = [a]
+    return any(type(h) is torch.Tensor and _unpack_dual(h, level).tangent is not None for h in held)
+
+
+def _refuse_torch_forward_ad(interp, func):
+    raise TransformError(
+        f"{interp.name}: {func} got a tensor with a tangent of torch's forward AD "
+        "(torch.autograd.forward_ad.make_dual) inside a functransforms transform. Forward "
+        "AD of torch's does not reach through our transforms' rules (the tangent would be "
+        "lost, silently). Expected: the tangent as a transform, functransforms.jvp (it "
+        "composes with grad, vmap and jacrev at any depth)."
+    )
+
+
+def _tensor_args(args, kwargs):
+    for a in itertools.chain(args, kwargs.values() if kwargs else ()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif type(a) is list or type(a) is tuple:
+            yield from (b for b in a if isinstance(b, torch.Tensor))
+
+
 def _innermost(args, kwargs) -> Interpreter | None:
     """The interpreter of the highest level among the wrappers in ``args``/``kwargs`` (None if
     there is no wrapper); a dead one raises (Note [Levels])."""
@@ -483,12 +548,28 @@ def _innermost(args, kwargs) -> Interpreter | None:
                 if i.level > level:
                     best, level = i, i.level
     if best is not None and not best.alive:
+        why = (
+            _IN_TORCH_BACKWARD
+            if torch._C._current_autograd_node() is not None
+            else "a value leaked out of the transformed function (stored in a global, a closure "
+            "or an attribute). Return it from the function instead."
+        )
         raise EscapedTracerError(
             f"A {best.name} wrapper tensor (level {best.level}) was used after its "
-            f"{best.name} call returned: a value leaked out of the transformed function "
-            "(stored in a global, a closure or an attribute). Return it from the function instead."
+            f"{best.name} call returned: {why}"
         )
     return best
+
+
+# the one way a wrapper reaches torch's backward pass without user code keeping it: a
+# recomputation that torch's non-reentrant checkpoint runs there, with the forward's arguments
+_IN_TORCH_BACKWARD = (
+    "torch's autograd used it in a backward pass. torch.utils.checkpoint("
+    "use_reentrant=False) inside a transformed function recomputes that function with the "
+    "transform's values when torch's backward runs, after the transform returned. Use "
+    "functransforms.checkpoint inside transforms, or torch's checkpoint around the "
+    "transformed call."
+)
 
 
 def innermost(values) -> Interpreter | None:
