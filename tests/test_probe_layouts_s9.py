@@ -240,7 +240,7 @@ def examples(draw, dtype=_DTYPES, kinds=fts.LAYOUTS, nonempty=True):
     return x
 
 
-# -- the harness ------------------------------------------------------------------------------------
+# -- the harness -------------------------------------------------------------------------------
 # One hypothesis test per program, so that each program meets every layout and dtype (a test
 # drawing the program too found none of this session's bugs in the examples CI can afford).
 _NAMES = sorted(PROGRAMS)
@@ -303,3 +303,91 @@ def test_higher_order_on_odd_inputs(name, x, how):
     else:  # hessian, jvp of grad, vmap of grad: the input's
         dtypes = [x.dtype] * (2 if how == "jvp_grad" else 1)
     differential(runs[how], dtypes)
+
+
+# -- regression tests of what the probe found -----------------------------------------------
+def test_jvp_of_a_view_with_a_tangent_laid_out_unlike_its_primal():
+    # crash: a Dual/GradTensor reports its primal's strides, so `x.mT.view(-1)` took the view
+    # branch for a column-major primal and aten.view then failed on the contiguous tangent
+    x = torch.randn(4, 3, dtype=D).mT  # column-major [3, 4]
+    t = torch.randn(3, 4, dtype=D)
+    for f in (
+        lambda a: a.mT.view(-1),
+        lambda a: a.mT.reshape(-1),
+        lambda a: a.movedim(0, 1).contiguous().view(2, 6),
+        lambda a: a.mT.reshape(-1).unflatten(0, (6, 2)),
+    ):
+        assert_same(ft.jvp(f, (x,), (t,)), tf.jvp(f, (x,), (t,)))
+        assert_same(ft.jacfwd(f)(x), tf.jacfwd(f)(x))  # jacfwd's basis is contiguous
+        cube = lambda a, f=f: f(a).pow(3).sum()  # noqa: E731
+        assert_same(ft.hessian(cube)(x), tf.hessian(cube)(x))
+    # view_as_complex needs a last stride of 1: a step-2 tangent has 2
+    x = torch.randn(3, 2, dtype=D)
+    t = torch.randn(3, 4, dtype=D)[:, ::2]
+    assert_same(
+        ft.jvp(torch.view_as_complex, (x,), (t,)), tf.jvp(torch.view_as_complex, (x,), (t,))
+    )
+
+
+def test_complex_gradients_carry_no_lazy_conjugate():
+    # `_mm(b, ct.mH).mH` keeps a column-major input's layout; for complex values the result was a
+    # lazy conjugate: right values, but torch.optim.Adam (view_as_real) raised on it
+    w = torch.randn(5, 4, dtype=torch.complex64)
+    x = torch.randn(4, 3, dtype=torch.complex64).mT  # column-major [3, 4]
+    loss = lambda a: (a @ w.mT).abs().sum()  # noqa: E731
+    g = ft.grad(loss)(x)
+    assert not g.is_conj()
+    assert_same(g, tf.grad(loss)(x))
+    assert not ft.vjp(lambda a: a @ w.mT, x)[1](torch.ones(3, 5, dtype=torch.complex64))[
+        0
+    ].is_conj()
+    assert not ft.vmap(ft.grad(loss))(torch.stack([x, 2 * x])).is_conj()
+    p = torch.nn.Parameter(x.detach().clone().mT.contiguous().mT)
+    p.grad = ft.grad(loss)(p.detach())
+    torch.optim.Adam([p]).step()  # raised "view_as_real doesn't work on unresolved conjugated"
+
+
+def test_copies_in_a_memory_format_have_it_per_example():
+    # crash: channels_last on the physical (one rank up) value raised "required rank 4"
+    x = torch.randn(2, 3, 4, 5, 6)
+    for fmt in (torch.channels_last, torch.contiguous_format):
+        for f in (
+            lambda a, fmt=fmt: a.clone(memory_format=fmt),
+            lambda a, fmt=fmt: a.contiguous(memory_format=fmt),
+            lambda a, fmt=fmt: a.to(torch.float64, memory_format=fmt),
+        ):
+            for in_dim in (0, 2, -1):
+                out = ft.vmap(f, in_dims=in_dim)(x.movedim(0, in_dim))
+                assert torch.equal(out, torch.stack([f(e) for e in x]))
+                assert out[1].stride() == f(x[1]).stride()
+    # the pointwise fast path copied the physical value contiguous with the batch dim inside:
+    # examples were not contiguous and the view raised
+    y = torch.randn(4, 3, 5)
+    f = lambda a: a.mT.clone(memory_format=torch.contiguous_format).view(-1)  # noqa: E731
+    assert torch.equal(ft.vmap(f, in_dims=1)(y), torch.stack([f(e) for e in y.unbind(1)]))
+    # what the user met: jacfwd through a decomposition that asks for channels_last
+    x = torch.randn(1, 3, 4, 4, dtype=D).contiguous(memory_format=torch.channels_last)
+    up = lambda a: F.interpolate(a, scale_factor=2, mode="bilinear").sum(0)  # noqa: E731
+    assert_same(ft.jacfwd(up)(x), tf.jacfwd(up)(x))
+
+
+def test_pow_of_a_real_base_with_a_complex_exponent_jvp():
+    # torch.func drops the imaginary part of the tangent (torch_func_differences.md 8)
+    x = torch.tensor([0.5, 1.5, 2.0], dtype=D)
+    b = torch.tensor(1 + 1j, dtype=torch.complex128)
+    f = lambda a: a**b  # noqa: E731
+    _, t = ft.jvp(f, (x,), (torch.ones(3, dtype=D),))
+    fd = (f(x + 1e-6) - f(x - 1e-6)) / 2e-6
+    torch.testing.assert_close(t, fd, rtol=1e-6, atol=1e-8)
+    assert not torch.allclose(
+        tf.jvp(f, (x,), (torch.ones(3, dtype=D),))[1], fd
+    )  # if torch fixes it
+
+
+def test_tangents_of_zero_d_values_with_python_scalars_keep_the_output_dtype():
+    # torch.func's tangent of `a + 1.5` for a 0-d float32 `a` is float64 (torch_func_differences 8)
+    x = torch.tensor(0.5)
+    out, t = ft.jvp(lambda a: a + 1.5, (x,), (torch.tensor(1.0),))
+    assert out.dtype == t.dtype == torch.float32
+    assert ft.jacfwd(lambda a: (a * 2.5).exp())(x).dtype == torch.float32
+    assert tf.jvp(lambda a: a + 1.5, (x,), (torch.tensor(1.0),))[1].dtype == torch.float64
