@@ -13,13 +13,16 @@ from ._util import unbroadcast, zeros_shaped
 aten = torch.ops.aten
 
 
-def def_linear(op, transpose):
-    """``op(x, *params)``, linear in ``x``, with adjoint ``transpose(ct, x, *params, **kwargs)``."""
+def def_linear(op, transpose, on_tangent=None):
+    """``op(x, *params)``, linear in ``x``, with adjoint ``transpose(ct, x, *params, **kwargs)``.
+    ``on_tangent`` replaces ``op`` on the tangent where ``op`` depends on the layout
+    (Note [Tangents have their own layout])."""
+    tangent_op = op if on_tangent is None else on_tangent
 
     def linear_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
         t = tangents[0]
-        return out, None if t is None else op(t, *primals[1:], **kwargs)
+        return out, None if t is None else tangent_op(t, *primals[1:], **kwargs)
 
     def linear_vjp_rule(ct, primals, kwargs, out, needs):
         return (transpose(ct, *primals, **kwargs),) + (None,) * (len(primals) - 1)
@@ -44,9 +47,29 @@ def _reshape_back(ct, x, *a, **k):
     return ct.reshape(x.shape)
 
 
+# Note [Tangents have their own layout]
+#     A Dual/GradTensor reports its primal's strides, and torch decides above the dispatcher from
+#     them whether `reshape`, `contiguous()` or `movedim(...).contiguous()` is a view: a
+#     transposed primal with a contiguous tangent (`jvp(f, (x.mT,), (t,))`, and every jacfwd of a
+#     non-contiguous input, whose basis tangents are contiguous) reaches `aten.view` with a
+#     tangent the view cannot take. The tangent of a view is the same reshape of the tangent,
+#     copied when its layout needs it: a jvp rule never writes through a tangent (writes rebind,
+#     Note [In-place ops and views under jvp and grad]), so aliasing is not lost.
+def _reshape_tangent(t, size):
+    return t.reshape(size)
+
+
+def _view_as_complex_tangent(t):
+    return torch.view_as_complex(t.contiguous())
+
+
+def_linear(aten.view.default, _reshape_back, _reshape_tangent)
+def_linear(aten._unsafe_view.default, _reshape_back, _reshape_tangent)
+def_linear(
+    aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct), _view_as_complex_tangent
+)
+
 for _op, _tr in (
-    (aten.view.default, _reshape_back),
-    (aten._unsafe_view.default, _reshape_back),
     (aten.reshape.default, _reshape_back),
     (aten.squeeze.default, _reshape_back),
     (aten.squeeze.dim, _reshape_back),
@@ -92,7 +115,6 @@ for _op, _tr in (
     (aten.real.default, lambda ct, x: ct + 0j if x.is_complex() else ct),
     (aten.imag.default, lambda ct, x: ct * 1j),
     (aten.view_as_real.default, lambda ct, x: torch.view_as_complex(ct.contiguous())),
-    (aten.view_as_complex.default, lambda ct, x: torch.view_as_real(ct)),
     (aten.unfold.default, lambda ct, x, dim, size, step: _unfold_transpose(ct, x, dim, size, step)),
 ):
     def_linear(_op, _tr)

@@ -212,8 +212,8 @@ def pointwise_fast(func, inplace_at, args, kwargs, batched_cls, wrap):
 
 def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     if kwargs:
-        if "out" in kwargs:
-            return None
+        if "out" in kwargs or kwargs.get("memory_format") not in (None, torch.preserve_format):
+            return None  # a format is per example: clone's rule (Note [Memory formats per example])
         values = kwargs.values()
     else:
         values = ()

@@ -66,14 +66,38 @@ def view_vmap_rule(interp, args, bdims, kwargs):
     return x.view((x.shape[0], *args[1])), 0
 
 
-@register_vmap_rule(aten.clone.default)
-def clone_vmap_rule(interp, args, bdims, kwargs):
-    # A contiguous clone is contiguous per example only with the batch dim outermost.
-    x = args[0]
-    if kwargs.get("memory_format") is torch.contiguous_format:
+# Note [Memory formats per example]
+#     A copy in a memory format must give every example that format. Contiguous: the batch dim
+#     outermost. channels_last (_3d): the physical value is one rank up, where torch's formats
+#     do not apply (they raised "required rank 4 tensor", in every jacfwd of a channels_last
+#     input through a decomposition that calls contiguous(memory_format=...)); the copy is made
+#     contiguous with the channel dim innermost, then permuted back, which is exactly each
+#     example's channels_last strides.
+_PER_EXAMPLE_RANK = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def def_copy_in_format(op):
+    def copy_in_format_vmap_rule(interp, args, bdims, kwargs):
+        x, fmt = args[0], kwargs.get("memory_format")
+        if fmt is None or fmt is torch.preserve_format:
+            return op(*args, **kwargs), bdims[0]
         x = to_front(x, bdims[0])
-        return x.clone(**kwargs), 0
-    return x.clone(**kwargs), bdims[0]
+        if fmt is torch.contiguous_format:
+            return op(x, *args[1:], **kwargs), 0
+        rank = _PER_EXAMPLE_RANK.get(fmt)
+        if rank is None or x.dim() - 1 != rank:
+            return op(x, *args[1:], **kwargs), 0  # torch's own error, or format it knows
+        # [B, N, C, *spatial] -> [B, N, *spatial, C] contiguous -> permuted back
+        order = [0, 1, *range(3, rank + 1), 2]
+        inverse = [order.index(i) for i in range(rank + 1)]
+        kw = {**kwargs, "memory_format": torch.contiguous_format}
+        return op(x.permute(order), *args[1:], **kw).permute(inverse), 0
+
+    register_vmap_rule(op)(copy_in_format_vmap_rule)
+
+
+def_copy_in_format(aten.clone.default)
+def_copy_in_format(aten._to_copy.default)
 
 
 @register_vmap_rule(aten._unsafe_view.default, aten.reshape.default)
@@ -296,7 +320,6 @@ def_matrix_transpose(aten.adjoint.default, conj=True)
 # ops whose output keeps the input's layout (metadata, conj/neg bits, complex views)
 for _op in (
     aten.alias.default,
-    aten._to_copy.default,
     aten.lift_fresh.default,
     aten.resolve_conj.default,
     aten.resolve_neg.default,

@@ -27,11 +27,14 @@ def shapes(min_dims=0, max_dims=3, min_side=1, max_side=4):
     )
 
 
-def dtypes(include_complex=True, include_float32=True):
-    """Floating dtypes (float64 always; float32 and the complex dtypes optionally)."""
+def dtypes(include_complex=True, include_float32=True, include_half=False):
+    """Floating dtypes (float64 always; float32, the complex dtypes and float16/bfloat16
+    optionally)."""
     choices = [torch.float64]
     if include_float32:
         choices.append(torch.float32)
+    if include_half:
+        choices += [torch.float16, torch.bfloat16]
     if include_complex:
         choices.append(torch.complex128)
         if include_float32:
@@ -101,6 +104,68 @@ def _inward(bound, dtype, up):
     elif not up and float(t) > bound:
         t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
     return float(t)
+
+
+LAYOUTS = ("contiguous", "transposed", "strided", "expanded", "channels_last", "conj", "neg")
+
+
+@st.composite
+def laid_out(draw, tensor, kinds=LAYOUTS):
+    """``tensor`` (a tensor or a strategy of tensors) in a drawn memory layout, among ``kinds``
+    that apply to it; the values are the tensor's, except for ``"expanded"``.
+
+    - ``"contiguous"``: a contiguous copy;
+    - ``"transposed"``: column-major in the last two dims (``x.mT.contiguous().mT``);
+    - ``"strided"``: every other element of a buffer twice as wide (a step-2 slice);
+    - ``"expanded"``: one dim is the first slice broadcast (stride 0; the values change);
+    - ``"channels_last"``: 4-d only;
+    - ``"conj"``: an unresolved conjugate view (``is_conj()``), complex only;
+    - ``"neg"``: an unresolved negative view (``torch._neg_view``, ``is_neg()``), floating and
+      complex only.
+
+    The layout drawn is recorded with ``hypothesis.note``, so a failing example says which.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import given
+        >>> from functransforms.testing import strategies as fts
+        >>> @given(fts.laid_out(fts.tensors(shape=(2, 3)), kinds=("transposed",)))
+        ... def test_column_major(x):                # x: [2, 3], strides (1, 2)
+        ...     assert x.stride() == (1, 2)
+        >>> test_column_major()
+    """
+    from hypothesis import note
+
+    x = draw(tensor) if isinstance(tensor, st.SearchStrategy) else tensor
+    floating = x.dtype.is_floating_point or x.dtype.is_complex
+    fits = {
+        "contiguous": True,
+        "transposed": x.dim() >= 2,
+        "strided": x.dim() >= 1,
+        "expanded": any(s > 1 for s in x.shape),
+        "channels_last": x.dim() == 4,
+        "conj": x.dtype.is_complex,
+        "neg": floating,
+    }
+    kind = draw(st.sampled_from([k for k in kinds if fits[k]] or ["contiguous"]))
+    note(f"layout: {kind}")
+    if kind == "transposed":
+        return x.mT.contiguous().mT
+    if kind == "strided":
+        buffer = x.new_zeros((*x.shape[:-1], 2 * x.shape[-1]))
+        out = buffer[..., ::2]
+        out.copy_(x)
+        return out
+    if kind == "expanded":
+        dim = draw(st.sampled_from([d for d, s in enumerate(x.shape) if s > 1]))
+        return x.narrow(dim, 0, 1).expand(x.shape)
+    if kind == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if kind == "conj":
+        return torch.conj_physical(x).conj()
+    if kind == "neg":
+        return torch._neg_view(-x)
+    return x.clone()
 
 
 def pytrees_of_tensors(leaves=None, max_leaves=4):
