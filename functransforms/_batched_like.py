@@ -18,8 +18,6 @@ for nothing, and the values inside are the same.
 
 from __future__ import annotations
 
-import torch
-
 from functransforms._core import TransformTensor
 
 
