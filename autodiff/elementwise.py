@@ -118,6 +118,13 @@ def _partial(d):
     return (lambda ct, x, y, o: ct * _conj(d(x, y, o))), (lambda t, x, y, o: t * d(x, y, o))
 
 
+def _broadcast_tangent(t, shape):
+    """A tangent smaller than the output (the other operand's is a symbolic zero), made full
+    as torch's forward AD makes it: its zero tensor plus ``t`` is ``_to_copy(t.expand(shape))``,
+    a fresh tensor, not a stride-0 view (into which an in-place write would raise)."""
+    return t.expand(shape).clone()
+
+
 def def_binary(op, dx, dy, jvp=None, zeros=True):
     """``op(x, y)`` broadcasting, with partials ``dx(x, y, out)`` and ``dy(x, y, out)`` (or
     ``pullback``s ``(ct, x, y, out) -> ct * conj(partial)``, Note [Rounding as torch]).
@@ -144,7 +151,7 @@ def def_binary(op, dx, dy, jvp=None, zeros=True):
                 t2 = pushy(ty, x, y, out)
                 t = t2 if t is None else t + t2
         if t is not None and t.shape != out.shape:
-            t = t.expand(out.shape)
+            t = _broadcast_tangent(t, out.shape)
         return out, t
 
     def binary_vjp_rule(ct, primals, kwargs, out, needs):
@@ -648,7 +655,7 @@ def def_linear_binary(op, sx, sy):
             t2 = _scale(ty, sy * a)
             t = t2 if t is None else t + t2
         if t is not None and t.shape != out.shape:
-            t = t.expand(out.shape)
+            t = _broadcast_tangent(t, out.shape)
         return out, t
 
     def linear_binary_vjp_rule(ct, primals, kwargs, out, needs):

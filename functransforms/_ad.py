@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import _pytree as pt
+from ._batched_like import batched_like, vmap_levels
 from ._core import TransformTensor, dtype_of, eager_under_compile, is_floating, metadata
 from ._typing import ArgNums, Func, PyTree, Randomness
 
@@ -354,7 +355,9 @@ def grad_and_value(
             # a plain seed, not ones_like(out): out may be an outer level's wrapper, and a
             # *_like buffer of one is a constant of that level (Note [Buffers held by
             # kernels]), whose every later op would pass through that level for nothing
+            # batched as functorch's ones_like(out) is (Note [Seeds batched like the output])
             seed = torch.ones((), dtype=dtype_of(out), device=out.device)
+            seed = batched_like(vmap_levels(out), seed)
             # the only sweep of this graph: it may release what it saved as it goes
             g = tuple(pt.tree_unflatten(spec, pull([seed], release=True)))
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
@@ -705,6 +708,8 @@ def jacrev(
                 b.reshape((total,) + tuple(o.shape)).to(o.dtype)
                 for b, o in zip(basis.split(sizes, 1), flat_out)
             ]
+        # Note [Seeds batched like the output]: functorch's basis is o.new_zeros(...)
+        cts = [batched_like(vmap_levels(o), c) for o, c in zip(flat_out, cts)]
 
         def vjp_fn(*flat_ct):  # flat in, flat out: no pytree round trips per side
             return tuple(pull(flat_ct))
@@ -774,6 +779,8 @@ def jacfwd(
             b.reshape((total,) + tuple(x.shape)).to(x.dtype)
             for b, x in zip(basis.split(sizes, 1), flat_in)
         ]
+        # Note [Seeds batched like the output]: functorch's basis is x.new_zeros(...)
+        tans = [batched_like(vmap_levels(x), t) for x, t in zip(flat_in, tans)]
 
         def push(*t):
             r = _jvp(f, flat_in, list(t), in_spec, has_aux, call)

@@ -373,7 +373,11 @@ def _probe_above_python():
     """The exclude set torch's Python fallback installs around ``__torch_dispatch__``, read
     once from inside one (with a clean thread-local state, so the caller's does not leak in)."""
     seen = []
-    plain = torch.empty(0)
+    # made with the modes off: a mode active at the first transform call (check_deterministic's)
+    # would record it in its first run only (Note [One-time setup is not recorded],
+    # functransforms/deterministic/_check.py)
+    with _compat.disable_current_modes():
+        plain = torch.empty(0)
 
     class _Probe(torch.Tensor):
         @classmethod

@@ -12,6 +12,19 @@ Note [Hashing every op]
     they differ too, the divergence came from outside the recorded ops (state mutated between
     runs, Python-side randomness), which ``inputs_differed`` says. Later runs stop hashing past
     the earliest divergence found so far.
+
+Note [One-time setup is not recorded]
+    Work done once per process or per cache happens inside run 0 only: the library's first-call
+    probe (``_probe_above_python``, now run with the modes off), a rule's cached constant masks
+    (``autodiff/linalg.py``'s ``_mask``), a user's memoised constants. Recorded in run 0 alone,
+    such ops shifted every later position, and the first op of run 1 was compared with a setup
+    op of run 0: "max abs diff inf, inputs identical" at the first op of every transformed
+    function checked first in a process (seeded dropout under grad at its ``sin``; vmap, jvp,
+    jacrev alike). Each run marks the ops with no input derived from the function's arguments
+    (``setup``); where a later run's op differs from run 0's at a position, and run 0 has from
+    there only such ops and then this op with the very same output bits, the later run lacks
+    their construction and skips them (``shift``). Anything else is still reported where it
+    differs: a constant that is built differently, an op that only one run has.
 """
 
 from __future__ import annotations
@@ -233,6 +246,12 @@ class HashMode(TransformAwareMode):
         self.divergence = None
         self.run = 0
         self.threads = ()
+        # Note [One-time setup is not recorded]: each run marks the ops that only build
+        # constants (no input derived from the function's arguments); a later run may skip
+        # run 0's where it lacks them
+        self.setup = []  # per op, True when it only builds a constant
+        self._tainted = set()  # ids of the arguments and of every value derived from them
+        self.shift = 0  # later runs: run 0's setup ops skipped so far
 
     def _in_hash(self, t):
         key = (id(t), t._version)
@@ -251,9 +270,12 @@ class HashMode(TransformAwareMode):
         pre = self._ins(args, kwargs) if f.written and (ref is None or self._comparing()) else None
         out = func(*args, **kwargs)
         if func is _DETACH:  # torch detaches factory outputs that run 0 still references
+            if id(args[0]) in self._tainted:
+                self._tainted.add(id(out))
+                self._held.append(out)
             return out
-        pos = len(self.ops)
         self.ops.append(func)
+        self._note_setup(args, kwargs, out)
         if ref is not None and not self._comparing():
             return out
         if f.view:  # a view's bits are its input's: identify it by that and its geometry
@@ -281,6 +303,9 @@ class HashMode(TransformAwareMode):
                     )
             self.values.append(keep)
             return out
+        pos = len(self.ops) - 1 + self.shift  # run 0's numbering
+        if pos >= len(ref.ops) or ref.ops[pos] is not func or h != ref.hashes[pos]:
+            pos = self._skip_setup(func, h, pos)
         if pos >= len(ref.ops) or ref.ops[pos] is not func:
             self._diverge(func, pos, float("inf"), None, False, passthrough)
         elif h != ref.hashes[pos]:
@@ -294,7 +319,40 @@ class HashMode(TransformAwareMode):
         return out
 
     def _comparing(self):
-        return self.divergence is None and (self.limit is None or len(self.ops) < self.limit)
+        return self.divergence is None and (
+            self.limit is None or len(self.ops) + self.shift < self.limit
+        )
+
+    def _note_setup(self, args, kwargs, out):
+        tainted = self._tainted
+        ins = _tensors(args) + _tensors(list(kwargs.values()))
+        setup = not any(id(t) in tainted for t in ins)
+        self.setup.append(setup)
+        if not setup:
+            outs = _tensors(out)
+            tainted.update(id(t) for t in outs)
+            self._held.extend(outs)  # held: their ids stay theirs
+
+    def taint(self, args):
+        """The function's arguments: every op on a value derived from them is no setup."""
+        leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        self._tainted.update(id(t) for t in leaves)
+        self._held.extend(leaves)
+
+    def _skip_setup(self, func, h, pos):
+        """Note [One-time setup is not recorded]: this op differs from run 0's at ``pos``;
+        if run 0 has, from ``pos`` on, ops that only built constants (a cache filled in run 0:
+        a rule's constant masks) followed by this op with these very output bits, this run
+        lacks those constants' construction: skip them. Returns the position to compare at."""
+        ref, j = self.ref, pos
+        while j < len(ref.ops) and ref.setup[j]:
+            if ref.ops[j] is func and ref.hashes[j] == h:
+                break
+            j += 1
+        if j < len(ref.ops) and j > pos and ref.ops[j] is func and ref.hashes[j] == h:
+            self.shift += j - pos
+            return j
+        return pos
 
     def _diverge(self, func, pos, mad, mud, inputs_differed, passthrough):
         loc, origin = self.where(sys._getframe(), passthrough)
@@ -382,6 +440,7 @@ def check_deterministic(fn, *args, runs=3, vary_threads=False, **kwargs):
             mode = HashMode(ref, limit)
             mode.run = k
             mode.threads = (cur, nthreads)
+            mode.taint((a, kw))
             torch.set_num_threads(nthreads)
             try:
                 with mode:
@@ -392,10 +451,10 @@ def check_deterministic(fn, *args, runs=3, vary_threads=False, **kwargs):
                 ref = mode
                 continue
             d = mode.divergence
-            if d is None and len(mode.ops) != len(ref.ops) and (limit is None):
+            if d is None and len(mode.ops) + mode.shift != len(ref.ops) and (limit is None):
                 d = Divergence(
                     None,
-                    min(len(mode.ops), len(ref.ops)),
+                    min(len(mode.ops) + mode.shift, len(ref.ops)),
                     None,
                     float("inf"),
                     None,
