@@ -301,8 +301,9 @@ def _vjp_vjp(fs, primals, out0, gen, result, what):
     def args():
         return tuple(x.clone() for x in (*primals, *cts))
 
+    ref_g = _pullback_only(torch.func.vjp, ref_f, n)
     try:
-        ref_out, ref_fn = torch.func.vjp(_pullback_only(torch.func.vjp, ref_f, n), *args())
+        ref_out, ref_fn = torch.func.vjp(ref_g, *args())
         ref = (ref_out, ref_fn(cts2))
     except Exception:
         result.skip_sample("torch.func.vjp(vjp) raises")
@@ -315,7 +316,34 @@ def _vjp_vjp(fs, primals, out0, gen, result, what):
         return
     for part, a, b in zip(("cotangents", "their cotangents"), ours, ref):
         bad = compare(tuple(a), tuple(b), f"{what}: vjp(vjp) {part}")
+        if bad and _oracle_not_its_transpose(ref_g, args(), cts2, ours[1], ref[1], gen):
+            # torch.func.vjp(vjp) of linalg.norm at 0 is NaN where its own jvp(vjp) is 0
+            # (torch 2.13 and 2.15); ours is the transpose of that jvp(vjp)
+            result.skip_sample("torch.func.vjp(vjp) is not the transpose of its jvp(vjp)")
+            return
         if bad:
             result.fail(*bad)
             return
     result.compared += 1
+
+
+def _inner(u, v):
+    """The real inner product of two lists of tensors, Re sum(conj(u) v)."""
+    return sum(float((a.conj() * b).real.sum()) for a, b in zip(u, v))
+
+
+def _oracle_not_its_transpose(ref_g, args, cts2, ours, ref, gen):
+    """Whether ours passes the dot-product test <c, J t> = <J^T c, t> against torch.func's jvp
+    of the same pullback ``ref_g`` (J t) and torch.func.vjp(vjp) (``ref``, J^T c) does not."""
+    tangents = tuple(_randn_like(x, gen) for x in args)
+    try:
+        jt = torch.func.jvp(ref_g, args, tangents)[1]
+    except Exception:
+        return False
+    lhs = _inner(cts2, jt)
+
+    def ok(cot):
+        rhs = _inner(cot, tangents)
+        return abs(lhs - rhs) <= 1e-6 * (1 + abs(lhs))  # NaN: not ok
+
+    return ok(ours) and not ok(ref)
