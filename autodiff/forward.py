@@ -174,7 +174,18 @@ class JvpInterpreter(InplaceMixin, Interpreter):
 
     def _rebind(self, w, value):
         if isinstance(value, DualTensor) and value._interp is self:
-            w._primal, w._tangent = value._primal, value._tangent
+            below, primal = w._primal, value._primal
+            if (
+                not torch.is_grad_enabled()
+                and isinstance(below, TransformTensor)
+                and getattr(primal, "_interp", 0) is not below._interp
+            ):
+                # Note [Grad mode] (reverse.py): written under no_grad, the grad levels below
+                # computed ``primal`` as a constant; writing it into the wrapper below keeps
+                # their history (grad(jvp(f)) with `v.clamp_(...)` under no_grad was zero)
+                below.copy_(primal)
+                primal = below
+            w._primal, w._tangent = primal, value._tangent
         elif not _fwd_enabled() and value.shape == w._primal.shape:
             w._primal = value  # written with forward grad off: the tangent is kept
         else:  # the new value carries no tangent at this level

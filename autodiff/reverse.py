@@ -355,8 +355,19 @@ class GradInterpreter(InplaceMixin, Interpreter):
             w._primal, w._node, w._idx = value._primal, value._node, value._idx
         elif not _grad_enabled() and value.shape == w._primal.shape:
             # Note [Grad mode]: written under no_grad (`with torch.no_grad(): w.mul_(2)`): as in
-            # torch's autograd, the value changes and its history does not
-            w._primal = value
+            # torch's autograd, the value changes and its history does not, at the levels below
+            # as well: their ops ran under no_grad too, so ``value`` is a constant there; writing
+            # it into the wrapper below (its own in-place path, under no_grad) keeps that
+            # level's history, as functorch's in-place on the unwrapped value does. Replacing
+            # the wrapper by ``value`` cut it: grad(grad(f)) of gaussian_nll_loss, whose
+            # `var.clamp_(min=eps)` runs under no_grad, was zero (conformance vjp(vjp))
+            below = w._primal
+            if isinstance(below, TransformTensor) and getattr(value, "_interp", 0) is not (
+                below._interp
+            ):
+                below.copy_(value)
+            else:
+                w._primal = value
         else:  # the new value no longer depends on this level (e.g. x.zero_())
             w._primal, w._node, w._idx = value, Leaf(), 0
         restride(w)

@@ -66,6 +66,14 @@ def view_vmap_rule(interp, args, bdims, kwargs):
     return x.view((x.shape[0], *args[1])), 0
 
 
+@register_vmap_rule(aten.view_copy.default)
+def view_copy_vmap_rule(interp, args, bdims, kwargs):
+    # Eager view_copy reshapes where a view would fail (an example that is not contiguous,
+    # e.g. batched at in_dims=1); torch._decomp's `view(x).clone()` raised there instead
+    x, _ = _front(args, bdims)
+    return aten.view_copy.default(x, (x.shape[0], *args[1])), 0
+
+
 # Note [Memory formats per example]
 #     A copy in a memory format must give every example that format. Contiguous: the batch dim
 #     outermost. channels_last (_3d): the physical value is one rank up, where torch's formats

@@ -452,6 +452,32 @@ def test_inplace_under_no_grad_keeps_history():
         )
 
 
+def test_inplace_under_no_grad_keeps_history_at_outer_levels():
+    """The write under no_grad keeps the history of every grad level, not only the innermost
+    (gaussian_nll_loss's `var.clamp_(min=eps)`: its second derivative in var was zero under
+    grad(grad) and grad(jvp); conformance test_vjp_vjp[nn.functional.gaussian_nll_loss-real])."""
+
+    def f(v):
+        v = v.clone()
+        with torch.no_grad():
+            v.clamp_(min=1e-6)
+        return (v.log() * v).sum()
+
+    x = torch.tensor([0.6, 1.3, 0.9], dtype=torch.float64)
+    t = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+
+    def second_derivatives(lib):  # grad(grad), grad(jvp), jvp(jvp)
+        return (
+            lib.grad(lambda y: lib.grad(f)(y).sum())(x),
+            lib.grad(lambda y: lib.jvp(f, (y,), (t,))[1])(x),
+            lib.jvp(lambda y: lib.jvp(f, (y,), (t,))[1], (x,), (t,))[1],
+        )
+
+    for ours, ref in zip(second_derivatives(ft), second_derivatives(tf)):
+        assert ref.abs().sum() > 0
+        _close(ours, ref)
+
+
 def test_fwd_grad_disabled_inside_jvp():
     import torch.autograd.forward_ad as fwAD
 

@@ -75,3 +75,15 @@ def test_as_strided_scatter_is_relative_to_each_example(size, stride, offset, in
     srcs = src if in_dims[1] == 0 else [src] * 3
     expected = torch.stack([f(a.clone(), s) for a, s in zip(x, srcs)])  # fresh examples
     torch.testing.assert_close(ft.vmap(f, in_dims=in_dims)(xin, src), expected)
+
+
+@pytest.mark.parametrize("in_dims", [0, 1, -1])
+def test_view_copy_of_examples_that_are_not_contiguous(in_dims):
+    """view_copy reshapes where a view cannot (eager's kernel): an example batched at dim 1 or
+    last is not contiguous (conformance test_vmap_dims[view_copy-real] raised)."""
+    x = torch.randn(5, 3, 5, dtype=torch.float64).movedim(1, in_dims)
+    f = lambda v: torch.view_copy(v, (25,))  # noqa: E731
+    out = ft.vmap(f, in_dims=in_dims, out_dims=-1)(x)
+    loop = torch.stack([f(v) for v in x.unbind(in_dims)], -1)
+    torch.testing.assert_close(out, loop)
+    torch.testing.assert_close(out, torch.func.vmap(f, in_dims=in_dims, out_dims=-1)(x))

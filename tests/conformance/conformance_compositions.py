@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as tpt
 from conformance_harness import (
     ALLOWED_LOOPS,
+    COMPOSITIONS,
     LOOP,
     B,
     Result,
@@ -86,6 +87,15 @@ def _composed(vjp, f, n):
     return g
 
 
+def _composed_jvp(jvp, f, n):
+    """g(*primals, *tangents) -> (outputs, output tangents), through the given jvp."""
+
+    def g(*args):
+        return jvp(f, tuple(args[:n]), tuple(args[n:]))
+
+    return g
+
+
 def _pullback_only(vjp, f, n):
     def g(*args):
         return vjp(f, *args[:n])[1](args[n:])
@@ -95,10 +105,14 @@ def _pullback_only(vjp, f, n):
 
 def run_composition(op, transform, kind) -> Result:
     """Note [Conformance compositions]."""
+    if transform == "vmap_dims":
+        from conformance_vmap_dims import run_vmap_dims
+
+        return run_vmap_dims(op, kind)
     name = full_name(op)
     result = Result(name, transform_key(transform, kind))
-    for dtype in grad_dtypes(op, "vjp", kind):
-        draws = B if transform == "vmap(vjp)" else 1
+    for dtype in grad_dtypes(op, COMPOSITIONS[transform], kind):
+        draws = B if transform.startswith("vmap") else 1
         gens = [
             take_samples(op, dtype, (name, transform, str(dtype), g), requires_grad=True)
             for g in range(draws)
@@ -119,16 +133,20 @@ def run_composition(op, transform, kind) -> Result:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
-                    out0 = torch.func.vjp(ref_f, *[p.clone() for p in primals])[0]
+                    if COMPOSITIONS[transform] == "vjp":
+                        out0 = torch.func.vjp(ref_f, *[p.clone() for p in primals])[0]
+                    else:
+                        out0 = torch.func.jvp(ref_f, tuple(primals), tuple(primals))[0]
                 except Exception:
-                    result.skip_sample("torch.func.vjp raises")
+                    result.skip_sample(f"torch.func.{COMPOSITIONS[transform]} raises")
                     continue
                 if not out0:
                     result.skip_sample("no floating output")
                     continue
-                if transform == "vmap(vjp)":
+                if transform in ("vmap(vjp)", "vmap(jvp)"):
                     others = [gens[g][j] if j < len(gens[g]) else None for g in range(1, draws)]
-                    _vmap_vjp(
+                    _vmap_composed(
+                        transform,
                         (f, ref_f),
                         primals,
                         out0,
@@ -140,8 +158,10 @@ def run_composition(op, transform, kind) -> Result:
                         result,
                         what,
                     )
-                else:
+                elif transform == "jvp(vjp)":
                     _jvp_vjp((f, ref_f), primals, out0, gen, result, what)
+                else:
+                    _vjp_vjp((f, ref_f), primals, out0, gen, result, what)
     return result
 
 
@@ -163,10 +183,9 @@ def _examples(primals, diff, layout, others, gen):
     return examples
 
 
-def _oracle_disagrees_with_its_loop(f, n, in_dims, args, ours, ref):
-    """Whether torch.func.vmap(vjp) differs from stacking torch.func.vjp per example while ours
+def _oracle_disagrees_with_its_loop(g, in_dims, args, ours, ref):
+    """Whether torch.func.vmap(g) differs from stacking torch.func's g per example while ours
     equals that loop."""
-    g = _composed(torch.func.vjp, f, n)
     try:
         rows = [g(*[x if d is None else x[b] for x, d in zip(args(), in_dims)]) for b in range(B)]
     except Exception:
@@ -175,20 +194,29 @@ def _oracle_disagrees_with_its_loop(f, n, in_dims, args, ours, ref):
     return compare(ours, loop, "loop") is None and compare(ref, loop, "loop") is not None
 
 
-def _vmap_vjp(fs, primals, out0, diff, layout, others, gen, j, result, what):
+def _vmap_composed(transform, fs, primals, out0, diff, layout, others, gen, j, result, what):
+    """vmap(vjp) (directions: cotangents of the outputs) or vmap(jvp) (tangents of the
+    primals), Note [Conformance compositions]."""
     import functransforms as ft
 
     f, ref_f = fs  # ours differentiate f, the oracle ref_f (Note [Conformance references])
     n = len(primals)
+    inner = COMPOSITIONS[transform]
+    compose = _composed if inner == "vjp" else _composed_jvp
+    ours_g = compose(getattr(ft, inner), f, n)
+    ref_g = compose(getattr(torch.func, inner), ref_f, n)
     examples = _examples(primals, diff, layout, others, gen)
     batched_p = [torch.stack([ex[i] for ex in examples]) for i in range(n)]
-    batched_c = [torch.stack([_randn_like(o, gen) for _ in range(B)]) for o in out0]
-    shared_c = [_randn_like(o, gen) for o in out0]
-    cases = [("primals and cotangents batched", 0, 0)]
+    like = out0 if inner == "vjp" else primals
+    batched_c = [torch.stack([_randn_like(o, gen) for _ in range(B)]) for o in like]
+    shared_c = [_randn_like(o, gen) for o in like]
+    directions = "cotangents" if inner == "vjp" else "tangents"
+    cases = [(f"primals and {directions} batched", 0, 0)]
     if j == 0:
-        cases += [("primals batched", 0, None), ("cotangents batched", None, 0)]
+        cases += [] if inner == "jvp" else [("primals batched", 0, None)]
+        cases += [(f"{directions} batched", None, 0)]
     for label, pdim, cdim in cases:
-        in_dims = (pdim,) * n + (cdim,) * len(out0)
+        in_dims = (pdim,) * n + (cdim,) * len(like)
 
         def args(pdim=pdim, cdim=cdim):
             ps = batched_p if pdim == 0 else primals
@@ -199,25 +227,25 @@ def _vmap_vjp(fs, primals, out0, diff, layout, others, gen, j, result, what):
         try:
             with warnings.catch_warnings(record=True) as tf_warned:
                 warnings.simplefilter("always")
-                ref = torch.func.vmap(_composed(torch.func.vjp, ref_f, n), in_dims=in_dims)(*args())
+                ref = torch.func.vmap(ref_g, in_dims=in_dims)(*args())
         except Exception:
-            result.skip_sample("torch.func.vmap(vjp) raises")
+            result.skip_sample(f"torch.func.{transform} raises")
             continue
         finally:
             torch._C._functorch._set_vmap_fallback_warning_enabled(False)
         with _CatchFallbacks() as fb:
             try:
-                ours = ft.vmap(_composed(ft.vjp, f, n), in_dims=in_dims)(*args())
+                ours = ft.vmap(ours_g, in_dims=in_dims)(*args())
             except Exception as e:
                 ours = e
         if isinstance(ours, Exception):
             result.fail(classify_exception(ours), f"{what}, {label}: {_short(ours)}")
             continue
-        bad = compare(ours, ref, f"{what}, {label}: vmap(vjp)")
-        if bad and _oracle_disagrees_with_its_loop(ref_f, n, in_dims, args, ours, ref):
+        bad = compare(ours, ref, f"{what}, {label}: {transform}")
+        if bad and _oracle_disagrees_with_its_loop(ref_g, in_dims, args, ours, ref):
             # torch.func.vmap(vjp) of cdist with p=1 (torch 2.13 and 2.15) is not its own
             # per-example loop; ours is: the oracle is wrong, nothing to compare
-            result.skip_sample("torch.func.vmap(vjp) differs from its own per-example loop")
+            result.skip_sample(f"torch.func.{transform} differs from its own per-example loop")
             continue
         if bad:
             result.fail(*bad)
@@ -258,3 +286,64 @@ def _jvp_vjp(fs, primals, out0, gen, result, what):
             result.fail(*bad)
             return
     result.compared += 1
+
+
+def _vjp_vjp(fs, primals, out0, gen, result, what):
+    """vjp of the pullback ``(primals, cotangents) -> input cotangents``: second-order reverse
+    (jacrev(jacrev), MAML), with random cotangents for the input cotangents."""
+    import functransforms as ft
+
+    f, ref_f = fs  # ours differentiate f, the oracle ref_f (Note [Conformance references])
+    n = len(primals)
+    cts = [_randn_like(o, gen) for o in out0]
+    cts2 = tuple(_randn_like(x, gen) for x in primals)
+
+    def args():
+        return tuple(x.clone() for x in (*primals, *cts))
+
+    ref_g = _pullback_only(torch.func.vjp, ref_f, n)
+    try:
+        ref_out, ref_fn = torch.func.vjp(ref_g, *args())
+        ref = (ref_out, ref_fn(cts2))
+    except Exception:
+        result.skip_sample("torch.func.vjp(vjp) raises")
+        return
+    try:
+        out, fn = ft.vjp(_pullback_only(ft.vjp, f, n), *args())
+        ours = (out, fn(cts2))
+    except Exception as e:
+        result.fail(classify_exception(e), f"{what}: {_short(e)}")
+        return
+    for part, a, b in zip(("cotangents", "their cotangents"), ours, ref):
+        bad = compare(tuple(a), tuple(b), f"{what}: vjp(vjp) {part}")
+        if bad and _oracle_not_its_transpose(ref_g, args(), cts2, ours[1], ref[1], gen):
+            # torch.func.vjp(vjp) of linalg.norm at 0 is NaN where its own jvp(vjp) is 0
+            # (torch 2.13 and 2.15); ours is the transpose of that jvp(vjp)
+            result.skip_sample("torch.func.vjp(vjp) is not the transpose of its jvp(vjp)")
+            return
+        if bad:
+            result.fail(*bad)
+            return
+    result.compared += 1
+
+
+def _inner(u, v):
+    """The real inner product of two lists of tensors, Re sum(conj(u) v)."""
+    return sum(float((a.conj() * b).real.sum()) for a, b in zip(u, v))
+
+
+def _oracle_not_its_transpose(ref_g, args, cts2, ours, ref, gen):
+    """Whether ours passes the dot-product test <c, J t> = <J^T c, t> against torch.func's jvp
+    of the same pullback ``ref_g`` (J t) and torch.func.vjp(vjp) (``ref``, J^T c) does not."""
+    tangents = tuple(_randn_like(x, gen) for x in args)
+    try:
+        jt = torch.func.jvp(ref_g, args, tangents)[1]
+    except Exception:
+        return False
+    lhs = _inner(cts2, jt)
+
+    def ok(cot):
+        rhs = _inner(cot, tangents)
+        return abs(lhs - rhs) <= 1e-6 * (1 + abs(lhs))  # NaN: not ok
+
+    return ok(ours) and not ok(ref)

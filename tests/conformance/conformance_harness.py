@@ -162,8 +162,23 @@ def grad_dtypes(op, transform, kind):
     return [want] if want in ok else []
 
 
-# Compositions (Note [Conformance compositions]): the derivative inside is always a vjp.
-COMPOSITIONS = ("vmap(vjp)", "jvp(vjp)")
+def dims_dtypes(op, kind):
+    """vmap_dims: float64 / complex128 (the cheap float32 check is vmap's), else vmap's."""
+    ok = op.supported_dtypes(DEVICE)
+    want = torch.complex128 if kind == COMPLEX else torch.float64
+    return [want] if want in ok else [d for d in vmap_dtypes(op, kind) if not d.is_complex]
+
+
+# Compositions (Note [Conformance compositions]) -> the transform whose dtypes and OpInfo
+# flags they take: the derivative inside (vjp needs supports_autograd, jvp supports_forward_ad)
+# or, for vmap_dims (vmap with other in_dims / out_dims, and nested), vmap.
+COMPOSITIONS = {
+    "vmap(vjp)": "vjp",
+    "jvp(vjp)": "vjp",
+    "vmap(jvp)": "jvp",
+    "vjp(vjp)": "vjp",
+    "vmap_dims": "vmap",
+}
 
 
 def cases(transform):
@@ -173,8 +188,10 @@ def cases(transform):
         for kind in (REAL, COMPLEX):
             if transform == "vmap":
                 dts = vmap_dtypes(op, kind)
+            elif transform == "vmap_dims":
+                dts = dims_dtypes(op, kind)
             elif transform in COMPOSITIONS:
-                dts = grad_dtypes(op, "vjp", kind)
+                dts = grad_dtypes(op, COMPOSITIONS[transform], kind)
             else:
                 dts = grad_dtypes(op, transform, kind)
             if dts:
@@ -391,14 +408,14 @@ def _is_diff(x):
     return _is_tensor(x) and (x.dtype.is_floating_point or x.dtype.is_complex)
 
 
-def take_samples(op, dtype, seed_parts, requires_grad=False):
-    """The op's first samples. ``op.sample_inputs`` would reseed with a fixed seed before each
-    sample and crawl the stack (inspect.stack, ~50 ms under pytest): call the generator itself."""
+def take_samples(op, dtype, seed_parts, requires_grad=False, n=N_SAMPLES):
+    """The op's first ``n`` samples. ``op.sample_inputs`` would reseed with a fixed seed before
+    each sample and crawl the stack (inspect.stack, ~50 ms under pytest): call the generator."""
     seed_all(*seed_parts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gen = op.sample_inputs_func(op, DEVICE, dtype, requires_grad)
-        return list(itertools.islice(gen, N_SAMPLES))
+        return list(itertools.islice(gen, n))
 
 
 def _same_layout(a, b):

@@ -1,7 +1,9 @@
-"""ft.vmap(ft.vjp) and ft.jvp(ft.vjp) on every differentiable OpInfo against torch.func's same
-composition.
+"""Composed transforms on every OpInfo against torch.func's same composition: ft.vmap(ft.vjp),
+ft.jvp(ft.vjp), ft.vmap(ft.jvp), ft.vjp(ft.vjp); and ft.vmap with other in_dims / out_dims than
+0 and nested (vmap_dims) against the per-example loop and torch.func.vmap.
 
-Note [Conformance compositions] (conformance_compositions.py) describes the cases.
+Note [Conformance compositions] (conformance_compositions.py) describes the cases; vmap_dims:
+Note [Conformance of in_dims, out_dims and nested vmap] (conformance_vmap_dims.py).
 """
 
 import pytest
@@ -19,3 +21,18 @@ def test_vmap_vjp(name, kind, expected):
 @pytest.mark.parametrize("name,kind,expected", params("jvp(vjp)", EXPECTED))
 def test_jvp_vjp(name, kind, expected):
     run_case("jvp(vjp)", name, kind, expected)
+
+
+@pytest.mark.parametrize("name,kind,expected", params("vmap(jvp)", EXPECTED))
+def test_vmap_jvp(name, kind, expected):
+    run_case("vmap(jvp)", name, kind, expected)
+
+
+@pytest.mark.parametrize("name,kind,expected", params("vjp(vjp)", EXPECTED))
+def test_vjp_vjp(name, kind, expected):
+    run_case("vjp(vjp)", name, kind, expected)
+
+
+@pytest.mark.parametrize("name,kind,expected", params("vmap_dims", EXPECTED))
+def test_vmap_dims(name, kind, expected):
+    run_case("vmap_dims", name, kind, expected)
