@@ -18,13 +18,17 @@ for nothing, and the values inside are the same.
 
 from __future__ import annotations
 
+import sys
+
 from functransforms._core import TransformTensor
 
 
 def vmap_levels(x):
     """The vmap interpreters ``x`` is batched at, innermost (highest level) first."""
-    from functransforms.batching._tensor import BatchedTensor
-
+    batching = sys.modules.get("functransforms.batching._tensor")
+    if batching is None:  # no vmap has run: nothing is batched (and grad alone stays lean)
+        return []
+    BatchedTensor = batching.BatchedTensor
     levels = []
     while isinstance(x, TransformTensor):
         if isinstance(x, BatchedTensor):
