@@ -272,6 +272,32 @@ def _breakdown_only(rounds):
         del t, w1, w3
         return out
 
+    mk = torch.Tensor._make_wrapper_subclass
+    args = (
+        type(wrap_batched(x, 0, interp)),
+        (1024,),
+        (1,),
+        None,
+        None,
+        x.dtype,
+        x.layout,
+        x.device,
+    )
+
+    def bare():  # the hand-written kernels, and four wrappers made with constant arguments
+        m = x.mean(0)
+        t = mk(*args)
+        d = x - m
+        w1 = mk(*args)
+        a = x.abs()
+        w2 = mk(*args)
+        s = a.sum(0)
+        del a, w2
+        out = d / s
+        w3 = mk(*args)
+        del t, w1, w3
+        return out
+
     def ops():  # the function on a wrapper: the ops and collectives, without vmap's call
         stack.append(interp)
         try:
@@ -280,7 +306,7 @@ def _breakdown_only(rounds):
             stack.pop()
 
     torch.testing.assert_close(ops(), hand())
-    fns = {"hand": hand, "wrappers": wrappers, "ops": ops, "vmap": lambda: ours(x)}
+    fns = {"hand": hand, "bare": bare, "wrappers": wrappers, "ops": ops, "vmap": lambda: ours(x)}
     print(json.dumps(_interleaved(fns, rounds)))
 
 
@@ -294,6 +320,7 @@ def bench_breakdown(rounds):
     child = [sys.executable, os.path.abspath(__file__), "--breakdown-only", str(rounds)]
     t = json.loads(subprocess.run(child, env=env, check=True, capture_output=True).stdout)
     labels = {
+        "bare": "(a) breakdown: the hand-written kernels + 4 bare _make_wrapper_subclass calls",
         "wrappers": "(a) breakdown: the hand-written kernels + the 4 wrappers vmap builds",
         "ops": "(a) breakdown: normalise on a wrapper (ops, collectives), no vmap call",
         "vmap": "(a) breakdown: the whole vmap",
