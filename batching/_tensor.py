@@ -245,6 +245,7 @@ def wrap_batched(value, bdim, interp):
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
     # torch's own view-or-copy decisions (reshape, matmul folding, contiguous) on the logical
     # tensor match what the physical value allows.
+    shape = tuple(shape)  # Note [Logical metadata without torch.Size]
     r = _mk(
         BatchedTensor,
         shape[:bdim] + shape[bdim + 1 :],
@@ -255,9 +256,7 @@ def wrap_batched(value, bdim, interp):
         _STRIDED,
         device,
     )
-    r._value = value
-    r._bdim = bdim
-    r._interp = interp
+    r.__dict__ = {"_value": value, "_bdim": bdim, "_interp": interp}
     return r
 
 
@@ -619,7 +618,8 @@ def _set_view_inplace(self_wrapper, new_value, bdim):
     physical value and reset its logical metadata without dispatching back to us."""
     self_wrapper._value = new_value
     self_wrapper._bdim = bdim
-    shape = new_value.shape[:bdim] + new_value.shape[bdim + 1 :]
+    shape = tuple(new_value.shape)
+    shape = shape[:bdim] + shape[bdim + 1 :]
     st = new_value.stride()
     with _compat.DisableTorchDispatch():
         self_wrapper.as_strided_(shape, st[:bdim] + st[bdim + 1 :])

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_distributed.py [--quick] [--procs 1,2,4] [--allocator default]
                                            [--runs 3]
+    python benchmarks/bench_distributed.py --breakdown [--quick]   # where (a)'s time goes
 
 (a) ``vmap`` of a per-example normalisation that uses ``pmean``/``psum`` over a batch of 256
     (x 1024 features), against the same computation hand-written on the batched tensor: ours /
@@ -236,6 +237,97 @@ def _normalise_only(rounds):
     print(json.dumps(_interleaved({"ours": lambda: ours(x), "hand": hand}, rounds)))
 
 
+def _breakdown_only(rounds):
+    """Where (a)'s time over the hand-written code goes (``--breakdown``; run by
+    bench_breakdown in the reused-buffer regime): the same five kernels with more and more of
+    the machinery, each variant timed in the same interleaved rounds. Prints the times."""
+    import json
+
+    from functransforms.batching._tensor import VmapInterpreter, wrap_batched
+
+    from functransforms import _core
+
+    torch.set_num_threads(1)
+    x = torch.randn(GLOBAL_BATCH, 1024)
+    ours = ft.vmap(normalise, axis_name="i")
+    ours(x)  # builds the lean path's facts and the rule tables
+    interp = VmapInterpreter(GLOBAL_BATCH, "error", "vmap(normalise)")
+    interp.axis_name, interp.chunked = "i", False
+    stack = _core._state.stack
+
+    def hand():
+        return (x - x.mean(0)) / x.abs().sum(0)
+
+    def wrappers():  # the hand-written kernels, and the four wrappers vmap builds around them
+        m = x.mean(0)
+        t = wrap_batched(x, 0, interp)
+        d = x - m
+        w1 = wrap_batched(d, 0, interp)
+        a = x.abs()
+        w2 = wrap_batched(a, 0, interp)
+        s = a.sum(0)
+        del a, w2
+        out = d / s
+        w3 = wrap_batched(out, 0, interp)
+        del t, w1, w3
+        return out
+
+    mk = torch.Tensor._make_wrapper_subclass
+    args = (
+        type(wrap_batched(x, 0, interp)),
+        (1024,),
+        (1,),
+        None,
+        None,
+        x.dtype,
+        x.layout,
+        x.device,
+    )
+
+    def bare():  # the hand-written kernels, and four wrappers made with constant arguments
+        m = x.mean(0)
+        t = mk(*args)
+        d = x - m
+        w1 = mk(*args)
+        a = x.abs()
+        w2 = mk(*args)
+        s = a.sum(0)
+        del a, w2
+        out = d / s
+        w3 = mk(*args)
+        del t, w1, w3
+        return out
+
+    def ops():  # the function on a wrapper: the ops and collectives, without vmap's call
+        stack.append(interp)
+        try:
+            return normalise(wrap_batched(x, 0, interp))._value
+        finally:
+            stack.pop()
+
+    torch.testing.assert_close(ops(), hand())
+    fns = {"hand": hand, "bare": bare, "wrappers": wrappers, "ops": ops, "vmap": lambda: ours(x)}
+    print(json.dumps(_interleaved(fns, rounds)))
+
+
+def bench_breakdown(rounds):
+    """Rows of ``--breakdown`` (reused buffers, one process): (label, seconds, hand-written)."""
+    import json
+    import subprocess
+
+    mmap_at, trim_at = REGIMES["freed buffers reused"]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(mmap_at), MALLOC_TRIM_THRESHOLD_=str(trim_at))
+    child = [sys.executable, os.path.abspath(__file__), "--breakdown-only", str(rounds)]
+    t = json.loads(subprocess.run(child, env=env, check=True, capture_output=True).stdout)
+    labels = {
+        "bare": "(a) breakdown: the hand-written kernels + 4 bare _make_wrapper_subclass calls",
+        "wrappers": "(a) breakdown: the hand-written kernels + the 4 wrappers vmap builds",
+        "ops": "(a) breakdown: normalise on a wrapper (ops, collectives), no vmap call",
+        "vmap": "(a) breakdown: the whole vmap",
+    }
+    return [(label, t[k], t["hand"]) for k, label in labels.items()]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
@@ -249,16 +341,27 @@ def main(argv=None):
     ap.add_argument(
         "--runs", type=int, default=1, help="(a): processes per allocator regime (median ratio)"
     )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="(a) only, reused buffers: the kernels with more and more of vmap's machinery",
+    )
     ap.add_argument("--normalise-only", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--breakdown-only", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.normalise_only:
         return _normalise_only(args.normalise_only)
+    if args.breakdown_only:
+        return _breakdown_only(args.breakdown_only)
     rounds = 5 if args.quick else 15
     load = _load()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_distributed as me  # spawned workers import the function by module name
 
     rows, walls = [], {}
+    if args.breakdown:
+        args.procs = ""
+        rows += bench_breakdown(rounds * 20)
     for world in [int(n) for n in args.procs.split(",") if n]:
         results = ft.distributed.launch(
             me.dp_sgd_worker, world, rounds, args.allocator, timeout=600
@@ -269,7 +372,8 @@ def main(argv=None):
         name = f"(b) DP-SGD step, {world} gloo process{'es' if world > 1 else ''}, {args.allocator}"
         rows.append((f"{name}: CPU per process", cpu["pmap"], cpu["hand"]))
         rows.append((f"{name}: wall, slowest process", wall["pmap"], wall["hand"]))
-    rows += bench_vmap_collectives(rounds * 20, args.runs)
+    if not args.breakdown:
+        rows += bench_vmap_collectives(rounds * 20, args.runs)
 
     print(
         f"load average {load} at start, {_load()} at end; {os.cpu_count()} cores; torch "
