@@ -50,6 +50,26 @@ class DualTensor(TransformTensor):
             not isinstance(t, TransformTensor) and t.requires_grad
         )
 
+    # As torch.func's jvp wrappers read (Note [requires_grad and grad_fn inside grad] for the
+    # grad level): a value inside jvp does not require grad, whatever torch recorded on the
+    # wrapper for a captured tensor that does. The wrapper-level node is never differentiated,
+    # so a hook registered on it would never run: torch's register_hook refuses it instead.
+    @property
+    def requires_grad(self):
+        return False
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        self.requires_grad_(value)  # raises, as in PyTorch
+
+    @property
+    def grad_fn(self):
+        return None
+
+    @property
+    def is_leaf(self):
+        return True
+
     def _describe(self):
         return (
             f"DualTensor(lvl={self._interp.level}, primal={self._primal!r}, "

@@ -438,3 +438,29 @@ def test_torch_forward_ad_through_vmaps_fast_paths_still_works():
     ours, ref = run(ft), run(tf)
     assert ours[1] is not None
     assert_same(ours, ref, check_requires_grad=False)
+
+
+# --- what a value inside jvp reads as: torch.func's answers -----------------------------------
+
+
+def test_values_inside_jvp_do_not_require_grad():
+    # a captured tensor that requires grad made ours read requires_grad/grad_fn on jvp's
+    # values, and a hook registered there never ran (torch.func refuses it)
+    def probe(L):
+        w = Y.clone().requires_grad_()
+        seen = []
+
+        def f(x):
+            z = x * w
+            seen.append((x.requires_grad, z.requires_grad, z.grad_fn is None, z.is_leaf))
+            with pytest.raises(RuntimeError, match="doesn't require gradient"):
+                z.register_hook(lambda g: g * 2)
+            return z.logsumexp(0)
+
+        out, t = L.jvp(f, (X[0],), (X[1],))
+        (gw,) = torch.autograd.grad(out + t, w)
+        return seen, out, t, gw
+
+    ours, ref = probe(ft), probe(tf)
+    assert ours[0] == ref[0] == [(False, False, True, True)]
+    assert_same(ours[1:], ref[1:])
