@@ -9,6 +9,7 @@ from functransforms import _pytree as pt
 from functransforms._core import (
     Interpreter,
     TransformTensor,
+    data_as_constant,
     dtype_conj,
     is_floating,
     metadata,
@@ -50,25 +51,18 @@ class DualTensor(TransformTensor):
             not isinstance(t, TransformTensor) and t.requires_grad
         )
 
-    # As torch.func's jvp wrappers read (Note [requires_grad and grad_fn inside grad] for the
-    # grad level): a value inside jvp does not require grad, whatever torch recorded on the
-    # wrapper for a captured tensor that does. The wrapper-level node is never differentiated,
-    # so a hook registered on it would never run: torch's register_hook refuses it instead.
-    @property
-    def requires_grad(self):
-        return False
+    data = data_as_constant  # Note [torch's own detach of a wrapper]
 
-    @requires_grad.setter
-    def requires_grad(self, value):
-        self.requires_grad_(value)  # raises, as in PyTorch
-
-    @property
-    def grad_fn(self):
-        return None
-
-    @property
-    def is_leaf(self):
-        return True
+    def register_hook(self, hook):
+        # torch records a node on this wrapper when a captured tensor requires grad, but only
+        # the graph of the unwrapped values is differentiated once jvp returns: a hook here
+        # would silently never run. torch.func refuses it (its values inside jvp do not
+        # require grad).
+        raise RuntimeError(
+            "x.register_hook(hook) inside jvp: a value inside jvp has no reverse-mode graph "
+            "to hook (as in torch.func, where it does not require grad). Expected: the hook "
+            "on a tensor outside the transform, or on a value inside grad/vjp."
+        )
 
     def _describe(self):
         return (

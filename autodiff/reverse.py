@@ -39,6 +39,7 @@ from functransforms._core import (
     PlainMetadata,
     TransformTensor,
     below_torch_autograd,
+    data_as_constant,
     eager_under_compile,
     interpreter_stack,
     is_floating,
@@ -132,6 +133,8 @@ class GradTensor(TransformTensor):
     @property
     def is_leaf(self):
         return isinstance(self._node, Leaf)
+
+    data = data_as_constant  # Note [torch's own detach of a wrapper]
 
     def register_hook(self, hook):
         """Run ``hook(ct)`` on this value's cotangent in the level's backward sweep, as
