@@ -327,6 +327,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
         flat, spec = pt.tree_flatten(args)
         primals, inputs = unwrap_level(self, flat, _entry_of)
         p_args = pt.tree_unflatten(spec, primals)
+        res = None
         if custom_fn.bwd is not None:
             out, res = custom_fn.fwd(*p_args)
             bwd = _custom_bwd(custom_fn, res, args, len(flat))
@@ -336,10 +337,16 @@ class GradInterpreter(InplaceMixin, Interpreter):
         flat_out, out_spec = pt.tree_flatten(out)
         single = isinstance(out, torch.Tensor)
 
+        # an autograd.Function after ctx.set_materialize_grads(False) gets None, as in torch
+        materialize = custom_fn.bwd is None or custom_fn.materialize_grads(res)
+
         def custom_vjp_rule(ct, _primals, _kwargs, _out, _needs):
             if single:
                 return bwd(ct)
-            zeros = [c if c is not None else torch.zeros_like(o) for c, o in zip(ct, flat_out)]
+            zeros = [
+                c if c is not None or not materialize else torch.zeros_like(o)
+                for c, o in zip(ct, flat_out)
+            ]
             return bwd(pt.tree_unflatten(out_spec, zeros))
 
         saved = flat_out[0] if single else tuple(flat_out)

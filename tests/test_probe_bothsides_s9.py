@@ -459,3 +459,44 @@ def test_register_hook_inside_jvp_raises_as_in_torch_func():
         return out, t, gw
 
     assert_same(probe(ft), probe(tf))
+
+
+# --- set_materialize_grads(False): None for outputs without a cotangent -----------------------
+
+
+def two_outputs(materialize, log):
+    class TwoOut(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2, x * 3
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(materialize)
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            log.append((g1 is None, g2 is None))
+            return sum(k * g for k, g in ((2, g1), (3, g2)) if g is not None)
+
+        generate_vmap_rule = True
+
+    return TwoOut
+
+
+@pytest.mark.parametrize("materialize", [True, False])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L, F: L.grad(lambda x: F.apply(x)[0].sum())(X[0]),
+        lambda L, F: L.vmap(L.grad(lambda x: F.apply(x)[0].sum()))(X),
+        lambda L, F: L.jacrev(lambda x: F.apply(x)[0])(X[0]),
+    ],
+    ids=["grad", "vmap(grad)", "jacrev"],
+)
+def test_set_materialize_grads_false(materialize, call):
+    ours_log, ref_log = [], []
+    assert_same(
+        call(ft, two_outputs(materialize, ours_log)), call(tf, two_outputs(materialize, ref_log))
+    )
+    assert ours_log == ref_log  # zeros were passed where torch passes None
