@@ -500,3 +500,67 @@ def test_set_materialize_grads_false(materialize, call):
         call(ft, two_outputs(materialize, ours_log)), call(tf, two_outputs(materialize, ref_log))
     )
     assert ours_log == ref_log  # zeros were passed where torch passes None
+
+
+# --- nn.MultiheadAttention's fused kernel under jvp ---------------------------------------------
+
+_B, _L, _E, _H = 2, 5, 8, 2
+_KPM = torch.tensor([[False] * 3 + [True] * 2, [False] * 4 + [True]])
+_CAUSAL = torch.ones(_L, _L, dtype=torch.bool).triu(1)
+
+
+@pytest.mark.parametrize(
+    "mask, mask_type",
+    [
+        (None, None),
+        (_KPM, 1),
+        (_CAUSAL, 0),
+        ((_CAUSAL.view(1, 1, _L, _L) | _KPM.view(_B, 1, 1, _L)).expand(_B, _H, _L, _L), 2),
+        (torch.zeros(_B, _L, dtype=D).masked_fill(_KPM, float("-inf")), 1),
+    ],
+    ids=["none", "key-padding", "causal", "merged", "float-key-padding"],
+)
+@pytest.mark.parametrize("need_weights, average", [(True, True), (True, False), (False, True)])
+def test_native_multi_head_attention_decomposition_is_the_kernel(
+    mask, mask_type, need_weights, average
+):
+    from functransforms.autodiff.nn import _native_multi_head_attention
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(_B, _L, _E, dtype=D, generator=g)
+    w, b = torch.randn(3 * _E, _E, dtype=D, generator=g), torch.randn(3 * _E, dtype=D, generator=g)
+    pw, pb = torch.randn(_E, _E, dtype=D, generator=g), torch.randn(_E, dtype=D, generator=g)
+    args = (x, x + 1, 2 * x, _E, _H, w, b, pw, pb, mask, need_weights, average, mask_type)
+    kernel = torch.ops.aten._native_multi_head_attention.default(*args)
+    ours = _native_multi_head_attention(*args)
+    torch.testing.assert_close(ours[0], kernel[0])
+    if need_weights:
+        torch.testing.assert_close(ours[1], kernel[1])
+    else:
+        assert ours[1] is None and kernel[1] is None
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_jvp_of_frozen_attention_in_eval(transform):
+    # eval mode, frozen parameters: the fused kernel had no jvp rule (MissingRuleError; torch.func
+    # raises too). Reference: torch.func through the unfused path.
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(_E, _H, batch_first=True).double().eval().requires_grad_(False)
+    s = torch.randn(_B, _L, _E, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def f(x, kpm=_KPM):
+        return m(x, x, x, key_padding_mask=kpm)[0]
+
+    def run(L):
+        if transform == "jvp":
+            return L.jvp(f, (s,), (s.flip(0),))
+        return L.jacfwd(lambda x: f(x[None], _KPM[:1])[0].sum(0))(s[0])
+
+    ours = run(ft)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        ref = run(tf)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    assert_same(ours, ref, check_requires_grad=False)
