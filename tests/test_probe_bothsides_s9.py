@@ -564,3 +564,15 @@ def test_jvp_of_frozen_attention_in_eval(transform):
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     assert_same(ours, ref, check_requires_grad=False)
+
+
+def test_register_hook_inside_linearize_raises_as_in_torch_func():
+    # linearize records reverse mode to transpose it: the hook scaled the tangents, silently
+    def f(x):
+        y = x.sin()
+        y.register_hook(lambda g: g * 3)
+        return y * y
+
+    for L in (tf, ft):
+        with pytest.raises(RuntimeError, match="hook"):
+            L.linearize(f, X[0])[1](X[1])
