@@ -576,3 +576,13 @@ def test_register_hook_inside_linearize_raises_as_in_torch_func():
     for L in (tf, ft):
         with pytest.raises(RuntimeError, match="hook"):
             L.linearize(f, X[0])[1](X[1])
+
+
+def test_module_backward_hooks_inside_vmap_raise():
+    # torch.func runs the module and never calls the hooks (differences.md 29)
+    calls = []
+    m = torch.nn.Linear(3, 1).double()
+    m.register_full_backward_hook(lambda mod, gi, go: calls.append(1))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        ft.vmap(lambda x: m(x[None]))(X)
+    assert calls == []
