@@ -9,6 +9,7 @@ from functransforms import _pytree as pt
 from functransforms._core import (
     Interpreter,
     TransformTensor,
+    data_as_constant,
     dtype_conj,
     is_floating,
     metadata,
@@ -48,6 +49,19 @@ class DualTensor(TransformTensor):
             return p.requires_grad or t.requires_grad
         return (not isinstance(p, TransformTensor) and p.requires_grad) or (
             not isinstance(t, TransformTensor) and t.requires_grad
+        )
+
+    data = data_as_constant  # Note [torch's own detach of a wrapper]
+
+    def register_hook(self, hook):
+        # torch records a node on this wrapper when a captured tensor requires grad, but only
+        # the graph of the unwrapped values is differentiated once jvp returns: a hook here
+        # would silently never run. torch.func refuses it (its values inside jvp do not
+        # require grad).
+        raise RuntimeError(
+            "x.register_hook(hook) inside jvp: a value inside jvp has no reverse-mode graph "
+            "to hook (as in torch.func, where it does not require grad). Expected: the hook "
+            "on a tensor outside the transform, or on a value inside grad/vjp."
         )
 
     def _describe(self):

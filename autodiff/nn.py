@@ -12,6 +12,7 @@ import functools
 import itertools
 
 import torch
+import torch.nn.functional as F
 
 from functransforms._decomp import override
 
@@ -498,6 +499,55 @@ def _pack_padded_sequence(input, lengths, batch_first):
 
 
 override(aten._pack_padded_sequence.default)(_pack_padded_sequence)
+
+
+# -- nn.MultiheadAttention's fast path ---------------------------------------------------------
+# In eval mode with parameters that do not require grad, nn.MultiheadAttention calls the fused
+# aten._native_multi_head_attention when no argument has a __torch_function__ and none requires
+# grad: the values inside jvp (found by the session 9 probe: jvp/jacfwd of a frozen attention
+# layer raised MissingRuleError; torch.func computes them). Its math, checked against the kernel
+# for every mask type, bool and float masks, need_weights and average_attn_weights
+# (tests/test_probe_bothsides_s9.py); a row with every key masked is NaN, as the kernel's.
+def _native_multi_head_attention(
+    query,
+    key,
+    value,
+    embed_dim,
+    num_head,
+    qkv_weight,
+    qkv_bias,
+    proj_weight,
+    proj_bias,
+    mask=None,
+    need_weights=True,
+    average_attn_weights=True,
+    mask_type=None,
+):
+    B, L, _ = query.shape
+    S = key.shape[1]
+    hd = embed_dim // num_head
+    (wq, wk, wv), (bq, bk, bv) = qkv_weight.chunk(3), qkv_bias.chunk(3)
+    q = F.linear(query, wq, bq).view(B, L, num_head, hd).transpose(1, 2)  # [B, H, L, hd]
+    k = F.linear(key, wk, bk).view(B, S, num_head, hd).transpose(1, 2)
+    v = F.linear(value, wv, bv).view(B, S, num_head, hd).transpose(1, 2)
+    scores = (q / hd**0.5) @ k.transpose(-2, -1)  # [B, H, L, S]
+    if mask is not None:  # 0: [L, S]; 1: key padding [B, S]; 2: [B, H, L, S]
+        m = (
+            mask.view(B, 1, 1, S)
+            if mask_type == 1
+            else mask.view(1, 1, L, S)
+            if mask_type == 0
+            else mask
+        )
+        scores = scores.masked_fill(m, float("-inf")) if m.dtype == torch.bool else scores + m
+    weights = scores.softmax(-1)
+    out = F.linear((weights @ v).transpose(1, 2).reshape(B, L, embed_dim), proj_weight, proj_bias)
+    if not need_weights:
+        return out, None
+    return out, weights.mean(1) if average_attn_weights else weights
+
+
+override(aten._native_multi_head_attention.default)(_native_multi_head_attention)
 
 
 # -- binary_cross_entropy -------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from functransforms._core import (
     PlainMetadata,
     TransformTensor,
     below_torch_autograd,
+    data_as_constant,
     eager_under_compile,
     interpreter_stack,
     is_floating,
@@ -133,9 +134,19 @@ class GradTensor(TransformTensor):
     def is_leaf(self):
         return isinstance(self._node, Leaf)
 
+    data = data_as_constant  # Note [torch's own detach of a wrapper]
+
     def register_hook(self, hook):
         """Run ``hook(ct)`` on this value's cotangent in the level's backward sweep, as
         torch.func does (Note [Tensor hooks inside grad]); the hook may return a replacement."""
+        if self._interp.call.startswith("linearize("):
+            # linearize records reverse mode only to transpose it into a jvp: a hook on a
+            # cotangent has no meaning for the tangents (torch.func's linearize refuses it too)
+            raise RuntimeError(
+                f"{self._interp.call}: x.register_hook(hook) inside linearize: the function is "
+                "differentiated in forward mode, which has no cotangents to hook (as in "
+                "torch.func). Expected: the hook inside grad/vjp."
+            )
         hooks = _HOOKS.setdefault(self._node, {}).setdefault(self._idx, OrderedDict())
         handle = torch.utils.hooks.RemovableHandle(hooks)
         hooks[handle.id] = hook
@@ -324,6 +335,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
         flat, spec = pt.tree_flatten(args)
         primals, inputs = unwrap_level(self, flat, _entry_of)
         p_args = pt.tree_unflatten(spec, primals)
+        res = None
         if custom_fn.bwd is not None:
             out, res = custom_fn.fwd(*p_args)
             bwd = _custom_bwd(custom_fn, res, args, len(flat))
@@ -333,10 +345,16 @@ class GradInterpreter(InplaceMixin, Interpreter):
         flat_out, out_spec = pt.tree_flatten(out)
         single = isinstance(out, torch.Tensor)
 
+        # an autograd.Function after ctx.set_materialize_grads(False) gets None, as in torch
+        materialize = custom_fn.bwd is None or custom_fn.materialize_grads(res)
+
         def custom_vjp_rule(ct, _primals, _kwargs, _out, _needs):
             if single:
                 return bwd(ct)
-            zeros = [c if c is not None else torch.zeros_like(o) for c, o in zip(ct, flat_out)]
+            zeros = [
+                c if c is not None or not materialize else torch.zeros_like(o)
+                for c, o in zip(ct, flat_out)
+            ]
             return bwd(pt.tree_unflatten(out_spec, zeros))
 
         saved = flat_out[0] if single else tuple(flat_out)

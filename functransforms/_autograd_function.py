@@ -254,6 +254,7 @@ def _make_custom_function(cls):
         return jvp_rule
 
     cf.defvjp(fwd, bwd)
+    cf.materialize_grads = lambda ctx: ctx.materialize_grads
     has_jvp = _overrides(cls, "jvp")
     cf.defjvp(make_jvp(fwd) if has_jvp else _no_jvp_rule(cls))
     if _overrides(cls, "vmap"):

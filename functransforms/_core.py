@@ -303,9 +303,19 @@ _unpack_dual = torch._VF._unpack_dual
 #     requires grad, met inside ``grad``) held a constant for its output: ``torch.autograd.grad``
 #     of ``logsumexp``/``exp``/``tanh``/... called inside the function dropped the output's
 #     dependence on the transform's inputs, silently (8% off for a logsumexp). torch's copy
-#     is an alias of the value, so it stays one at our levels too.
+#     is an alias of the value, so it stays one at our levels too. ``x.data`` takes the same
+#     path into ``__torch_dispatch__`` and must stay a constant: the grad and jvp wrappers
+#     define it (``data_as_constant``) as an ordinary detach, through the dispatcher.
 _DETACH = torch.ops.aten.detach.default
 _ALIAS = torch.ops.aten.alias.default
+_set_data = torch._C.TensorBase.data.__set__
+
+
+def _get_data(self):
+    return _DETACH(self)
+
+
+data_as_constant = property(_get_data, _set_data, doc="``x.data``: a constant at every level")
 
 
 def _route(interp, func, args, kwargs):

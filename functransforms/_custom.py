@@ -50,6 +50,12 @@ class _CustomFunction:
         self.generic_vmap = None
         self.nondiff_argnums = _check_nondiff(fn, nondiff_argnums)
 
+    @staticmethod
+    def materialize_grads(residuals):
+        """Whether ``bwd`` gets zeros (not None) for outputs without a cotangent: always, as
+        JAX; an autograd.Function says otherwise with ``ctx.set_materialize_grads(False)``."""
+        return True
+
     def defvjp(self, fwd, bwd):
         """``fwd(*args) -> (out, residuals)``; ``bwd(residuals, ct) -> tuple of cotangents``
         (with ``nondiff_argnums``: ``bwd(*nondiff_args, residuals, ct)``, one cotangent per

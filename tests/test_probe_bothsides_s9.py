@@ -438,3 +438,151 @@ def test_torch_forward_ad_through_vmaps_fast_paths_still_works():
     ours, ref = run(ft), run(tf)
     assert ours[1] is not None
     assert_same(ours, ref, check_requires_grad=False)
+
+
+# --- hooks on values inside jvp -------------------------------------------------------------
+
+
+def test_register_hook_inside_jvp_raises_as_in_torch_func():
+    # with a captured tensor that requires grad, ours accepted the hook and never ran it
+    def probe(L):
+        w = Y.clone().requires_grad_()
+
+        def f(x):
+            z = x * w
+            with pytest.raises(RuntimeError, match="register_hook|doesn't require gradient"):
+                z.register_hook(lambda g: g * 2)
+            return z.logsumexp(0)
+
+        out, t = L.jvp(f, (X[0],), (X[1],))
+        (gw,) = torch.autograd.grad(out + t, w)
+        return out, t, gw
+
+    assert_same(probe(ft), probe(tf))
+
+
+# --- set_materialize_grads(False): None for outputs without a cotangent -----------------------
+
+
+def two_outputs(materialize, log):
+    class TwoOut(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2, x * 3
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(materialize)
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            log.append((g1 is None, g2 is None))
+            return sum(k * g for k, g in ((2, g1), (3, g2)) if g is not None)
+
+        generate_vmap_rule = True
+
+    return TwoOut
+
+
+@pytest.mark.parametrize("materialize", [True, False])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda L, F: L.grad(lambda x: F.apply(x)[0].sum())(X[0]),
+        lambda L, F: L.vmap(L.grad(lambda x: F.apply(x)[0].sum()))(X),
+        lambda L, F: L.jacrev(lambda x: F.apply(x)[0])(X[0]),
+    ],
+    ids=["grad", "vmap(grad)", "jacrev"],
+)
+def test_set_materialize_grads_false(materialize, call):
+    ours_log, ref_log = [], []
+    assert_same(
+        call(ft, two_outputs(materialize, ours_log)), call(tf, two_outputs(materialize, ref_log))
+    )
+    assert ours_log == ref_log  # zeros were passed where torch passes None
+
+
+# --- nn.MultiheadAttention's fused kernel under jvp ---------------------------------------------
+
+_B, _L, _E, _H = 2, 5, 8, 2
+_KPM = torch.tensor([[False] * 3 + [True] * 2, [False] * 4 + [True]])
+_CAUSAL = torch.ones(_L, _L, dtype=torch.bool).triu(1)
+
+
+@pytest.mark.parametrize(
+    "mask, mask_type",
+    [
+        (None, None),
+        (_KPM, 1),
+        (_CAUSAL, 0),
+        ((_CAUSAL.view(1, 1, _L, _L) | _KPM.view(_B, 1, 1, _L)).expand(_B, _H, _L, _L), 2),
+        (torch.zeros(_B, _L, dtype=D).masked_fill(_KPM, float("-inf")), 1),
+    ],
+    ids=["none", "key-padding", "causal", "merged", "float-key-padding"],
+)
+@pytest.mark.parametrize("need_weights, average", [(True, True), (True, False), (False, True)])
+def test_native_multi_head_attention_decomposition_is_the_kernel(
+    mask, mask_type, need_weights, average
+):
+    from functransforms.autodiff.nn import _native_multi_head_attention
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(_B, _L, _E, dtype=D, generator=g)
+    w, b = torch.randn(3 * _E, _E, dtype=D, generator=g), torch.randn(3 * _E, dtype=D, generator=g)
+    pw, pb = torch.randn(_E, _E, dtype=D, generator=g), torch.randn(_E, dtype=D, generator=g)
+    args = (x, x + 1, 2 * x, _E, _H, w, b, pw, pb, mask, need_weights, average, mask_type)
+    kernel = torch.ops.aten._native_multi_head_attention.default(*args)
+    ours = _native_multi_head_attention(*args)
+    torch.testing.assert_close(ours[0], kernel[0])
+    if need_weights:
+        torch.testing.assert_close(ours[1], kernel[1])
+    else:
+        assert ours[1] is None and kernel[1] is None
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_jvp_of_frozen_attention_in_eval(transform):
+    # eval mode, frozen parameters: the fused kernel had no jvp rule (MissingRuleError; torch.func
+    # raises too). Reference: torch.func through the unfused path.
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(_E, _H, batch_first=True).double().eval().requires_grad_(False)
+    s = torch.randn(_B, _L, _E, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def f(x, kpm=_KPM):
+        return m(x, x, x, key_padding_mask=kpm)[0]
+
+    def run(L):
+        if transform == "jvp":
+            return L.jvp(f, (s,), (s.flip(0),))
+        return L.jacfwd(lambda x: f(x[None], _KPM[:1])[0].sum(0))(s[0])
+
+    ours = run(ft)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        ref = run(tf)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    assert_same(ours, ref, check_requires_grad=False)
+
+
+def test_register_hook_inside_linearize_raises_as_in_torch_func():
+    # linearize records reverse mode to transpose it: the hook scaled the tangents, silently
+    def f(x):
+        y = x.sin()
+        y.register_hook(lambda g: g * 3)
+        return y * y
+
+    for L in (tf, ft):
+        with pytest.raises(RuntimeError, match="hook"):
+            L.linearize(f, X[0])[1](X[1])
+
+
+def test_module_backward_hooks_inside_vmap_raise():
+    # torch.func runs the module and never calls the hooks (differences.md 29)
+    calls = []
+    m = torch.nn.Linear(3, 1).double()
+    m.register_full_backward_hook(lambda mod, gi, go: calls.append(1))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        ft.vmap(lambda x: m(x[None]))(X)
+    assert calls == []
