@@ -6,8 +6,9 @@ Note [Conformance suite]
     oracle, and classifies the result:
 
     * ``pass``      every compared sample agrees (values, shapes, dtypes);
-    * ``fallback``  (vmap, vmap(vjp)) agrees, but vmap ran at least one op through its per-example
-                    loop (a ``FallbackWarning``): allowed, counted, listed in docs/conformance.md;
+    * ``fallback``  (vmap, vmap(vjp), vmap(jvp), vmap_dims) agrees, but vmap ran at least one op
+                    through its per-example loop (a ``FallbackWarning``): allowed, counted,
+                    listed in docs/conformance.md;
     * ``fail``      with one category: ``wrong value`` / ``wrong shape`` / ``wrong dtype`` /
                     ``wrong structure`` (silent wrong results, the worst class), ``no vmap rule``
                     / ``no jvp rule`` / ``no vjp rule`` (a NotImplementedError naming the
