@@ -188,18 +188,11 @@ class JvpInterpreter(InplaceMixin, Interpreter):
 
     def _rebind(self, w, value):
         if isinstance(value, DualTensor) and value._interp is self:
-            below, primal = w._primal, value._primal
-            if (
-                not torch.is_grad_enabled()
-                and isinstance(below, TransformTensor)
-                and getattr(primal, "_interp", 0) is not below._interp
-            ):
-                # Note [Grad mode] (reverse.py): written under no_grad, the grad levels below
-                # computed ``primal`` as a constant; writing it into the wrapper below keeps
-                # their history (grad(jvp(f)) with `v.clamp_(...)` under no_grad was zero)
-                below.copy_(primal)
-                primal = below
-            w._primal, w._tangent = primal, value._tangent
+            primal, tangent = value._primal, value._tangent
+            if not torch.is_grad_enabled():
+                primal = _keep_history(w._primal, primal, in_place=True)
+                tangent = _keep_history(w._tangent, tangent, in_place=False)
+            w._primal, w._tangent = primal, tangent
         elif not _fwd_enabled() and value.shape == w._primal.shape:
             w._primal = value  # written with forward grad off: the tangent is kept
         else:  # the new value carries no tangent at this level
@@ -208,3 +201,22 @@ class JvpInterpreter(InplaceMixin, Interpreter):
 
     def _constant(self, primal):
         return wrap_dual(primal, torch.zeros_like(primal), self)
+
+
+def _keep_history(below, value, in_place):
+    """Note [Grad mode] (reverse.py) at the grad levels below a jvp level: written under
+    no_grad, they computed ``value`` (the new primal, or the new tangent) as a constant, so it
+    goes into the old wrapper below through that level's in-place path, which keeps its history
+    (grad(jvp(f)) and vjp(jvp(f)) with gaussian_nll_loss's `var.clamp_(min=eps)` under no_grad
+    lost the derivative). The primal is written in place, as functorch does; the tangent into a
+    copy (recorded with grad on), since a rule may have handed the same tangent to another
+    output."""
+    if not isinstance(below, TransformTensor) or getattr(value, "_interp", 0) is below._interp:
+        return value
+    if below.shape != value.shape:
+        return value
+    if not in_place:
+        with torch.enable_grad():
+            below = below.clone()
+    below.copy_(value)
+    return below

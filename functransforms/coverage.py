@@ -46,7 +46,18 @@ def _ad_kind(op, table):
 #     (the OpInfo flags no forward AD) and our jvp computes on its first float64 sample; its values
 #     are checked against finite differences by the family tests, not by the suite (which has
 #     no oracle for it).
-OPINFO_TRANSFORMS = ("vmap", "vjp", "jvp", "vmap(vjp)", "jvp(vjp)")
+#     The compositions (vmap(vjp), jvp(vjp), vmap(jvp), vjp(vjp)) and vmap_dims (in_dims /
+#     out_dims other than 0, nested vmap) get a column each (Note [Conformance compositions]).
+OPINFO_TRANSFORMS = (
+    "vmap",
+    "vjp",
+    "jvp",
+    "vmap(vjp)",
+    "jvp(vjp)",
+    "vmap(jvp)",
+    "vjp(vjp)",
+    "vmap_dims",
+)
 
 
 def _conformance_modules():
@@ -156,6 +167,7 @@ def render() -> str:
         "the suite found nothing PyTorch itself computes); a failure category: its entry in "
         "tests/conformance/expected_failures.py; *skip*: skipped by the suite (random or "
         "uninitialized output); *—*: the OpInfo says torch does not support the transform; "
+        "*vmap_dims*: vmap with in_dims / out_dims other than 0 and vmap of vmap; "
         "**ours only**: torch has no forward-mode formula and our jvp computes (Note [Coverage "
         "over the OpInfo database] in functransforms/coverage.py).\n\n"
         f"{op_summary}\n\n"

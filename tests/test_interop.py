@@ -455,7 +455,8 @@ def test_inplace_under_no_grad_keeps_history():
 def test_inplace_under_no_grad_keeps_history_at_outer_levels():
     """The write under no_grad keeps the history of every grad level, not only the innermost
     (gaussian_nll_loss's `var.clamp_(min=eps)`: its second derivative in var was zero under
-    grad(grad) and grad(jvp); conformance test_vjp_vjp[nn.functional.gaussian_nll_loss-real])."""
+    grad(grad) and grad(jvp), and grad(jvp) in the tangent lost the tangent's history;
+    conformance test_vjp_vjp[nn.functional.gaussian_nll_loss-real], cosine_similarity)."""
 
     def f(v):
         v = v.clone()
@@ -466,10 +467,11 @@ def test_inplace_under_no_grad_keeps_history_at_outer_levels():
     x = torch.tensor([0.6, 1.3, 0.9], dtype=torch.float64)
     t = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
 
-    def second_derivatives(lib):  # grad(grad), grad(jvp), jvp(jvp)
+    def second_derivatives(lib):  # grad(grad), grad(jvp) in the primal and the tangent, jvp(jvp)
         return (
             lib.grad(lambda y: lib.grad(f)(y).sum())(x),
             lib.grad(lambda y: lib.jvp(f, (y,), (t,))[1])(x),
+            lib.grad(lambda s: lib.jvp(f, (x,), (s,))[1])(t),
             lib.jvp(lambda y: lib.jvp(f, (y,), (t,))[1], (x,), (t,))[1],
         )
 

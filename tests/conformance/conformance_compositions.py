@@ -1,10 +1,14 @@
-"""Composed transforms in the conformance suite: vmap(vjp) and jvp(vjp) against torch.func.
+"""Composed transforms in the conformance suite: vmap(vjp), jvp(vjp), vmap(jvp) and vjp(vjp)
+against torch.func's same composition (and vmap_dims, conformance_vmap_dims.py).
 
 Note [Conformance compositions]
     Users rarely call vjp alone: per-sample gradients and jacrev are ``vmap(vjp)``, Hessian-vector
-    products are ``jvp(vjp)`` (forward over reverse). Each is checked on the same OpInfo samples
-    as vjp (float64 and complex128, ops with ``supports_autograd``), against torch.func's same
-    composition with the same inputs; classification is Note [Conformance suite]'s.
+    products are ``jvp(vjp)`` (forward over reverse), jacfwd and batched directional
+    derivatives are ``vmap(jvp)``, and ``jacrev(jacrev)`` / MAML are ``vjp(vjp)``. Each is
+    checked on the same OpInfo samples as its inner derivative (float64 and complex128; ops with
+    ``supports_autograd`` for a vjp inside, ``supports_forward_ad`` for a jvp inside), against
+    torch.func's same composition with the same inputs; classification is Note [Conformance
+    suite]'s. ``COMPOSITIONS`` (conformance_harness.py) maps each to its inner transform.
 
     * ``vmap(vjp)``: ``g(*primals, *cotangents) = vjp(f, *primals)`` then the pullback of the
       cotangents, returning (outputs, input cotangents), vmapped with ``B`` examples. The batch
@@ -14,9 +18,21 @@ Note [Conformance compositions]
       example has its own random cotangents. Sample 0 runs three cases: primals and cotangents
       batched, primals alone (one cotangent shared: per-sample gradients), cotangents alone
       (one primal: the rows of jacrev); later samples run the first only (run time).
+    * ``vmap(jvp)`` (functorch's test_vmapjvpall): ``g(*primals, *tangents) = jvp(f, primals,
+      tangents)``, vmapped as vmap(vjp) with tangents in the cotangents' place; sample 0 runs
+      primals and tangents batched, then tangents alone (one primal: the columns of jacfwd).
     * ``jvp(vjp)``: ``jvp(g, (*primals, *cotangents), (*tangents, *cotangent_tangents))`` with
       ``g`` returning the input cotangents: the Hessian-vector product when the cotangent
       tangents are zero, plus the derivative of the (linear) pullback in its cotangent.
+    * ``vjp(vjp)``: the vjp of the same ``g`` (second-order reverse), pulled back with random
+      cotangents shaped like the primals: (input cotangents, their cotangents with respect to
+      primals and output cotangents).
+
+    Where torch.func is the one that is wrong, the sample is skipped with the proof, never
+    failed: vmap(...) where torch.func.vmap differs from torch.func's own per-example loop and
+    ours equals that loop (cdist, p=1); vjp(vjp) where torch.func's result fails the dot-product
+    test <c, J t> = <J^T c, t> against torch.func's own jvp of the pullback (J t) and ours passes
+    it (linalg.norm at 0: NaN against 0).
 
     Non-differentiable inputs (indices, masks, ...) are shared by every example: they are
     constants of ``f``.

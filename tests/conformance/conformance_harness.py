@@ -6,8 +6,9 @@ Note [Conformance suite]
     oracle, and classifies the result:
 
     * ``pass``      every compared sample agrees (values, shapes, dtypes);
-    * ``fallback``  (vmap, vmap(vjp)) agrees, but vmap ran at least one op through its per-example
-                    loop (a ``FallbackWarning``): allowed, counted, listed in docs/conformance.md;
+    * ``fallback``  (vmap, vmap(vjp), vmap(jvp), vmap_dims) agrees, but vmap ran at least one op
+                    through its per-example loop (a ``FallbackWarning``): allowed, counted,
+                    listed in docs/conformance.md;
     * ``fail``      with one category: ``wrong value`` / ``wrong shape`` / ``wrong dtype`` /
                     ``wrong structure`` (silent wrong results, the worst class), ``no vmap rule``
                     / ``no jvp rule`` / ``no vjp rule`` (a NotImplementedError naming the
@@ -47,6 +48,7 @@ import os
 import random
 import re
 import time
+import traceback
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -316,8 +318,12 @@ def classify_exception(e: BaseException) -> str:
 
 
 def _short(e: BaseException) -> str:
+    """The exception's first line, and where it was raised (the innermost frame: a crash seen
+    once in a full run can then be traced)."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first[:200]}"
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" [{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}]" if frames else ""
+    return f"{type(e).__name__}: {first[:200]}{where}"
 
 
 # -- comparing ------------------------------------------------------------------------------
