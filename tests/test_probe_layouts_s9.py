@@ -391,3 +391,21 @@ def test_tangents_of_zero_d_values_with_python_scalars_keep_the_output_dtype():
     assert out.dtype == t.dtype == torch.float32
     assert ft.jacfwd(lambda a: (a * 2.5).exp())(x).dtype == torch.float32
     assert tf.jvp(lambda a: a + 1.5, (x,), (torch.tensor(1.0),))[1].dtype == torch.float64
+
+
+def test_writes_into_a_negative_view_under_vmap_raise():
+    # silent: the negative view was materialized when it entered the wrapper, so the write
+    # reached a copy and `y` kept its old values (eager and torch.func write through)
+    from functransforms.errors import InplaceError
+
+    y = torch.arange(6.0).reshape(2, 3)
+    for f in (lambda a: a.mul_(2), lambda a: a[1:].add_(1)):
+        with pytest.raises(InplaceError, match="negative view"):
+            ft.vmap(f)(torch._neg_view(y))
+    assert torch.equal(y, torch.arange(6.0).reshape(2, 3))
+    with pytest.raises(InplaceError, match="negative view"):
+        ft.vmap(lambda a: torch._neg_view(a).mul_(2))(y)
+    # reading one is fine, NaNs included
+    y[0, 0] = float("nan")
+    out = ft.vmap(lambda a: a * 2)(torch._neg_view(y))
+    torch.testing.assert_close(out, -2 * y, equal_nan=True)
