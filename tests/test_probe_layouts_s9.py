@@ -70,18 +70,25 @@ def assert_same(ours, ref, dtypes=None, bits=False):
         )
 
 
+def _note(text):
+    try:
+        note(text)
+    except Exception:  # outside a hypothesis test (the parametrized ones): nothing to note
+        pass
+
+
 def differential(run, dtypes=None, bits=True):
     """``run(lib)`` with torch.func and with ours: the same results, or torch.func raises."""
     torch.manual_seed(0)
     try:
         ref = run(tf)
     except Exception as e:  # torch.func refuses: ours may compute (an extension) or refuse
-        note(f"torch.func raised {type(e).__name__}: {e}")
+        _note(f"torch.func raised {type(e).__name__}: {e}")
         torch.manual_seed(0)
         try:
             run(ft)
         except Exception as ours:
-            note(f"ours raised {type(ours).__name__}: {ours}")
+            _note(f"ours raised {type(ours).__name__}: {ours}")
         return
     torch.manual_seed(0)
     ours = run(ft)
@@ -303,6 +310,152 @@ def test_higher_order_on_odd_inputs(name, x, how):
     else:  # hessian, jvp of grad, vmap of grad: the input's
         dtypes = [x.dtype] * (2 if how == "jvp_grad" else 1)
     differential(runs[how], dtypes)
+
+
+# -- meta tensors: shapes and dtypes only ---------------------------------------------------------
+_META_PROGRAMS = [n for n in _NAMES if n not in ("setitem_adv", "index", "index_add")]
+_META_HOW = ["vmap", "grad", "jvp", "vjp", "jacrev", "jacfwd", "vmap_grad"]
+
+
+@pytest.mark.parametrize("how", _META_HOW)
+@settings(derandomize=True, deadline=None, max_examples=25)
+@given(
+    x=examples(dtype=fts.dtypes(include_complex=False, include_half=True)),
+    name=st.sampled_from(_META_PROGRAMS),
+)
+def test_meta_tensors_propagate_shapes_and_dtypes(how, x, name):
+    assume(x.numel() <= 8)
+    x = x.to("meta")
+    prog = PROGRAMS[name]
+    loss = lambda a: _loss(prog(a))  # noqa: E731
+    runs = {
+        "vmap": lambda m: m.vmap(prog)(torch.stack([x, x])),
+        "grad": lambda m: m.grad(loss)(x),
+        "jvp": lambda m: m.jvp(prog, (x,), (torch.empty_like(x),)),
+        "vjp": lambda m: (lambda o: o[1](tuple(torch.ones_like(t) for t in o[0])))(
+            m.vjp(_floating_out(prog), x)
+        ),
+        "jacrev": lambda m: m.jacrev(_floating_out(prog))(x),
+        "jacfwd": lambda m: m.jacfwd(_floating_out(prog))(x),
+        "vmap_grad": lambda m: m.vmap(m.grad(loss))(torch.stack([x, x])),
+    }
+    differential(runs[how])
+
+
+# -- torch.set_default_dtype(torch.float64) -------------------------------------------------------
+_DEFAULT_PROGRAMS = {
+    "ones": lambda x: x * torch.ones(x.shape[-1]),
+    "arange": lambda x: x + torch.arange(x.shape[-1]) * 0.5,
+    "tensor_literal": lambda x: x * torch.tensor(1.5) + torch.tensor([2.0]),
+    "python_float": lambda x: x * 2.5 + 1,
+    "buffer": lambda x: torch.zeros(2, x.shape[-1]).index_add(
+        0, torch.tensor([1]), x[None].double()
+    ),
+    "full_like": lambda x: torch.full_like(x, 3.0) * x + torch.full((1,), 0.5),
+    "linspace": lambda x: x * torch.linspace(0, 1, x.shape[-1]),
+    "randn": lambda x: x + torch.randn(x.shape[-1]),
+}
+
+
+@pytest.fixture
+def float64_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("name", sorted(_DEFAULT_PROGRAMS))
+@pytest.mark.parametrize(
+    "how", ["vmap", "grad", "jvp", "jacrev", "jacfwd", "vmap_grad", "hessian", "float_primal"]
+)
+def test_programs_under_a_float64_default_dtype(float64_default, name, how):
+    prog = _DEFAULT_PROGRAMS[name]
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        x = torch.linspace(-1, 1, 6, dtype=torch.float32).reshape(2, 3).to(dtype).mT
+        if how == "float_primal":  # torch.func refuses floats (torch_func_differences.md 1)
+            g = ft.grad(lambda a: (a * a).sum())(1.5)
+            assert g.dtype == torch.float64 and g.item() == 3.0
+            continue
+        differential(_default_dtype_run(prog, how, x))
+
+
+def _default_dtype_run(prog, how, x):
+    loss = lambda a: prog(a).sum()  # noqa: E731
+    return {
+        "vmap": lambda m: m.vmap(prog, randomness="different")(x),
+        "grad": lambda m: m.grad(loss)(x[0]),
+        "jvp": lambda m: m.jvp(prog, (x[0],), (x[1],)),
+        "jacrev": lambda m: m.jacrev(prog)(x[0]),
+        "jacfwd": lambda m: m.jacfwd(prog, randomness="different")(x[0]),
+        "vmap_grad": lambda m: m.vmap(m.grad(loss), randomness="different")(x),
+        "hessian": lambda m: m.hessian(loss)(x[0]),
+    }[how]
+
+
+# -- arguments that alias each other, and inputs that require grad --------------------------------
+_PAIRS = {
+    "same": lambda x: (x, x),
+    "transposed": lambda x: (x, x.mT),
+    "overlapping": lambda x: (x[:-1], x[1:]),
+    "expanded": lambda x: (x, x[:1].expand(x.shape)),
+}
+_TWO = {
+    "mul": lambda a, b: a * b.sin(),
+    "matmul": lambda a, b: a @ b.mT,
+    "write_b": lambda a, b: (b.clone().mul_(a), a * 2),
+    "where": lambda a, b: torch.where(a > b, a, b),
+    "cat": lambda a, b: torch.cat([a, b]),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(_PAIRS))
+@settings(derandomize=True, deadline=None, max_examples=12)
+@given(
+    x=fts.laid_out(
+        fts.tensors(shape=(3, 3), dtype=fts.dtypes(include_complex=False)),
+        kinds=("contiguous", "transposed", "strided", "neg"),
+    ),
+    name=st.sampled_from(sorted(_TWO)),
+    how=st.sampled_from(["grad", "jacrev", "jacfwd", "jvp", "vmap", "vmap01", "vmap_none"]),
+)
+def test_arguments_that_alias_each_other(pair, x, name, how):
+    a, b = _PAIRS[pair](x)
+    prog = _TWO[name]
+    runs = {
+        "grad": lambda m: m.grad(lambda u, v: _loss(prog(u, v)), argnums=(0, 1))(a, b),
+        "jacrev": lambda m: m.jacrev(prog, argnums=(0, 1))(a, b),
+        "jacfwd": lambda m: m.jacfwd(prog, argnums=(0, 1))(a, b),
+        "jvp": lambda m: m.jvp(prog, (a, b), (b, a)),
+        "vmap": lambda m: m.vmap(prog)(a, b),
+        "vmap01": lambda m: m.vmap(prog, in_dims=(0, 1))(a, b),
+        "vmap_none": lambda m: m.vmap(prog, in_dims=(None, 0))(a, b),
+    }
+    differential(runs[how], bits=how != "vmap" and how != "vmap01" and how != "vmap_none")
+
+
+@pytest.mark.parametrize("how", ["grad", "vjp", "jvp", "vmap", "jacrev", "jacfwd"])
+@pytest.mark.parametrize("view", [False, True])
+def test_inputs_that_require_grad(how, view):
+    """torch's autograd through our results, as through torch.func's (issue 9's interop)."""
+
+    def run(m):
+        torch.manual_seed(0)
+        w = torch.randn(3, 4, dtype=D).mT.requires_grad_()  # a column-major leaf
+        x = w[1:] if view else w
+        f = lambda a: (a.sin() * w[:1]).exp()  # noqa: E731
+        out = {
+            "grad": lambda: m.grad(lambda a: f(a).sum())(x),
+            "vjp": lambda: m.vjp(f, x)[1](torch.ones_like(f(x)))[0],
+            "jvp": lambda: m.jvp(f, (x,), (torch.ones_like(x),))[1],
+            "vmap": lambda: m.vmap(f)(x),
+            "jacrev": lambda: m.jacrev(f)(x),
+            "jacfwd": lambda: m.jacfwd(f)(x),
+        }[how]()
+        assert out.requires_grad
+        return out, torch.autograd.grad(out.pow(2).sum(), w)
+
+    differential(run)
 
 
 # -- regression tests of what the probe found -----------------------------------------------
