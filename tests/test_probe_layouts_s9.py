@@ -562,3 +562,26 @@ def test_writes_into_a_negative_view_under_vmap_raise():
     y[0, 0] = float("nan")
     out = ft.vmap(lambda a: a * 2)(torch._neg_view(y))
     torch.testing.assert_close(out, -2 * y, equal_nan=True)
+
+
+def test_a_floating_view_dtype_refuses_instead_of_a_silent_zero():
+    # torch detaches x.view(dtype)'s output, so torch.func's derivative through it is a silent
+    # zero; ours refuses at the forward op (a rule there could only give that zero)
+    x = torch.randn(3, 4, dtype=D)
+    loss = lambda a: a.view(torch.complex128).abs().sum()  # noqa: E731
+    assert not tf.grad(loss)(x).any()  # torch.func: zero (wrong: the loss moves with x)
+    for run in (
+        lambda: ft.grad(loss)(x),
+        lambda: ft.vmap(ft.grad(loss))(x[None]),
+        lambda: ft.jvp(lambda a: a.view(torch.complex128), (x,), (x,)),
+        lambda: ft.jacfwd(lambda a: a.view(torch.complex128).real)(x),
+        lambda: ft.grad(lambda z: z.view(torch.float64).sum())(x.view(torch.complex128)),
+    ):
+        with pytest.raises(NotImplementedError, match="view_as_real"):
+            run()
+    # integer views carry no derivative and pass
+    g = ft.grad(lambda a: (a.view(torch.int64) * 0 + a).sum())(x)
+    assert torch.equal(g, torch.ones_like(x))
+    # the spelling the message suggests agrees with torch.func
+    spelled = lambda a: torch.view_as_complex(a.unflatten(-1, (-1, 2))).abs().sum()  # noqa: E731
+    assert_same(ft.grad(spelled)(x), tf.grad(spelled)(x))
