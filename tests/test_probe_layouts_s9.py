@@ -4,6 +4,8 @@ operands, 0-d tensors of other dtypes, Python scalars), batch sizes 0 and 1, and
 programs under our transforms and torch.func's, comparing structure, dtypes, shapes, values and
 exceptions (docs/design.md, "Session 9 probe: layouts, dtypes and odd inputs").
 
+Examples per test: the "ci" hypothesis profile of tests/conftest.py (derandomized, 30).
+
 Rules of the comparison: where torch.func computes, ours must compute the same dtype, shape and
 values; where torch.func raises, ours may raise or compute (our documented extensions). Lazy
 conj/neg bits of outputs and strides are not compared (torch.func's follow its internals), except
@@ -16,7 +18,7 @@ import pytest
 import torch
 import torch.func as tf
 import torch.nn.functional as F
-from hypothesis import assume, given, note, settings
+from hypothesis import assume, given, note
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_flatten
 
@@ -24,7 +26,6 @@ import functransforms as ft
 from functransforms.testing import strategies as fts
 
 D = torch.float64
-_FAST = settings(derandomize=True, deadline=None, max_examples=60)
 
 
 # -- comparison -----------------------------------------------------------------------------------
@@ -254,7 +255,6 @@ _NAMES = sorted(PROGRAMS)
 
 
 @pytest.mark.parametrize("name", _NAMES)
-@settings(derandomize=True, deadline=None, max_examples=12)
 @given(xs=batched_inputs(), out_dim=st.sampled_from([0, -1, 1]), chunk=st.sampled_from([None, 2]))
 def test_vmap_on_odd_inputs(name, xs, out_dim, chunk):
     x, in_dim = xs
@@ -264,7 +264,6 @@ def test_vmap_on_odd_inputs(name, xs, out_dim, chunk):
 
 
 @pytest.mark.parametrize("name", _NAMES)
-@settings(derandomize=True, deadline=None, max_examples=15)
 @given(x=examples(), how=st.sampled_from(["grad", "vjp", "jvp"]), data=st.data())
 def test_first_order_on_odd_inputs(name, x, how, data):
     prog = PROGRAMS[name]
@@ -291,7 +290,6 @@ _HIGHER = ["jacrev", "jacfwd", "hessian", "jvp_grad", "vmap_grad", "jacrev_chunk
 
 
 @pytest.mark.parametrize("name", _NAMES)
-@settings(derandomize=True, deadline=None, max_examples=10)
 @given(x=examples(dtype=_REAL), how=st.sampled_from(_HIGHER))
 def test_higher_order_on_odd_inputs(name, x, how):
     assume(x.numel() <= 8)
@@ -318,7 +316,6 @@ _META_HOW = ["vmap", "grad", "jvp", "vjp", "jacrev", "jacfwd", "vmap_grad"]
 
 
 @pytest.mark.parametrize("how", _META_HOW)
-@settings(derandomize=True, deadline=None, max_examples=25)
 @given(
     x=examples(dtype=fts.dtypes(include_complex=False, include_half=True)),
     name=st.sampled_from(_META_PROGRAMS),
@@ -410,7 +407,6 @@ _TWO = {
 
 
 @pytest.mark.parametrize("pair", sorted(_PAIRS))
-@settings(derandomize=True, deadline=None, max_examples=12)
 @given(
     x=fts.laid_out(
         fts.tensors(shape=(3, 3), dtype=fts.dtypes(include_complex=False)),
