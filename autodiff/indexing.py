@@ -256,19 +256,36 @@ def index_reduce_vjp_rule(ct, primals, kwargs, out, needs):
 
 # -- as_strided ---------------------------------------------------------------------------------
 def _strided_positions(x, size, stride, offset, call):
-    """Flat positions in x (row-major) of as_strided(x, size, stride, offset)'s elements. Needs
-    x contiguous: then its storage, from its own offset on, is x.flatten()."""
-    if not x.is_contiguous():
-        raise NotImplementedError(
-            f"{call}(x, {list(size)}, {list(stride)}): the derivative of as_strided is defined "
-            "through x's storage, which is only its flat order when x is contiguous. Call "
-            "x.contiguous() first, or express the view with view ops (expand, unfold, diagonal)."
-        )
+    """Positions in x's row-major flattening of as_strided(x, size, stride, offset)'s elements:
+    the storage element each one reads, mapped back to the element of x that lives there.
+    Contiguous x: its storage from its own offset on is x.flatten(). Otherwise (transposed,
+    sliced with steps) the map is built from x's strides; x must not overlap itself (an
+    expanded x has several elements at one position, and the derivative would be ambiguous)."""
     base = (offset if offset is not None else x.storage_offset()) - x.storage_offset()
     pos = torch.full((), base, dtype=torch.long, device=x.device)
     for n, s in zip(size, stride):
         pos = pos.unsqueeze(-1) + torch.arange(n, device=x.device) * s
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= max(x.numel(), 1)):
+    if x.is_contiguous():
+        span, owner = max(x.numel(), 1), None
+    else:
+        at = torch.zeros((), dtype=torch.long, device=x.device)  # x's own storage positions
+        for n, s in zip(x.shape, x.stride()):
+            at = at.unsqueeze(-1) + torch.arange(n, device=x.device) * s
+        at = at.reshape(-1)
+        span = int(at.max()) + 1 if at.numel() else 1
+        owner = torch.full((span,), -1, dtype=torch.long, device=x.device)
+        owner[at] = torch.arange(at.numel(), device=x.device)
+        if int((owner >= 0).sum()) != at.numel():
+            raise NotImplementedError(
+                f"{call}(x, {list(size)}, {list(stride)}): x overlaps itself (an expanded "
+                "tensor: several of its elements share one memory location), so the elements "
+                "the view reads do not determine the derivative. Call x.contiguous() first."
+            )
+    outside = pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= span)
+    if not outside and owner is not None and pos.numel():
+        pos = owner[pos]
+        outside = int(pos.min()) < 0
+    if outside:
         raise NotImplementedError(
             f"{call}(x, {list(size)}, {list(stride)}): the view reaches outside x's elements "
             "(into storage x does not cover); there is no derivative for that."

@@ -120,6 +120,45 @@ for _op, _tr in (
     def_linear(_op, _tr)
 
 
+def _view_dtype_refused(call):
+    # Note [x.view(dtype) is not differentiable]: torch's autograd detaches view.dtype's output
+    # once the op returns (its derivative is declared absent), so a rule here could only yield
+    # the zero gradient torch.func silently returns; the refusal must come at the forward op
+    # (a vjp rule alone would run in a backward pass that never reaches it). Between a complex
+    # dtype and its real one the map is linear: view_as_real / view_as_complex carry it.
+    raise NotImplementedError(
+        f"{call}: x.view(dtype) cannot be differentiated (torch detaches its output, and "
+        "torch.func silently returns a zero gradient through it). Do: between complex and real "
+        "of one precision use torch.view_as_real(z).flatten(-2) / "
+        "torch.view_as_complex(x.unflatten(-1, (-1, 2))), otherwise x.to(dtype)."
+    )
+
+
+def _floating(dtype):
+    return dtype.is_floating_point or dtype.is_complex
+
+
+@register_jvp_rule(aten.view.dtype)
+def view_dtype_jvp_rule(primals, tangents, kwargs):
+    if _floating(primals[1]):
+        _view_dtype_refused("jvp")
+    return aten.view.dtype(*primals), None  # an integer view carries no derivative
+
+
+@register_vjp_rule(aten.view.dtype)
+def view_dtype_vjp_rule(ct, primals, kwargs, out, needs):
+    return None, None  # reached for integer views only: floating ones refuse in the forward
+
+
+def _view_dtype_forward(x, dtype):
+    if _floating(dtype):
+        _view_dtype_refused("grad/vjp")
+    return aten.view.dtype(x, dtype)
+
+
+VJP_FORWARD[aten.view.dtype] = _view_dtype_forward
+
+
 @register_vjp_rule(aten._to_sparse.default, aten._to_sparse.sparse_dim)
 def to_sparse_vjp_rule(ct, primals, kwargs, out, needs):
     """to_sparse changes the layout, not the values: the cotangent goes back as a dense tensor

@@ -28,6 +28,7 @@ from functransforms.errors import (  # raise_*: re-exported for rule modules
     raise_data_dependent,
     raise_dynamic_shape,
     raise_inplace_into_conj,
+    raise_inplace_into_neg,
     raise_inplace_out_unbatched,
     raise_inplace_unbatched,
     raise_random,
@@ -215,6 +216,24 @@ def _tensor_index(index):
     return None
 
 
+def _refuse_writes_into(materialized, view, interp):
+    """A negative view (``torch._neg_view(x)``, ``z.conj().imag``) is materialized when it enters
+    a wrapper, so a write into it reached the copy and never the tensor it views: silently lost.
+    As for conjugate views (raise_inplace_into_conj), it raises, once the level exits: writes
+    inside dispatch bump no version counter, so the copy is compared with the view (one
+    comparison per negative view; they are rare)."""
+
+    def check():
+        if materialized.is_floating_point() or materialized.is_complex():
+            same = torch.allclose(materialized, view, rtol=0, atol=0, equal_nan=True)
+        else:
+            same = torch.equal(materialized, view)
+        if not same:
+            raise_inplace_into_neg(interp)
+
+    return check
+
+
 def wrap_batched(value, bdim, interp):
     if type(value) is torch.Tensor and not (value.is_conj() or value.is_neg()):
         # the common case, on the per-op path: a plain value (an op's result), no lazy bits;
@@ -240,7 +259,10 @@ def wrap_batched(value, bdim, interp):
             from .views import wrap_lazy_conj
 
             return wrap_lazy_conj(value, bdim, interp)
-        value = value.resolve_conj().resolve_neg()
+        materialized = value.resolve_conj().resolve_neg()
+        if type(value) is torch.Tensor and value.is_neg() and not value.is_meta:
+            interp.on_exit(_refuse_writes_into(materialized, value, interp))
+        value = materialized
         shape, st, dtype, device = metadata(value)
     # The wrapper reports the logical strides (the physical ones minus the batch dim), so that
     # torch's own view-or-copy decisions (reshape, matmul folding, contiguous) on the logical

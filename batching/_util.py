@@ -92,3 +92,32 @@ def split_dim(x, d, n):
     """``x`` with dim ``d`` split into ``(n, -1)``, through ``reshape`` (see ``merge_dims``)."""
     s = tuple(x.shape)
     return x.reshape(s[:d] + (n, s[d] // n) + s[d + 1 :])
+
+
+# Note [Memory formats per example]
+#     A copy in a memory format must give every example that format. Contiguous: the batch dim
+#     outermost. channels_last (_3d): the physical value is one rank up, where torch's formats
+#     do not apply (they raised "required rank 4 tensor", in every jacfwd of a channels_last
+#     input through a decomposition that calls contiguous(memory_format=...)); the copy is made
+#     contiguous with the channel dim innermost, then permuted back, which is exactly each
+#     example's channels_last strides. Used by clone/_to_copy (views.py) and the *_like
+#     factories (elementwise.py).
+_PER_EXAMPLE_RANK = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def in_format(op, args, bdims, kwargs):
+    """``op(x, *args[1:], **kwargs)`` batched over ``x``'s ``bdims[0]``, with its
+    ``memory_format`` holding for each example: ``(out, out_bdim)``."""
+    x, fmt = args[0], kwargs.get("memory_format")
+    if fmt is None or fmt is torch.preserve_format:
+        return op(*args, **kwargs), bdims[0]
+    x = to_front(x, bdims[0])
+    if fmt is torch.contiguous_format:
+        return op(x, *args[1:], **kwargs), 0
+    rank = _PER_EXAMPLE_RANK.get(fmt)
+    if rank is None or x.dim() - 1 != rank:
+        return op(x, *args[1:], **kwargs), 0  # torch's own error, or a format it knows
+    order = [0, 1, *range(3, rank + 1), 2]  # [B, N, C, *spatial] -> [B, N, *spatial, C]
+    inverse = [order.index(i) for i in range(rank + 1)]
+    kw = {**kwargs, "memory_format": torch.contiguous_format}
+    return op(x.permute(order), *args[1:], **kw).permute(inverse), 0

@@ -17,7 +17,7 @@ from functransforms.errors import raise_data_dependent
 
 from ._fastpath import ELEMENTWISE_RULES
 from ._registry import VMAP_RULES, register_vmap_rule
-from ._util import expand_front, pad_to, promote_like_logical, to_front
+from ._util import expand_front, in_format, pad_to, promote_like_logical, to_front
 
 aten = torch.ops.aten
 
@@ -95,13 +95,22 @@ def def_pointwise(op):
     register_vmap_rule(op)(make_pointwise_rule(op))
 
 
+def def_like(op):
+    """A ``*_like`` factory: the input's batch dim, and its ``memory_format`` per example."""
+
+    def like_vmap_rule(interp, args, bdims, kwargs):
+        return in_format(op, args, bdims, kwargs)
+
+    register_vmap_rule(op)(like_vmap_rule)
+
+
 for _op in (
     aten.empty_like.default,
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.full_like.default,
 ):
-    def_same_bdim(_op)
+    def_like(_op)
 
 
 @register_vmap_rule(aten.detach.default)

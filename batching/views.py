@@ -22,7 +22,7 @@ from functransforms.errors import InplaceError
 from ._fastpath import SHAPED_FUNCS, _live_value, _phys
 from ._registry import register_vmap_rule
 from ._tensor import WRITES, BatchedTensor
-from ._util import expand_front, flat_batch, pad_to, to_front, wrap_dim
+from ._util import expand_front, flat_batch, in_format, pad_to, to_front, wrap_dim
 from .elementwise import def_same_bdim
 
 aten = torch.ops.aten
@@ -74,32 +74,12 @@ def view_copy_vmap_rule(interp, args, bdims, kwargs):
     return aten.view_copy.default(x, (x.shape[0], *args[1])), 0
 
 
-# Note [Memory formats per example]
-#     A copy in a memory format must give every example that format. Contiguous: the batch dim
-#     outermost. channels_last (_3d): the physical value is one rank up, where torch's formats
-#     do not apply (they raised "required rank 4 tensor", in every jacfwd of a channels_last
-#     input through a decomposition that calls contiguous(memory_format=...)); the copy is made
-#     contiguous with the channel dim innermost, then permuted back, which is exactly each
-#     example's channels_last strides.
-_PER_EXAMPLE_RANK = {torch.channels_last: 4, torch.channels_last_3d: 5}
-
-
 def def_copy_in_format(op):
+    """A copy (``clone``, ``_to_copy``) that may take a ``memory_format``: Note [Memory formats
+    per example] (batching/_util.py)."""
+
     def copy_in_format_vmap_rule(interp, args, bdims, kwargs):
-        x, fmt = args[0], kwargs.get("memory_format")
-        if fmt is None or fmt is torch.preserve_format:
-            return op(*args, **kwargs), bdims[0]
-        x = to_front(x, bdims[0])
-        if fmt is torch.contiguous_format:
-            return op(x, *args[1:], **kwargs), 0
-        rank = _PER_EXAMPLE_RANK.get(fmt)
-        if rank is None or x.dim() - 1 != rank:
-            return op(x, *args[1:], **kwargs), 0  # torch's own error, or format it knows
-        # [B, N, C, *spatial] -> [B, N, *spatial, C] contiguous -> permuted back
-        order = [0, 1, *range(3, rank + 1), 2]
-        inverse = [order.index(i) for i in range(rank + 1)]
-        kw = {**kwargs, "memory_format": torch.contiguous_format}
-        return op(x.permute(order), *args[1:], **kw).permute(inverse), 0
+        return in_format(op, args, bdims, kwargs)
 
     register_vmap_rule(op)(copy_in_format_vmap_rule)
 

@@ -159,6 +159,17 @@ def raise_inplace_into_conj(interp, func):
     )
 
 
+def raise_inplace_into_neg(interp):
+    """vmap: something wrote in place into a negative view (``batching/_tensor.py``)."""
+    raise InplaceError(
+        f"{interp.call}: an in-place op wrote into a negative view (`torch._neg_view(x)`, or "
+        "`z.conj().imag`). torch writes through such a view into the tensor it came from; "
+        "under vmap the view is materialized, so the write did not reach it and the result "
+        "would differ from PyTorch. Do: pass `x.resolve_neg()` (a copy) and return what you "
+        "wrote, or write out of place."
+    )
+
+
 def raise_inplace_untracked(interp, func, why):
     """jvp/grad/functionalize: a tracked value is written into a plain tensor that cannot be
     promoted (Note [Writing into a plain tensor]); ``why`` says which condition refused."""
