@@ -80,7 +80,7 @@ def def_weighted(op, weight, pos=1, jvp=None):
         if t is None:
             return out, None
         x, dim, keepdim = _args(primals, kwargs, pos)
-        if jvp is not None:
+        if jvp is not None and not x.is_complex():  # amax is real-only: weights for complex
             return out, jvp(x, t, _dims(x, dim), keepdim)
         o = out[0] if isinstance(out, tuple) else out
         w = weight(x, _keep(o, x, dim, keepdim), dim, primals, kwargs)
