@@ -68,6 +68,14 @@ def conj_if_complex(t):
 _COMPOSITE: dict = {}
 
 
+def logsumexp_jvp(x, t, dims, keepdim):
+    """torch's forward formula of logsumexp (also in softmax's and log_softmax's), op for op
+    so that results are bit-identical: weights ``exp(x - amax x)``, then
+    ``sum(w t) / sum(w)``."""
+    w = (x - x.amax(dims, keepdim=True)).exp() if x.numel() else x.exp()
+    return (w * t).sum(dims, keepdim) / w.sum(dims, keepdim)
+
+
 def composite_implicit(func):
     """``func.decompose`` for a CompositeImplicitAutograd op, else None (cached per op)."""
     d = _COMPOSITE.get(func, False)

@@ -17,18 +17,18 @@ import torch.nn.functional as F
 from functransforms._decomp import override
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast
+from ._util import logsumexp_jvp, unbroadcast
 
 aten = torch.ops.aten
 
 
 @register_jvp_rule(aten._softmax.default)
 def softmax_jvp_rule(primals, tangents, kwargs):
-    """d softmax = y * (t - <t, y>)"""
-    dim = primals[1]
+    """d softmax = y * (t - <t, y>), as torch writes it: y * (t - logsumexp_jvp(x, t))."""
+    x, dim = primals[0], primals[1]
     y = aten._softmax.default(*primals)
     t = tangents[0]
-    return y, None if t is None else y * (t - (t * y).sum(dim, keepdim=True))
+    return y, None if t is None else y * (t - logsumexp_jvp(x, t, [dim], True))
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -75,11 +75,11 @@ def safe_softmax_vjp_rule(ct, primals, kwargs, out, needs):
 
 @register_jvp_rule(aten._log_softmax.default)
 def log_softmax_jvp_rule(primals, tangents, kwargs):
-    """d log_softmax = t - <t, softmax>"""
-    dim = primals[1]
+    """d log_softmax = t - <t, softmax>, as torch writes it: t - logsumexp_jvp(x, t)."""
+    x, dim = primals[0], primals[1]
     y = aten._log_softmax.default(*primals)
     t = tangents[0]
-    return y, None if t is None else t - (t * y.exp()).sum(dim, keepdim=True)
+    return y, None if t is None else t - logsumexp_jvp(x, t, [dim], True)
 
 
 @register_vjp_rule(aten._log_softmax.default)

@@ -148,16 +148,22 @@ def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
         if tx is None and tw is None and tb is None:
             return out, None
         g = geometry(primals, out)
-        xhat = (g.to_r(x) - g.mean) * g.rstd
+        centered = g.to_r(x) - g.mean
+        xhat = centered * g.rstd
         t = tmean = trstd = None
         if tx is not None:
             txr = g.to_r(tx)
             if g.train:
+                # torch's layer_norm_jvp / batch_norm_jvp, op for op and in its association
+                # (bit-identical results; the order read from its dispatched ops):
+                # d rstd = sum((-rstd^3 (dx - <dx>)) (x - mean)) / n,
+                # d xhat = (dx - <dx>) rstd + (x - mean) d rstd
                 dmean = txr.mean(g.dims, keepdim=True)
-                proj = (xhat * txr).mean(g.dims, keepdim=True)
-                dxhat = g.rstd * (txr - dmean - xhat * proj)
+                dc = txr - dmean
+                drstd = ((-g.rstd.pow(3) * dc) * centered).sum(g.dims, keepdim=True) / g.n
+                dxhat = dc * g.rstd + centered * drstd
                 tmean = dmean.reshape(out[1].shape)
-                trstd = (-(g.rstd * g.rstd) * proj).reshape(out[2].shape)
+                trstd = drstd.reshape(out[2].shape)
             else:
                 dxhat = g.rstd * txr
             t = g.from_r(dxhat)

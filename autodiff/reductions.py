@@ -7,6 +7,7 @@ import math
 import torch
 
 from ._registry import register_jvp_rule, register_vjp_rule
+from ._util import logsumexp_jvp
 
 aten = torch.ops.aten
 
@@ -69,8 +70,9 @@ def_sum(aten.mean.default, mean=True)
 
 
 # the rest: d out = sum over dims of w(x, out) * dx, with w defined once ---------------------
-def def_weighted(op, weight, pos=1):
-    """``out = op(x, dim, keepdim)`` whose derivative is ``sum(weight(x, out_keep, dim) * t)``."""
+def def_weighted(op, weight, pos=1, jvp=None):
+    """``out = op(x, dim, keepdim)`` whose derivative is ``sum(weight(x, out_keep, dim) * t)``
+    (``jvp(x, t, dims, keepdim)``: torch's own forward formula, where it is not that sum)."""
 
     def weighted_jvp_rule(primals, tangents, kwargs):
         out = op(*primals, **kwargs)
@@ -78,6 +80,8 @@ def def_weighted(op, weight, pos=1):
         if t is None:
             return out, None
         x, dim, keepdim = _args(primals, kwargs, pos)
+        if jvp is not None and not x.is_complex():  # amax is real-only: weights for complex
+            return out, jvp(x, t, _dims(x, dim), keepdim)
         o = out[0] if isinstance(out, tuple) else out
         w = weight(x, _keep(o, x, dim, keepdim), dim, primals, kwargs)
         dt = (w * t).sum(_dims(x, dim), keepdim=keepdim) if x.dim() else w * t
@@ -163,7 +167,7 @@ def _norm_weight(x, o, dim, primals, kwargs):
 
 def_weighted(aten.amax.default, _argext_weight)
 def_weighted(aten.amin.default, _argext_weight)
-def_weighted(aten.logsumexp.default, _logsumexp_weight)
+def_weighted(aten.logsumexp.default, _logsumexp_weight, jvp=logsumexp_jvp)
 def_weighted(aten.var.correction, _var_weight)
 def_weighted(aten.std.correction, lambda *a: _var_weight(*a, std=True))
 

@@ -18,7 +18,7 @@ from functransforms._core import (
     is_floating,
     metadata,
 )
-from functransforms._custom import _CustomFunction
+from functransforms._custom import ClosedOverStandIn, _CustomFunction
 from functransforms._decomp import decomposition
 from functransforms._ops import draws_random, facts, op_name
 from functransforms._vmap import vmap
@@ -62,6 +62,7 @@ _NO_RESULT = object()  # the inline fast path did not apply
 _tuple_item = tuple.__getitem__
 _FROM_1 = slice(1, None)
 _CPU = torch.device("cpu")
+_ABOVE_ALL = 1 << 62  # a replaced level's ops go to its stand-in first (process_custom)
 
 
 class BatchedTensor(PlainMetadata, TransformTensor):
@@ -496,10 +497,12 @@ class VmapInterpreter(Interpreter):
         # ``vmap(fn)`` at this level too, and the result leaked a wrapper of this level out
         # of the inner vmap (an EscapedTracerError). The level is dead while they run.
         self.alive = False
+        # Note [Values a custom function closes over under vmap] (functransforms/_custom.py)
+        level, self.level, self.stand_in = self.level, _ABOVE_ALL, ClosedOverStandIn(self)
         try:
             out = batched(*pt.tree_unflatten(spec, vals))
         finally:
-            self.alive = True
+            self.alive, self.level, self.stand_in = True, level, None
         return pt.tree_map(lambda o: wrap_batched(o, 0, self), out)
 
     def _user_vmap_rule(self, cf, vals, bdims, spec):
@@ -523,6 +526,14 @@ class VmapInterpreter(Interpreter):
             )
         wrapped = []
         for o, b in zip(flat_out, flags):
+            if getattr(o, "_interp", None) is self:  # Note [Values a custom function closes ...]
+                raise ValueError(
+                    f"vmap rule of {cf.__name__}: it returned a value batched by the enclosing "
+                    "vmap itself: the rule (or what it calls) used a tensor of that vmap that is "
+                    "not among its arguments (a closure, a global, an attribute), but a vmap rule "
+                    "sees the arguments' batched values only (torch.func raises here too). Pass "
+                    "that tensor to the custom function as an argument."
+                )
             has_batch = (
                 isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == self.batch_size
             )

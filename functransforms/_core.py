@@ -44,6 +44,7 @@ class Interpreter:
     ``process_custom`` (custom functions): the two ways into rules."""
 
     name = "transform"
+    stand_in = None  # Note [Values a custom function closes over under vmap] (_custom.py)
 
     def __init__(self):
         self.level = next(_level_counter)
@@ -562,11 +563,20 @@ def _innermost(args, kwargs) -> Interpreter | None:
                 if i.level > level:
                     best, level = i, i.level
     if best is not None and not best.alive:
+        if best.stand_in is not None:  # Note [Values a custom function closes over under vmap]
+            return best.stand_in
+        hint = (
+            " A custom function (custom_vjp, custom_jvp, autograd.Function) closed over it and "
+            "its backward ran after the vmap returned (a grad outside the vmap): pass the "
+            "tensor to the custom function as an argument instead of closing over it."
+            if getattr(best, "closed_over", False)
+            else ""
+        )
         why = (
             _IN_TORCH_BACKWARD
             if torch._C._current_autograd_node() is not None
             else "a value leaked out of the transformed function (stored in a global, a closure "
-            "or an attribute). Return it from the function instead."
+            "or an attribute). Return it from the function instead." + hint
         )
         raise EscapedTracerError(
             f"A {best.name} wrapper tensor (level {best.level}) was used after its "

@@ -137,6 +137,64 @@ class _CustomFunction:
         return closed(*[args[i] for i in diff_at])
 
 
+# Note [Values a custom function closes over under vmap]
+#     Under vmap, a custom function runs as vmapped pieces (``vmap(fn)``, ``vmap(fwd)``, ...) on
+#     this level's unwrapped values, and the level is dead meanwhile (Note [Random draws in custom
+#     functions under vmap], batching/_tensor.py). A tensor of this level that ``fn`` closes over
+#     (a closure, a global, an attribute: not an argument) then raised EscapedTracerError, where
+#     functorch computes it (autograd.Function with generate_vmap_rule=True). JAX asks for
+#     ``closure_convert``; here the conversion happens at dispatch: while the pieces run, the dead
+#     level has a stand-in, and an op reaching one of its wrappers re-wraps the physical value
+#     (same batch dim) as a value of the piece's own vmap level, which maps the same examples in
+#     the same order: the closed-over tensor becomes one more mapped input. Outside the pieces
+#     (the level exited: a bwd run later by an enclosing grad's sweep) the wrapper escaped, and
+#     the error says to pass the tensor as an argument.
+class ClosedOverStandIn:
+    """Stands in for a vmap level whose custom-function pieces are running (see the Note)."""
+
+    def __init__(self, dead):
+        from ._core import interpreter_stack
+
+        self.dead = dead  # the replaced VmapInterpreter
+        self.depth = len(interpreter_stack())  # its pieces' levels are pushed above this
+
+    def _replacement(self):
+        from ._core import interpreter_stack
+        from .errors import EscapedTracerError
+
+        for interp in interpreter_stack()[self.depth :]:
+            if getattr(interp, "batch_size", None) == self.dead.batch_size and hasattr(
+                interp, "randomness"
+            ):
+                return interp
+        raise EscapedTracerError(  # no vmapped piece is running: used outside them
+            f"A vmap wrapper tensor (level {self.dead.level}) closed over by a custom function "
+            "was used outside the function's vmapped pieces. Pass the tensor to the custom "
+            "function as an argument instead of closing over it."
+        )
+
+    def _rewrap(self, x, to):
+        from functransforms.batching._tensor import wrap_batched
+
+        if isinstance(x, torch.Tensor) and getattr(x, "_interp", None) is self.dead:
+            return wrap_batched(x._value, x._bdim, to)
+        if type(x) is list or type(x) is tuple:
+            return type(x)(self._rewrap(b, to) for b in x)
+        return x
+
+    def process(self, func, args, kwargs):
+        to = self._replacement()
+        self.dead.closed_over = True  # for the error if it is used again after the vmap returns
+        args = self._rewrap(args, to)
+        kwargs = {k: self._rewrap(v, to) for k, v in kwargs.items()} if kwargs else {}
+        return func(*args, **kwargs)
+
+    def process_custom(self, custom_fn, args):
+        to = self._replacement()
+        self.dead.closed_over = True
+        return custom_fn(*pt.tree_map(lambda x: self._rewrap(x, to), args))
+
+
 def _check_nondiff(fn, nondiff_argnums):
     nums = (nondiff_argnums,) if isinstance(nondiff_argnums, int) else tuple(nondiff_argnums)
     if any(not isinstance(n, int) or n < 0 for n in nums) or len(set(nums)) != len(nums):
