@@ -46,9 +46,11 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat, _core
+from ._jit_guards import ModuleWatch, fresh_storage, host_reason, untraced_constants
 from ._jit_passes import _clean, _for_inductor, _roots
 from ._jit_signature import (
     _TENSOR,
+    _dict_orders,
     _dyn_tensor_key,
     _globals_key,
     _leaf_key,
@@ -154,6 +156,7 @@ class _Watch(_compat.TorchDispatchMode):
         self.grad_mode = grad_mode
         self.reason = None
         self.devices = set()
+        self.fresh = set()  # storages of the tensors the trace's ops made (real mode)
 
     def _traced(self, flat):
         from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
@@ -186,9 +189,13 @@ class _Watch(_compat.TorchDispatchMode):
                         "that require grad; a replayed graph would not keep that region",
                         _user_line(),
                     )
-        if self.symbolic and _RANDOM in func.tags:
-            self._advance_rng(args, kwargs)
-        return func(*args, **kwargs)
+        if self.symbolic:
+            if _RANDOM in func.tags:
+                self._advance_rng(args, kwargs)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        fresh_storage(func, out, self.fresh)  # Note [Replay guards]: nn.Parameter(x * 2)
+        return out
 
     def _advance_rng(self, args, kwargs):
         # Fake random ops draw nothing, so vmap's randomness='error' snapshot would not see
@@ -202,25 +209,24 @@ class _Watch(_compat.TorchDispatchMode):
         self.devices.add(dev.type)
 
 
-_HOST_READS = {
-    torch.Tensor.tolist: "`.tolist()` reads tensor values on the host",
-    torch.Tensor.numpy: "`.numpy()` reads tensor values on the host",
-    torch.Tensor.__array__: "converting to a NumPy array reads tensor values on the host",
-    torch.Tensor.data_ptr: "`.data_ptr()` depends on the memory of one call",
-}
-
-
 class _WatchFunctions(torch.overrides.TorchFunctionMode):
-    """Host reads that never reach the dispatcher (``tolist`` copies memory directly)."""
+    """Calls that never reach the dispatcher: host reads (``tolist`` copies memory directly,
+    ``print(x)``), autograd and ``.grad`` state (Note [Replay guards]); and whether ``f`` read
+    the storage offset of an argument (the offsets then guard the entry)."""
 
-    def __init__(self, watch):
+    def __init__(self, watch, inputs=()):
         super().__init__()
         self.watch = watch
+        self.inputs = {id(t) for t in inputs}
+        self.reads_offsets = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        why = _HOST_READS.get(func)
-        if why is not None and self.watch.reason is None and self.watch._traced(args[:1]):
-            self.watch.reason = why, _user_line()
+        if self.watch.reason is None:
+            why = host_reason(func, args, kwargs, self.watch._traced)
+            if why is not None:
+                self.watch.reason = why, _user_line()
+        if func is _Tensor.storage_offset and id(args[0]) in self.inputs:
+            self.reads_offsets = True
         return func(*args, **(kwargs or {}))
 
 
@@ -316,20 +322,44 @@ def _python_forward(gm):
 
 
 class _Entry:
-    __slots__ = ("gm", "run", "out_spec", "out_consts", "guard", "n_out", "alias")
+    __slots__ = ("gm", "run", "out_spec", "out_consts", "guard", "n_out", "check")
 
-    def __init__(self, gm, run, out_spec, out_consts, guard=None, alias=None):
+    def __init__(self, gm, run, out_spec, out_consts, guard=None, check=None):
         self.gm = gm
         self.run = run
         self.out_spec = out_spec
         self.out_consts = out_consts  # None if every output leaf is a tensor
-        self.guard = guard
-        self.alias = alias
+        self.guard = guard  # dynamic: the shape guard
+        self.check = check  # None, or what the signature cannot hold (see _entry_check)
+
+
+# A signature holds several guarded entries (one per module state, aliasing pattern, ...);
+# a bound keeps a loop that rebinds a weight on every call from keeping every old graph.
+_MAX_GUARDED = 8
 
 
 def _alias_pattern(tensors):
     seen = {}
     return tuple(seen.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
+
+
+def _entry_check(alias, offsets, modules):
+    """``check(tensors) -> bool`` for what a replay depends on beyond the signature, checked
+    per call only for entries that need it: the arguments' aliasing when the graph writes
+    into one (a write through one alias is seen through the other), their storage offsets
+    when ``f`` read one, and the module state (Note [Replay guards]). None if nothing."""
+    checks = []
+    if alias is not None:
+        checks.append(lambda ts: _alias_pattern(ts) == alias)
+    if offsets:
+        checks.append(lambda ts: tuple([t.storage_offset() for t in ts]) == offsets)
+    if modules is not None:
+        checks.append(modules)
+    if not checks:
+        return None
+    if len(checks) == 1:
+        return checks[0]
+    return lambda ts: all([c(ts) for c in checks])
 
 
 def _mutates_inputs(gm) -> bool:
@@ -412,7 +442,7 @@ class Jitted:
                 else:
                     key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
-                if entry is not None and entry is not _EAGER and entry.alias is None:
+                if entry.__class__ is _Entry and entry.check is None:
                     self._cache.move_to_end(key)
                     self._hits += 1
                     out = entry.run(*tensors)
@@ -473,7 +503,8 @@ class Jitted:
         consts = tuple(consts)
         values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
-        key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+        orders = tuple(_dict_orders((args, kwargs)))
+        key = (_globals_key(), (spec, orders), consts, tuple(map(tkey, tensors)))
 
         def rebuild(ts):
             it = iter(ts)
@@ -489,21 +520,22 @@ class Jitted:
                 self._cache.move_to_end(key)
             return entry
         self._cache.move_to_end(key)
-        if isinstance(entry, list):  # dynamic: guarded graphs
+        if isinstance(entry, list):  # guarded graphs (shapes, module state, aliasing)
             for e in entry:
-                if e.guard(tensors) and (e.alias is None or e.alias == _alias_pattern(tensors)):
+                if (e.guard is None or e.guard(tensors)) and (e.check is None or e.check(tensors)):
                     return e
             return None
-        if entry.alias is not None and entry.alias != _alias_pattern(tensors):
+        if entry.check is not None and not entry.check(tensors):
             return None
         return entry
 
     def _store(self, key, entry):
-        if self.dynamic and entry is not _EAGER:
+        if entry is not _EAGER and (self.dynamic or entry.check is not None):
             lst = self._cache.get(key)
             if not isinstance(lst, list):
                 lst = self._cache[key] = []
             lst.append(entry)
+            del lst[:-_MAX_GUARDED]
         else:
             self._cache[key] = entry
         self._cache.move_to_end(key)
@@ -520,7 +552,8 @@ class Jitted:
 
         def flat_fn(*ts):
             args, kwargs = rebuild(ts)
-            with watch, _WatchFunctions(watch):
+            box["functions"] = functions = _WatchFunctions(watch, ts)
+            with watch, functions:
                 out = self.f(*args, **kwargs)
             box["out"] = out
             leaves, spec = tree_flatten(out)
@@ -531,8 +564,9 @@ class Jitted:
         rng = _rng_state()
         alias = _alias_pattern(tensors)
         _tracing.active = True
+        modules = ModuleWatch()
         try:
-            with _metadata_context(self.dynamic):
+            with _metadata_context(self.dynamic), modules:
                 gm = make_fx(
                     flat_fn,
                     tracing_mode="symbolic" if self.dynamic else "real",
@@ -553,7 +587,10 @@ class Jitted:
             return _EAGER, result
         finally:
             _tracing.active = False
-        reason = watch.reason or _scan(gm)
+        reason = watch.reason or modules.reason or _scan(gm)
+        if reason is None and not self.dynamic:
+            why = untraced_constants(gm, watch.fresh)
+            reason = None if why is None else (why, "a call in f that no op records")
         if reason is None and self.dynamic:
             sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
             if any(isinstance(c, sym) for c in box["consts"]):
@@ -567,6 +604,12 @@ class Jitted:
                 return _EAGER, self.f(*args, **kwargs)
             return _EAGER, box["out"]
         guard = _compile_guard(gm, len(tensors)) if self.dynamic else None
+        captured = {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+        check = _entry_check(
+            alias if _mutates_inputs(gm) else None,
+            box["functions"].reads_offsets and tuple(t.storage_offset() for t in tensors),
+            modules.guard(captured),
+        )
         _clean(gm, self.dynamic, replay=self.backend is None)
         run = _python_forward(gm)
         if self.backend == "inductor":
@@ -582,7 +625,7 @@ class Jitted:
             None if single else spec,
             None if all(c is _TENSOR for c in consts) else consts,
             guard,
-            alias if _mutates_inputs(gm) else None,
+            check,
         )
         self._store(key, entry)
         if self.dynamic or self.backend is not None:

@@ -1,0 +1,243 @@
+"""What a replayed ``jit`` graph cannot see, found while tracing (Note [Replay guards]).
+
+Note [Replay guards]
+~~~~~~~~~~~~~~~~~~~~
+A recorded graph holds ATen ops. Python-level state that ``f`` reads or writes is not an op,
+so a replay would silently keep the first call's answer. Three kinds are found while tracing:
+
+* calls that read or write autograd or host state (``print(x)``, ``torch.tensor([x[0]])``,
+  ``requires_grad_()``, ``detach_()``, hooks, ``.grad``, ``.backward()``): the signature
+  falls back to eager (Note [Jit fallbacks]), see ``host_reason``;
+* tensors made outside the dispatcher from traced values (``nn.Parameter(x * 2)``): make_fx
+  records them as constants, so every replay would return the first call's tensor (fallback,
+  see ``untraced_constants``);
+* state of the ``nn.Module``\\ s whose forward ran during the trace: their ``training`` flags
+  and the identity of the parameters/buffers the graph captures become a guard of the cached
+  entry (``ModuleWatch.guard``): ``model.eval()`` or ``model.weight = nn.Parameter(...)``
+  retraces instead of replaying the train-mode graph or the old weight. A module that rebinds
+  its own tensor attributes inside ``forward`` (``self.buf = self.buf * m + x``) falls back:
+  the replay cannot repeat the assignment.
+
+Python values read from closures or globals, and attributes of objects hashed by identity,
+are not guarded: as in JAX they are frozen at trace time (docs/jit.md, "What the signature
+does not see").
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import _compat
+
+_T = torch.Tensor
+_torch_requires_grad = _compat.tensor_requires_grad
+
+_PRINT = (
+    "printing or formatting a tensor (`print(x)`, `str(x)`, `repr(x)`) reads its values on the "
+    "host, and a replay would not run it"
+)
+_CTOR = (
+    "builds a tensor from a list of tensors (`torch.tensor([x[0], ...])`), which copies their "
+    "values on the host (use `torch.stack`)"
+)
+_AUTOGRAD = "a replayed ATen graph does not record autograd metadata"
+
+
+def _has_traced(data, traced) -> bool:
+    if isinstance(data, (list, tuple)):
+        return any(_has_traced(d, traced) for d in data)
+    return isinstance(data, _T) and traced((data,))
+
+
+def _ctor(i):
+    def why(args, kwargs, traced):
+        data = args[i] if len(args) > i else kwargs.get("data")
+        if isinstance(data, (list, tuple)) and _has_traced(data, traced):
+            return _CTOR
+        return None
+
+    return why
+
+
+def _on_traced(text):
+    return lambda args, kwargs, traced: text if traced(args[:1]) else None
+
+
+def _requires_grad_(args, kwargs, traced):
+    want = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    if bool(want) != _torch_requires_grad(args[0]):
+        return f"`requires_grad_({want})` inside f: {_AUTOGRAD}"
+    return None
+
+
+def _set_requires_grad(args, kwargs, traced):
+    if bool(args[1]) != _torch_requires_grad(args[0]):
+        return f"`x.requires_grad = {args[1]}` inside f: {_AUTOGRAD}"
+    return None
+
+
+def _if_requires_grad(text):
+    return lambda args, kwargs, traced: text if _torch_requires_grad(args[0]) else None
+
+
+def _always(text):
+    return lambda args, kwargs, traced: text
+
+
+_GRAD_STATE = (
+    "autograd rebinds on each backward (pass gradients to f as arguments, e.g. "
+    "`[p.grad for p in params]`)"
+)
+
+# func (as a TorchFunctionMode receives it) -> why(args, kwargs, traced) -> reason or None
+_HOST_STATE = {
+    _T.tolist: _on_traced("`.tolist()` reads tensor values on the host"),
+    _T.numpy: _on_traced("`.numpy()` reads tensor values on the host"),
+    _T.__array__: _on_traced("converting to a NumPy array reads tensor values on the host"),
+    _T.data_ptr: _on_traced("`.data_ptr()` depends on the memory of one call"),
+    _T.__repr__: _on_traced(_PRINT),
+    torch.tensor: _ctor(0),
+    torch.as_tensor: _ctor(0),
+    torch.asarray: _ctor(0),
+    _T.new_tensor: _ctor(1),
+    _T.requires_grad_: _requires_grad_,
+    _T.requires_grad.__set__: _set_requires_grad,
+    _T.detach_: _if_requires_grad(f"`detach_()` of a tensor that requires grad: {_AUTOGRAD}"),
+    _T.retain_grad: _if_requires_grad(f"`retain_grad()` inside f: {_AUTOGRAD}"),
+    _T.register_hook: _always(f"a tensor hook registered inside f: {_AUTOGRAD}"),
+    _T.register_post_accumulate_grad_hook: _always(
+        f"a tensor hook registered inside f: {_AUTOGRAD}"
+    ),
+    _T.grad.__get__: _always(f"reads `.grad`, a tensor that {_GRAD_STATE}"),
+    _T.grad.__set__: _always("assigns `.grad`, Python state a replay would not assign"),
+    _T.data.__set__: _always("assigns `.data`, Python state a replay would not assign"),
+    _T.backward: _always(
+        "runs `.backward()` inside f: it accumulates into `.grad` attributes, which a replay "
+        "would not do"
+    ),
+    torch.autograd.backward: _always(
+        "runs `torch.autograd.backward` inside f: it accumulates into `.grad` attributes, "
+        "which a replay would not do"
+    ),
+}
+
+
+def host_reason(func, args, kwargs, traced) -> str | None:
+    """Why a call seen by the watch's TorchFunctionMode makes the trace unfaithful, or None."""
+    why = _HOST_STATE.get(func)
+    return None if why is None else why(args, kwargs or {}, traced)
+
+
+def fresh_storage(func, out, ptrs: set) -> None:
+    """Record the storage of each new (non-aliasing) tensor ``func`` returned while tracing."""
+    returns = func._schema.returns
+    if any(r.alias_info is not None for r in returns):
+        return
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if type(t) is _T and t.layout is torch.strided:
+            p = t.untyped_storage().data_ptr()
+            if p:
+                ptrs.add(p)
+
+
+_LIFT = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
+
+
+def untraced_constants(gm, ptrs: set) -> str | None:
+    """A constant of the graph sharing memory with a tensor an op made while tracing was
+    made from a traced value outside the dispatcher (``nn.Parameter(x * 2)``): every replay
+    would return the first call's tensor. A captured tensor (a closure's, a module's) existed
+    before the trace, so no op of the trace allocated its memory; a literal
+    ``torch.tensor([1., 2.])`` is a constant only ``lift_fresh_copy`` reads."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or all(u.target in _LIFT for u in node.users):
+            continue
+        v = getattr(gm, node.target, None)
+        if type(v) is not _T and isinstance(v, _T) and v.layout is torch.strided:
+            kind = type(v).__name__
+        elif type(v) is _T and v.layout is torch.strided:
+            kind = "tensor"
+        else:
+            continue
+        if v.untyped_storage().data_ptr() in ptrs:
+            return (
+                f"f makes a {kind} from a tensor it computed outside torch's dispatcher "
+                "(`nn.Parameter(x)`, `Tensor._make_subclass`): the graph would hold the first "
+                "call's tensor as a constant"
+            )
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# Modules
+
+
+def _tensor_attrs(m):
+    d = vars(m)
+    state = [("_parameters", k, v) for k, v in m._parameters.items()]
+    state += [("_buffers", k, v) for k, v in m._buffers.items()]
+    state += [("__dict__", k, v) for k, v in d.items() if isinstance(v, _T)]
+    return state
+
+
+class ModuleWatch:
+    """Records the modules whose forward runs during a trace (global module hooks, this
+    thread only), and a module that rebinds its tensor attributes inside its forward."""
+
+    def __init__(self):
+        self.seen = {}  # id -> module, in call order
+        self.reason = None
+        self._open = []
+        self._thread = threading.get_ident()
+
+    def __enter__(self):
+        reg = torch.nn.modules.module
+        self._handles = (
+            reg.register_module_forward_pre_hook(self._pre),
+            reg.register_module_forward_hook(self._post),
+        )
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+    def _pre(self, m, args):
+        if threading.get_ident() != self._thread:
+            return
+        self.seen.setdefault(id(m), m)
+        self._open.append([(w, k, id(v)) for w, k, v in _tensor_attrs(m)])
+
+    def _post(self, m, args, out):
+        if threading.get_ident() != self._thread or not self._open:
+            return
+        before = self._open.pop()
+        after = [(w, k, id(v)) for w, k, v in _tensor_attrs(m)]
+        if before != after and self.reason is None:
+            changed = sorted({k for _, k, _ in set(before) ^ set(after)})
+            self.reason = (
+                f"{type(m).__name__}.forward rebinds {changed} (a Python attribute assignment "
+                "a replay would not repeat; update the tensor in place, e.g. `self.buf.copy_(...)`)"
+            )
+
+    def guard(self, captured_ids: set):
+        """``check(tensors) -> bool``: every seen module has the ``training`` flag it had
+        while tracing, and holds the same parameter/buffer/tensor attribute objects the
+        graph captured. None when no module ran."""
+        if not self.seen:
+            return None
+        glob, terms = {}, []
+        for i, m in enumerate(self.seen.values()):
+            glob[f"m{i}"] = m
+            terms.append(f"m{i}.training is {bool(m.training)}")
+            for j, (where, k, v) in enumerate(_tensor_attrs(m)):
+                if id(v) in captured_ids:
+                    glob[f"v{i}_{j}"] = v
+                    if where == "__dict__":
+                        terms.append(f"vars(m{i}).get({k!r}) is v{i}_{j}")
+                    else:
+                        terms.append(f"m{i}.{where}.get({k!r}) is v{i}_{j}")
+        src = "lambda tensors: " + " and ".join(terms)
+        return eval(compile(src, "<jit module guard>", "eval"), glob)  # noqa: S307 - our own code
