@@ -209,24 +209,29 @@ class _Watch(_compat.TorchDispatchMode):
         self.devices.add(dev.type)
 
 
+# Where an argument sits in its storage, which the signature leaves out (slices of one buffer
+# at different offsets share a graph): read by f, it guards the entry (_entry_check).
+_LAYOUT_READS = (_Tensor.storage_offset, _Tensor._base.__get__, _Tensor._is_view)
+
+
 class _WatchFunctions(torch.overrides.TorchFunctionMode):
     """Calls that never reach the dispatcher: host reads (``tolist`` copies memory directly,
     ``print(x)``), autograd and ``.grad`` state (Note [Replay guards]); and whether ``f`` read
-    the storage offset of an argument (the offsets then guard the entry)."""
+    where an argument sits in its storage (that then guards the entry)."""
 
     def __init__(self, watch, inputs=()):
         super().__init__()
         self.watch = watch
         self.inputs = {id(t) for t in inputs}
-        self.reads_offsets = False
+        self.reads_layout = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.watch.reason is None:
             why = host_reason(func, args, kwargs, self.watch._traced)
             if why is not None:
                 self.watch.reason = why, _user_line()
-        if func is _Tensor.storage_offset and id(args[0]) in self.inputs:
-            self.reads_offsets = True
+        if func in _LAYOUT_READS and id(args[0]) in self.inputs:
+            self.reads_layout = True
         return func(*args, **(kwargs or {}))
 
 
@@ -343,16 +348,21 @@ def _alias_pattern(tensors):
     return tuple(seen.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
 
 
-def _entry_check(alias, offsets, modules):
+def _layout(tensors):
+    return tuple([(t.storage_offset(), t._base is None) for t in tensors])
+
+
+def _entry_check(alias, layout, modules):
     """``check(tensors) -> bool`` for what a replay depends on beyond the signature, checked
     per call only for entries that need it: the arguments' aliasing when the graph writes
     into one (a write through one alias is seen through the other), their storage offsets
-    when ``f`` read one, and the module state (Note [Replay guards]). None if nothing."""
+    and view-ness when ``f`` read them, and the module state (Note [Replay guards]). None
+    if nothing needs checking."""
     checks = []
     if alias is not None:
         checks.append(lambda ts: _alias_pattern(ts) == alias)
-    if offsets:
-        checks.append(lambda ts: tuple([t.storage_offset() for t in ts]) == offsets)
+    if layout:
+        checks.append(lambda ts: _layout(ts) == layout)
     if modules is not None:
         checks.append(modules)
     if not checks:
@@ -442,7 +452,9 @@ class Jitted:
                 else:
                     key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
-                if entry.__class__ is _Entry and entry.check is None:
+                if entry.__class__ is list:  # guarded entries (Note [Replay guards])
+                    entry = next((e for e in entry if e.check(tensors)), None)
+                if entry.__class__ is _Entry:  # a plain entry is never guarded (_store)
                     self._cache.move_to_end(key)
                     self._hits += 1
                     out = entry.run(*tensors)
@@ -530,6 +542,8 @@ class Jitted:
         return entry
 
     def _store(self, key, entry):
+        # Guarded entries (dynamic, or with a check) live in a list per signature; a plain
+        # entry has no check, which is what the fast path of __call__ relies on.
         if entry is not _EAGER and (self.dynamic or entry.check is not None):
             lst = self._cache.get(key)
             if not isinstance(lst, list):
@@ -607,7 +621,7 @@ class Jitted:
         captured = {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
         check = _entry_check(
             alias if _mutates_inputs(gm) else None,
-            box["functions"].reads_offsets and tuple(t.storage_offset() for t in tensors),
+            box["functions"].reads_layout and _layout(tensors),
             modules.guard(captured),
         )
         _clean(gm, self.dynamic, replay=self.backend is None)

@@ -218,8 +218,10 @@ class ModuleWatch:
         if before != after and self.reason is None:
             changed = sorted({k for _, k, _ in set(before) ^ set(after)})
             self.reason = (
-                f"{type(m).__name__}.forward rebinds {changed} (a Python attribute assignment "
-                "a replay would not repeat; update the tensor in place, e.g. `self.buf.copy_(...)`)"
+                f"{type(m).__name__}.forward rebinds its tensor attributes {changed} (a Python "
+                "assignment a replay would not repeat; update the tensor in place instead, "
+                "e.g. `self.buf.copy_(...)`)",
+                f"{type(m).__module__}.{type(m).__qualname__}.forward",
             )
 
     def guard(self, captured_ids: set):
