@@ -583,6 +583,9 @@ class Jitted:
             with _metadata_context(self.dynamic), modules:
                 gm = make_fx(
                     flat_fn,
+                    # An explicit (empty) table: torch >= 2.15 otherwise rewrites `detach` to
+                    # nothing, and a replay would let gradients through `x.detach()`.
+                    decomposition_table={},
                     tracing_mode="symbolic" if self.dynamic else "real",
                     _error_on_data_dependent_ops=False,
                 )(*tensors)

@@ -386,3 +386,16 @@ def test_optimizer_steps_between_replays_match_eager():
             opt_ref.step()
             _same(loss.detach(), loss_ref.detach())
     _same(lin.weight.detach(), ref.weight.detach())
+
+
+def test_detach_inside_f_stops_gradients_on_replay():
+    # Bug (torch >= 2.15): make_fx without a decomposition table rewrites `detach` to nothing,
+    # so torch autograd through a replay differentiated through `x.detach()` (2x, not x).
+    f = lambda x: (x * x.detach()).sum()  # noqa: E731
+    jf = ft.jit(f)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with _no_fallback():
+        for _ in range(2):
+            (g,) = torch.autograd.grad(jf(x), x)
+            _same(g, x.detach())
+    assert torch.ops.aten.detach.default in [n.target for n in jf.graph(x).graph.nodes]
