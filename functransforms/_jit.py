@@ -46,7 +46,13 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat, _core
-from ._jit_guards import ModuleWatch, fresh_storage, host_reason, untraced_constants
+from ._jit_guards import (
+    ModuleWatch,
+    RngWatch,
+    fresh_storage,
+    host_reason,
+    untraced_constants,
+)
 from ._jit_passes import _clean, _for_inductor, _roots
 from ._jit_signature import (
     _TENSOR,
@@ -157,6 +163,7 @@ class _Watch(_compat.TorchDispatchMode):
         self.reason = None
         self.devices = set()
         self.fresh = set()  # storages of the tensors the trace's ops made (real mode)
+        self.rng = RngWatch(_user_line)  # Note [Replay guards]: f must not seed a generator
 
     def _traced(self, flat):
         from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
@@ -189,17 +196,29 @@ class _Watch(_compat.TorchDispatchMode):
                         "that require grad; a replayed graph would not keep that region",
                         _user_line(),
                     )
-        if self.symbolic:
-            if _RANDOM in func.tags:
+        if _RANDOM in func.tags:
+            why = self.rng.before(args, kwargs)
+            if why is not None and self.reason is None:
+                self.reason = why, _user_line()
+            if self.symbolic:
                 self._advance_rng(args, kwargs)
-            return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            self.rng.after(args, kwargs)
+            return out
         out = func(*args, **kwargs)
-        fresh_storage(func, out, self.fresh)  # Note [Replay guards]: nn.Parameter(x * 2)
+        if not self.symbolic:
+            fresh_storage(func, out, self.fresh)  # Note [Replay guards]: nn.Parameter(x * 2)
         return out
 
     def _advance_rng(self, args, kwargs):
         # Fake random ops draw nothing, so vmap's randomness='error' snapshot would not see
-        # them. Advance the real generator (restored after the trace) so it does.
+        # them. Advance the real generator (restored after the trace) so it does. An explicit
+        # generator is left alone: vmap's snapshot is of the default ones, and nothing would
+        # restore it.
+        if kwargs.get("generator") is not None:
+            return
         dev = kwargs.get("device")
         if dev is None:
             dev = next((a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu"))
@@ -567,7 +586,7 @@ class Jitted:
         def flat_fn(*ts):
             args, kwargs = rebuild(ts)
             box["functions"] = functions = _WatchFunctions(watch, ts)
-            with watch, functions:
+            with watch, functions, watch.rng:
                 out = self.f(*args, **kwargs)
             box["out"] = out
             leaves, spec = tree_flatten(out)
@@ -594,6 +613,7 @@ class Jitted:
             if not self.dynamic and not _trace_machinery_error(e):
                 raise  # f itself raised, exactly as it would eagerly
             _set_rng_state(rng)
+            watch.rng.restore()
             args, kwargs = rebuild(tensors)
             result = self.f(*args, **kwargs)  # raises f's own error, if it is one
             reason = (
@@ -604,7 +624,8 @@ class Jitted:
             return _EAGER, result
         finally:
             _tracing.active = False
-        reason = watch.reason or modules.reason or _scan(gm)
+        reason = watch.reason or watch.rng.reason or modules.reason or watch.rng.finish()
+        reason = reason or _scan(gm)
         if reason is None and not self.dynamic:
             why = untraced_constants(gm, watch.fresh)
             reason = None if why is None else (why, "a call in f that no op records")
@@ -614,6 +635,7 @@ class Jitted:
                 reason = ("f returns a Python number computed from a symbolic size", "its return")
         if self.dynamic:
             _set_rng_state(rng)
+            watch.rng.restore()
         if reason is not None:
             self._fallback(key, reason)
             if self.dynamic:  # nothing ran for real yet

@@ -25,6 +25,7 @@ does not see").
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -243,3 +244,138 @@ class ModuleWatch:
                         terms.append(f"m{i}.{where}.get({k!r}) is v{i}_{j}")
         src = "lambda tensors: " + " and ".join(terms)
         return eval(compile(src, "<jit module guard>", "eval"), glob)  # noqa: S307 - our own code
+
+
+# ------------------------------------------------------------------------------------------
+# Random generators
+
+
+def _device_of(args, kwargs):
+    dev = kwargs.get("device")
+    if dev is None:
+        dev = next((a.device for a in args if isinstance(a, _T)), torch.device("cpu"))
+    return torch.device(dev)
+
+
+class RngWatch:
+    """A replay draws from whatever state each generator has when it runs: faithful only if
+    ``f`` itself never sets a generator's state (``torch.manual_seed(0)`` inside ``f``, a
+    ``Generator.manual_seed``/``set_state``, vmap's chunked ``randomness='same'``, which
+    rewinds the generator between chunks). Each generator's state is taken after each random
+    op of the trace; the next op (and the end of the trace, for the default generators) must
+    find it unchanged. Only the trace pays (a CPU state is ~5 kB)."""
+
+    def __init__(self, user_line):
+        self.expected = {}  # key -> (generator or device, state)
+        cpu = torch.device("cpu")
+        self.expected["cpu"] = (cpu, self._state(None, cpu))
+        self.reason = None
+        self.first = []  # (explicit generator, its state when the trace first drew from it)
+        self._user_line = user_line
+        self._thread = threading.get_ident()
+
+    def __enter__(self):
+        # The seeding functions are looked up on their modules at call time: wrapped for the
+        # trace, they name a seed that leaves the state as it was (`torch.manual_seed(0)` in
+        # f, right after the caller's own `torch.manual_seed(0)`), which no state shows.
+        self._saved = []
+        for mod, name in _SEEDERS:
+            fn = getattr(mod, name, None)
+            if fn is not None:
+                self._saved.append((mod, name, fn))
+                setattr(mod, name, self._wrap(fn, f"{mod.__name__}.{name}"))
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in self._saved:
+            setattr(mod, name, fn)
+
+    def _wrap(self, fn, name):
+        @functools.wraps(fn)
+        def seeding(*args, **kwargs):
+            if self.reason is None and threading.get_ident() == self._thread:
+                self.reason = (
+                    f"f calls `{name}`, which sets a random generator's state: a replay would "
+                    "not, and would draw on from the state the previous call left",
+                    self._user_line(),
+                )
+            return fn(*args, **kwargs)
+
+        return seeding
+
+    @staticmethod
+    def _state(gen, dev):
+        with _compat.disable_current_modes():
+            if gen is not None:
+                return gen.get_state()
+            if dev.type == "cuda":
+                return torch.cuda.get_rng_state(dev)
+            if dev.type == "cpu":
+                return torch.get_rng_state()
+            return None
+
+    @staticmethod
+    def _key(gen, dev):
+        return id(gen) if gen is not None else str(dev)
+
+    def before(self, args, kwargs) -> str | None:
+        gen = kwargs.get("generator")
+        dev = _device_of(args, kwargs)
+        known = self.expected.get(self._key(gen, dev))
+        if gen is not None and known is None:
+            self.first.append((gen, self._state(gen, dev)))
+        if known is not None and not _same_state(known[1], self._state(gen, dev)):
+            return _RESEEDED
+        return None
+
+    def after(self, args, kwargs) -> None:
+        gen = kwargs.get("generator")
+        dev = _device_of(args, kwargs)
+        self.expected[self._key(gen, dev)] = (
+            gen if gen is not None else dev,
+            self._state(gen, dev),
+        )
+
+    def restore(self) -> None:
+        """Explicit generators as they were before a symbolic trace drew from them (it ran
+        ``f``'s Python, a ``g.manual_seed(1)`` included; the default ones are restored by
+        the caller)."""
+        for gen, state in self.first:
+            gen.set_state(state)
+
+    def finish(self) -> tuple[str, str] | None:
+        """The default generators' states at the end of the trace are those of the last draw."""
+        for owner, state in self.expected.values():
+            if isinstance(owner, torch.device) and not _same_state(state, self._state(None, owner)):
+                return _RESEEDED, "f, after its last random draw"
+        return None
+
+
+_RESEEDED = (
+    "f sets the state of a random generator (`torch.manual_seed`, `Generator.manual_seed`, "
+    "`set_rng_state`, vmap's chunked randomness='same') besides drawing from it: a replay "
+    "draws on from the state the previous call left"
+)
+
+
+_SEEDERS = [
+    (torch, "manual_seed"),
+    (torch, "seed"),
+    (torch, "set_rng_state"),
+    (torch.random, "manual_seed"),
+    (torch.random, "seed"),
+    (torch.random, "set_rng_state"),
+    (torch.cuda, "manual_seed"),
+    (torch.cuda, "manual_seed_all"),
+    (torch.cuda, "seed"),
+    (torch.cuda, "seed_all"),
+    (torch.cuda, "set_rng_state"),
+    (torch.cuda, "set_rng_state_all"),
+]
+
+
+def _same_state(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    with _compat.disable_current_modes():
+        return a.shape == b.shape and bool(torch.equal(a, b))

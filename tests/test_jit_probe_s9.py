@@ -399,3 +399,70 @@ def test_detach_inside_f_stops_gradients_on_replay():
             (g,) = torch.autograd.grad(jf(x), x)
             _same(g, x.detach())
     assert torch.ops.aten.detach.default in [n.target for n in jf.graph(x).graph.nodes]
+
+
+# -- random generators --------------------------------------------------------------------------
+
+
+def _draws(f, jit_kwargs, calls, reset):
+    jf = ft.jit(f, **jit_kwargs)
+    x = torch.zeros(3, dtype=D)
+    reset()
+    got = [jf(x) for _ in range(calls)]
+    state = torch.get_rng_state()
+    reset()
+    want = [f(x) for _ in range(calls)]
+    for g, w in zip(got, want):
+        _same(g, w)
+    assert torch.equal(state, torch.get_rng_state())
+    return jf
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(
+    "f, needle",
+    [
+        (lambda x: (torch.manual_seed(0), x + torch.randn(3, dtype=D))[1], "manual_seed"),
+        (lambda x: (x + torch.randn(3, dtype=D), torch.manual_seed(0))[0], "manual_seed"),
+        (
+            lambda x: (torch.randn(3), torch.random.set_rng_state(torch.get_rng_state())) and x + 1,
+            "set_rng_state",
+        ),
+        (
+            lambda x: ft.vmap(
+                lambda r: r + torch.randn(3, dtype=D), randomness="same", chunk_size=2
+            )(x.expand(4, 3)),
+            "random generator",
+        ),
+    ],
+    ids=["seed-then-draw", "draw-then-seed", "set_rng_state", "vmap-same-chunked"],
+)
+def test_setting_the_generator_state_inside_f_falls_back(f, needle, dynamic):
+    # Bug: the replay drew on from the previous call's state where eager f re-seeded (the
+    # first case right after the caller's own torch.manual_seed(0): no state shows it).
+    with pytest.warns(JitFallbackWarning, match=needle):
+        jf = _draws(f, {"dynamic": dynamic}, 3, lambda: torch.manual_seed(0))
+    assert jf.cache_info().hits == 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_generator_state_set_between_draws_falls_back_and_captured_ones_replay(dynamic):
+    g = torch.Generator().manual_seed(0)
+
+    def reset():
+        torch.manual_seed(0)
+        g.manual_seed(0)
+
+    reseeds = lambda x: (torch.randn(3, generator=g), g.manual_seed(1))[0] + x  # noqa: E731
+    with pytest.warns(JitFallbackWarning, match="random generator"):
+        _draws(
+            lambda x: reseeds(x) + torch.randn(3, generator=g, dtype=D),
+            {"dynamic": dynamic},
+            3,
+            reset,
+        )
+    with _no_fallback():  # a captured generator is live in the graph: draws continue its stream
+        jf = _draws(
+            lambda x: x + torch.randn(3, generator=g, dtype=D), {"dynamic": dynamic}, 3, reset
+        )
+    assert jf.cache_info().hits == 2
