@@ -47,10 +47,14 @@ import torch
 
 from . import _compat, _core
 from ._jit_guards import (
+    _MAX_GUARDED,
     ModuleWatch,
     RngWatch,
+    WatchFunctions,
+    _alias_pattern,
+    _entry_check,
+    _layout,
     fresh_storage,
-    host_reason,
     untraced_constants,
 )
 from ._jit_passes import _clean, _for_inductor, _roots
@@ -228,32 +232,6 @@ class _Watch(_compat.TorchDispatchMode):
         self.devices.add(dev.type)
 
 
-# Where an argument sits in its storage, which the signature leaves out (slices of one buffer
-# at different offsets share a graph): read by f, it guards the entry (_entry_check).
-_LAYOUT_READS = (_Tensor.storage_offset, _Tensor._base.__get__, _Tensor._is_view)
-
-
-class _WatchFunctions(torch.overrides.TorchFunctionMode):
-    """Calls that never reach the dispatcher: host reads (``tolist`` copies memory directly,
-    ``print(x)``), autograd and ``.grad`` state (Note [Replay guards]); and whether ``f`` read
-    where an argument sits in its storage (that then guards the entry)."""
-
-    def __init__(self, watch, inputs=()):
-        super().__init__()
-        self.watch = watch
-        self.inputs = {id(t) for t in inputs}
-        self.reads_layout = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.watch.reason is None:
-            why = host_reason(func, args, kwargs, self.watch._traced)
-            if why is not None:
-                self.watch.reason = why, _user_line()
-        if func in _LAYOUT_READS and id(args[0]) in self.inputs:
-            self.reads_layout = True
-        return func(*args, **(kwargs or {}))
-
-
 def _op_name(func) -> str:
     return f"aten.{func.__name__}" if hasattr(func, "__name__") else str(func)
 
@@ -355,40 +333,6 @@ class _Entry:
         self.out_consts = out_consts  # None if every output leaf is a tensor
         self.guard = guard  # dynamic: the shape guard
         self.check = check  # None, or what the signature cannot hold (see _entry_check)
-
-
-# A signature holds several guarded entries (one per module state, aliasing pattern, ...);
-# a bound keeps a loop that rebinds a weight on every call from keeping every old graph.
-_MAX_GUARDED = 8
-
-
-def _alias_pattern(tensors):
-    seen = {}
-    return tuple(seen.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
-
-
-def _layout(tensors):
-    return tuple([(t.storage_offset(), t._base is None) for t in tensors])
-
-
-def _entry_check(alias, layout, modules):
-    """``check(tensors) -> bool`` for what a replay depends on beyond the signature, checked
-    per call only for entries that need it: the arguments' aliasing when the graph writes
-    into one (a write through one alias is seen through the other), their storage offsets
-    and view-ness when ``f`` read them, and the module state (Note [Replay guards]). None
-    if nothing needs checking."""
-    checks = []
-    if alias is not None:
-        checks.append(lambda ts: _alias_pattern(ts) == alias)
-    if layout:
-        checks.append(lambda ts: _layout(ts) == layout)
-    if modules is not None:
-        checks.append(modules)
-    if not checks:
-        return None
-    if len(checks) == 1:
-        return checks[0]
-    return lambda ts: all([c(ts) for c in checks])
 
 
 def _mutates_inputs(gm) -> bool:
@@ -585,7 +529,7 @@ class Jitted:
 
         def flat_fn(*ts):
             args, kwargs = rebuild(ts)
-            box["functions"] = functions = _WatchFunctions(watch, ts)
+            box["functions"] = functions = WatchFunctions(watch, ts, _user_line)
             with watch, functions, watch.rng:
                 out = self.f(*args, **kwargs)
             box["out"] = out

@@ -118,17 +118,51 @@ _HOST_STATE = {
         "runs `.backward()` inside f: it accumulates into `.grad` attributes, which a replay "
         "would not do"
     ),
-    torch.autograd.backward: _always(
-        "runs `torch.autograd.backward` inside f: it accumulates into `.grad` attributes, "
-        "which a replay would not do"
-    ),
 }
+_BACKWARD = (
+    "runs `torch.autograd.backward` inside f: it accumulates into `.grad` attributes, which a "
+    "replay would not do"
+)
 
 
 def host_reason(func, args, kwargs, traced) -> str | None:
     """Why a call seen by the watch's TorchFunctionMode makes the trace unfaithful, or None."""
     why = _HOST_STATE.get(func)
-    return None if why is None else why(args, kwargs or {}, traced)
+    if why is None:
+        # torch.autograd.backward, named rather than referenced: library code never touches
+        # torch's own autograd entry points (tests/test_invariants.py)
+        if getattr(func, "__name__", None) == "backward":
+            if getattr(func, "__module__", None) == "torch.autograd":
+                return _BACKWARD
+        return None
+    return why(args, kwargs or {}, traced)
+
+
+# Where an argument sits in its storage, which the signature leaves out (slices of one buffer
+# at different offsets share a graph): read by f, it guards the entry (_entry_check).
+_LAYOUT_READS = (_T.storage_offset, _T._base.__get__, _T._is_view)
+
+
+class WatchFunctions(torch.overrides.TorchFunctionMode):
+    """Calls that never reach the dispatcher: host reads (``tolist`` copies memory directly,
+    ``print(x)``), autograd and ``.grad`` state (Note [Replay guards]); and whether ``f`` read
+    where an argument sits in its storage (that then guards the entry)."""
+
+    def __init__(self, watch, inputs, user_line):
+        super().__init__()
+        self.watch = watch
+        self.user_line = user_line
+        self.inputs = {id(t) for t in inputs}
+        self.reads_layout = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.watch.reason is None:
+            why = host_reason(func, args, kwargs, self.watch._traced)
+            if why is not None:
+                self.watch.reason = why, self.user_line()
+        if func in _LAYOUT_READS and id(args[0]) in self.inputs:
+            self.reads_layout = True
+        return func(*args, **(kwargs or {}))
 
 
 def fresh_storage(func, out, ptrs: set) -> None:
@@ -379,3 +413,40 @@ def _same_state(a, b) -> bool:
         return a is b
     with _compat.disable_current_modes():
         return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+# ------------------------------------------------------------------------------------------
+# Entry checks
+
+# A signature holds several guarded entries (one per module state, aliasing pattern, ...);
+# a bound keeps a loop that rebinds a weight on every call from keeping every old graph.
+_MAX_GUARDED = 8
+
+
+def _alias_pattern(tensors):
+    seen = {}
+    return tuple(seen.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
+
+
+def _layout(tensors):
+    return tuple([(t.storage_offset(), t._base is None) for t in tensors])
+
+
+def _entry_check(alias, layout, modules):
+    """``check(tensors) -> bool`` for what a replay depends on beyond the signature, checked
+    per call only for entries that need it: the arguments' aliasing when the graph writes
+    into one (a write through one alias is seen through the other), their storage offsets
+    and view-ness when ``f`` read them, and the module state (Note [Replay guards]). None
+    if nothing needs checking."""
+    checks = []
+    if alias is not None:
+        checks.append(lambda ts: _alias_pattern(ts) == alias)
+    if layout:
+        checks.append(lambda ts: _layout(ts) == layout)
+    if modules is not None:
+        checks.append(modules)
+    if not checks:
+        return None
+    if len(checks) == 1:
+        return checks[0]
+    return lambda ts: all([c(ts) for c in checks])

@@ -466,3 +466,12 @@ def test_generator_state_set_between_draws_falls_back_and_captured_ones_replay(d
             lambda x: x + torch.randn(3, generator=g, dtype=D), {"dynamic": dynamic}, 3, reset
         )
     assert jf.cache_info().hits == 2
+
+
+def test_torch_autograd_backward_inside_f_falls_back():
+    v = torch.ones(2, dtype=D, requires_grad=True)
+    jb = ft.jit(lambda x: torch.autograd.backward((v * x).sum()))
+    with pytest.warns(JitFallbackWarning, match="torch.autograd.backward"):
+        jb(torch.ones(2, dtype=D))
+    jb(torch.full((2,), 2.0, dtype=D))
+    _same(v.grad, torch.full((2,), 3.0, dtype=D))
