@@ -551,6 +551,8 @@ class Jitted:
                     decomposition_table={},
                     tracing_mode="symbolic" if self.dynamic else "real",
                     _error_on_data_dependent_ops=False,
+                    # captured tensors (a module's weights) stay real: constants of the graph
+                    _allow_non_fake_inputs=True,
                 )(*tensors)
         except Exception as e:  # noqa: BLE001 - classified below
             _tracing.active = False
@@ -611,9 +613,11 @@ class Jitted:
             check,
         )
         self._store(key, entry)
-        if self.dynamic or self.backend is not None:
+        if self.dynamic:  # nothing ran for real: the first result is the first replay
             out = run(*tensors)
             return entry, out[0] if entry.out_spec is None else self._unflatten(entry, out)
+        # The real trace already ran f: its result, not a run of the compiled graph, which
+        # would write into arguments and captured buffers, and draw random numbers, twice.
         return entry, box["out"]
 
     def _fallback(self, key, reason):

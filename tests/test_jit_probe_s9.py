@@ -475,3 +475,71 @@ def test_torch_autograd_backward_inside_f_falls_back():
         jb(torch.ones(2, dtype=D))
     jb(torch.full((2,), 2.0, dtype=D))
     _same(v.grad, torch.full((2,), 3.0, dtype=D))
+
+
+# -- backends and dynamic shapes -------------------------------------------------------------------
+
+
+def _compiled_or_skip(fn):
+    try:
+        return fn()
+    except Exception as e:  # no C++ compiler on the machine
+        if "compiler" in str(e).lower() or "cpp" in str(e).lower():
+            pytest.skip(f"inductor cannot compile here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("backend", ["inductor", "callable"])
+def test_first_call_of_a_compiled_backend_runs_side_effects_once(backend):
+    # Bug: the first call returned a run of the compiled graph after the real trace had run f,
+    # so in-place writes (BatchNorm's running stats, an argument's add_) and random draws
+    # happened twice.
+    if backend == "inductor":
+        pytest.importorskip("torch._inductor")
+    else:
+        backend = lambda gm, tensors: gm  # noqa: E731 - replays the cleaned graph
+    buf = torch.zeros(3, dtype=D)
+    # inductor draws with its own generator (torch._inductor.config.fallback_random), as
+    # under torch.compile: the random stream is compared on the replaying backend only
+    draws = backend != "inductor"
+
+    def f(x):
+        buf.add_(x)
+        x.mul_(2)
+        return x + torch.rand(3, dtype=D) if draws else x * 1
+
+    jf = ft.jit(f, backend=backend)
+    x, xr = torch.ones(3, dtype=D), torch.ones(3, dtype=D)
+    torch.manual_seed(0)
+    got = _compiled_or_skip(lambda: [jf(x) for _ in range(3)])
+    buf_j = buf.clone()
+    buf.zero_()
+    torch.manual_seed(0)
+    want = [f(xr) for _ in range(3)]
+    _same(got, want)
+    _same(x, xr)
+    _same(buf_j, buf)
+
+
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_dynamic_shapes_with_captured_module_weights_replay(backend):
+    # Spurious fallback: a symbolic trace refused real captured tensors (a module's weights),
+    # so jit(model, dynamic=True) always ran eagerly.
+    if backend is not None:
+        pytest.importorskip("torch._inductor")
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    ref = copy.deepcopy(m)
+    jm = ft.jit(m, dynamic=True, backend=backend)
+    x = torch.randn(7, 3, dtype=D)
+    with _no_fallback():
+        for mode in (True, False, True):
+            m.train(mode)
+            ref.train(mode)
+            for xb in (x, x[:5], x[:6]):
+                _same(_compiled_or_skip(lambda xb=xb: jm(xb)), ref(xb))
+            _same(m[1].running_mean, ref[1].running_mean)
+    assert jm.cache_info().misses == 2  # one graph per training mode, every batch size
+    with torch.no_grad():
+        m[0].weight.mul_(2)  # captured weights stay live in a symbolic graph
+        ref[0].weight.mul_(2)
+    _same(jm(x[:4]), ref(x[:4]))
