@@ -46,9 +46,21 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat, _core
+from ._jit_guards import (
+    _MAX_GUARDED,
+    ModuleWatch,
+    RngWatch,
+    WatchFunctions,
+    _alias_pattern,
+    _entry_check,
+    _layout,
+    fresh_storage,
+    untraced_constants,
+)
 from ._jit_passes import _clean, _for_inductor, _roots
 from ._jit_signature import (
     _TENSOR,
+    _dict_orders,
     _dyn_tensor_key,
     _globals_key,
     _leaf_key,
@@ -154,6 +166,8 @@ class _Watch(_compat.TorchDispatchMode):
         self.grad_mode = grad_mode
         self.reason = None
         self.devices = set()
+        self.fresh = set()  # storages of the tensors the trace's ops made (real mode)
+        self.rng = RngWatch(_user_line)  # Note [Replay guards]: f must not seed a generator
 
     def _traced(self, flat):
         from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
@@ -186,13 +200,29 @@ class _Watch(_compat.TorchDispatchMode):
                         "that require grad; a replayed graph would not keep that region",
                         _user_line(),
                     )
-        if self.symbolic and _RANDOM in func.tags:
-            self._advance_rng(args, kwargs)
-        return func(*args, **kwargs)
+        if _RANDOM in func.tags:
+            why = self.rng.before(args, kwargs)
+            if why is not None and self.reason is None:
+                self.reason = why, _user_line()
+            if self.symbolic:
+                self._advance_rng(args, kwargs)
+                out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            self.rng.after(args, kwargs)
+            return out
+        out = func(*args, **kwargs)
+        if not self.symbolic:
+            fresh_storage(func, out, self.fresh)  # Note [Replay guards]: nn.Parameter(x * 2)
+        return out
 
     def _advance_rng(self, args, kwargs):
         # Fake random ops draw nothing, so vmap's randomness='error' snapshot would not see
-        # them. Advance the real generator (restored after the trace) so it does.
+        # them. Advance the real generator (restored after the trace) so it does. An explicit
+        # generator is left alone: vmap's snapshot is of the default ones, and nothing would
+        # restore it.
+        if kwargs.get("generator") is not None:
+            return
         dev = kwargs.get("device")
         if dev is None:
             dev = next((a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu"))
@@ -200,28 +230,6 @@ class _Watch(_compat.TorchDispatchMode):
         with _compat.disable_current_modes():
             torch.rand(1, device=dev)
         self.devices.add(dev.type)
-
-
-_HOST_READS = {
-    torch.Tensor.tolist: "`.tolist()` reads tensor values on the host",
-    torch.Tensor.numpy: "`.numpy()` reads tensor values on the host",
-    torch.Tensor.__array__: "converting to a NumPy array reads tensor values on the host",
-    torch.Tensor.data_ptr: "`.data_ptr()` depends on the memory of one call",
-}
-
-
-class _WatchFunctions(torch.overrides.TorchFunctionMode):
-    """Host reads that never reach the dispatcher (``tolist`` copies memory directly)."""
-
-    def __init__(self, watch):
-        super().__init__()
-        self.watch = watch
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        why = _HOST_READS.get(func)
-        if why is not None and self.watch.reason is None and self.watch._traced(args[:1]):
-            self.watch.reason = why, _user_line()
-        return func(*args, **(kwargs or {}))
 
 
 def _op_name(func) -> str:
@@ -316,20 +324,15 @@ def _python_forward(gm):
 
 
 class _Entry:
-    __slots__ = ("gm", "run", "out_spec", "out_consts", "guard", "n_out", "alias")
+    __slots__ = ("gm", "run", "out_spec", "out_consts", "guard", "n_out", "check")
 
-    def __init__(self, gm, run, out_spec, out_consts, guard=None, alias=None):
+    def __init__(self, gm, run, out_spec, out_consts, guard=None, check=None):
         self.gm = gm
         self.run = run
         self.out_spec = out_spec
         self.out_consts = out_consts  # None if every output leaf is a tensor
-        self.guard = guard
-        self.alias = alias
-
-
-def _alias_pattern(tensors):
-    seen = {}
-    return tuple(seen.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
+        self.guard = guard  # dynamic: the shape guard
+        self.check = check  # None, or what the signature cannot hold (see _entry_check)
 
 
 def _mutates_inputs(gm) -> bool:
@@ -412,7 +415,9 @@ class Jitted:
                 else:
                     key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
-                if entry is not None and entry is not _EAGER and entry.alias is None:
+                if entry.__class__ is list:  # guarded entries (Note [Replay guards])
+                    entry = next((e for e in entry if e.check(tensors)), None)
+                if entry.__class__ is _Entry:  # a plain entry is never guarded (_store)
                     self._cache.move_to_end(key)
                     self._hits += 1
                     out = entry.run(*tensors)
@@ -473,7 +478,8 @@ class Jitted:
         consts = tuple(consts)
         values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
-        key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+        orders = tuple(_dict_orders((args, kwargs)))
+        key = (_globals_key(), (spec, orders), consts, tuple(map(tkey, tensors)))
 
         def rebuild(ts):
             it = iter(ts)
@@ -489,21 +495,24 @@ class Jitted:
                 self._cache.move_to_end(key)
             return entry
         self._cache.move_to_end(key)
-        if isinstance(entry, list):  # dynamic: guarded graphs
+        if isinstance(entry, list):  # guarded graphs (shapes, module state, aliasing)
             for e in entry:
-                if e.guard(tensors) and (e.alias is None or e.alias == _alias_pattern(tensors)):
+                if (e.guard is None or e.guard(tensors)) and (e.check is None or e.check(tensors)):
                     return e
             return None
-        if entry.alias is not None and entry.alias != _alias_pattern(tensors):
+        if entry.check is not None and not entry.check(tensors):
             return None
         return entry
 
     def _store(self, key, entry):
-        if self.dynamic and entry is not _EAGER:
+        # Guarded entries (dynamic, or with a check) live in a list per signature; a plain
+        # entry has no check, which is what the fast path of __call__ relies on.
+        if entry is not _EAGER and (self.dynamic or entry.check is not None):
             lst = self._cache.get(key)
             if not isinstance(lst, list):
                 lst = self._cache[key] = []
             lst.append(entry)
+            del lst[:-_MAX_GUARDED]
         else:
             self._cache[key] = entry
         self._cache.move_to_end(key)
@@ -520,7 +529,8 @@ class Jitted:
 
         def flat_fn(*ts):
             args, kwargs = rebuild(ts)
-            with watch, _WatchFunctions(watch):
+            box["functions"] = functions = WatchFunctions(watch, ts, _user_line)
+            with watch, functions, watch.rng:
                 out = self.f(*args, **kwargs)
             box["out"] = out
             leaves, spec = tree_flatten(out)
@@ -531,18 +541,25 @@ class Jitted:
         rng = _rng_state()
         alias = _alias_pattern(tensors)
         _tracing.active = True
+        modules = ModuleWatch()
         try:
-            with _metadata_context(self.dynamic):
+            with _metadata_context(self.dynamic), modules:
                 gm = make_fx(
                     flat_fn,
+                    # An explicit (empty) table: torch >= 2.15 otherwise rewrites `detach` to
+                    # nothing, and a replay would let gradients through `x.detach()`.
+                    decomposition_table={},
                     tracing_mode="symbolic" if self.dynamic else "real",
                     _error_on_data_dependent_ops=False,
+                    # captured tensors (a module's weights) stay real: constants of the graph
+                    _allow_non_fake_inputs=True,
                 )(*tensors)
         except Exception as e:  # noqa: BLE001 - classified below
             _tracing.active = False
             if not self.dynamic and not _trace_machinery_error(e):
                 raise  # f itself raised, exactly as it would eagerly
             _set_rng_state(rng)
+            watch.rng.restore()
             args, kwargs = rebuild(tensors)
             result = self.f(*args, **kwargs)  # raises f's own error, if it is one
             reason = (
@@ -553,13 +570,18 @@ class Jitted:
             return _EAGER, result
         finally:
             _tracing.active = False
-        reason = watch.reason or _scan(gm)
+        reason = watch.reason or watch.rng.reason or modules.reason or watch.rng.finish()
+        reason = reason or _scan(gm)
+        if reason is None and not self.dynamic:
+            why = untraced_constants(gm, watch.fresh)
+            reason = None if why is None else (why, "a call in f that no op records")
         if reason is None and self.dynamic:
             sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
             if any(isinstance(c, sym) for c in box["consts"]):
                 reason = ("f returns a Python number computed from a symbolic size", "its return")
         if self.dynamic:
             _set_rng_state(rng)
+            watch.rng.restore()
         if reason is not None:
             self._fallback(key, reason)
             if self.dynamic:  # nothing ran for real yet
@@ -567,6 +589,12 @@ class Jitted:
                 return _EAGER, self.f(*args, **kwargs)
             return _EAGER, box["out"]
         guard = _compile_guard(gm, len(tensors)) if self.dynamic else None
+        captured = {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+        check = _entry_check(
+            alias if _mutates_inputs(gm) else None,
+            box["functions"].reads_layout and _layout(tensors),
+            modules.guard(captured),
+        )
         _clean(gm, self.dynamic, replay=self.backend is None)
         run = _python_forward(gm)
         if self.backend == "inductor":
@@ -582,12 +610,14 @@ class Jitted:
             None if single else spec,
             None if all(c is _TENSOR for c in consts) else consts,
             guard,
-            alias if _mutates_inputs(gm) else None,
+            check,
         )
         self._store(key, entry)
-        if self.dynamic or self.backend is not None:
+        if self.dynamic:  # nothing ran for real: the first result is the first replay
             out = run(*tensors)
             return entry, out[0] if entry.out_spec is None else self._unflatten(entry, out)
+        # The real trace already ran f: its result, not a run of the compiled graph, which
+        # would write into arguments and captured buffers, and draw random numbers, twice.
         return entry, box["out"]
 
     def _fallback(self, key, reason):

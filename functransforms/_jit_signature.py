@@ -25,6 +25,25 @@ def _leaf_key(x):
     return (type(x), x)
 
 
+def _dict_orders(tree, out=None):
+    """The key order of every dict in ``tree`` (through lists, tuples and dicts), in
+    traversal order. optree's spec of ``{1: a, 2: b}`` equals that of ``{2: b, 1: a}`` (it
+    sorts keys) though ``f`` may see the difference (``list(d.values())``, a returned dict's
+    order), so the general path's key holds the orders too."""
+    if out is None:
+        out = []
+    if isinstance(tree, dict):
+        out.append(tuple(tree))
+        for v in tree.values():
+            if isinstance(v, (list, tuple, dict)):
+                _dict_orders(v, out)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            if isinstance(v, (list, tuple, dict)):
+                _dict_orders(v, out)
+    return out
+
+
 def _dyn_tensor_key(t):
     return (t.dim(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
 
