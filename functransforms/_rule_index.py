@@ -43,7 +43,7 @@ BY_NAME = frozenset((
 INDEX = {
     'decomposition': {
         'aten::_ctc_loss_backward': 4194304, 'aten::_ctc_loss_backward.Tensor': 4194304,
-        'aten::_pack_padded_sequence': 4194304,
+        'aten::_native_multi_head_attention': 4194304, 'aten::_pack_padded_sequence': 4194304,
         'aten::_scaled_dot_product_flash_attention_for_cpu': 0,
         'aten::grid_sampler_3d_backward': 4194304, 'aten::huber_loss': 0,
         'aten::mkldnn_rnn_layer': 4194304, 'aten::multilabel_margin_loss_forward': 0,
