@@ -31,6 +31,7 @@ Note [Supported torch versions]
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 
@@ -90,6 +91,10 @@ __all__ = [
     "proxy_tracing",
     "swap_tensor_impl",
     "tensor_requires_grad",
+    "tensor_set_data",
+    "current_autograd_node",
+    "unpack_dual",
+    "forward_ad_state",
     "torch_pytree",
     "tracing_context",
 ]
@@ -166,6 +171,18 @@ def swap_proxy_slots(a, b, *, share=False):
 
 # the C-level flag, below any Python property a subclass defines (GradTensor.requires_grad)
 tensor_requires_grad = _C.TensorBase.requires_grad.__get__
+# ``x.data = y``'s C setter, for wrappers that define their own ``data`` getter (Note [torch's own
+# detach of a wrapper]); checked on 2.13.0, 2.15.0.
+tensor_set_data = _C.TensorBase.data.__set__
+# The autograd node torch's engine is running, None outside a backward pass (names torch's
+# checkpoint in EscapedTracerError); checked on 2.13.0, 2.15.0.
+current_autograd_node = _C._current_autograd_node
+# Whether a tensor carries a tangent of torch's forward AD at a level, and which level is open:
+# read only to refuse such tangents in our rules (Note [Torch forward AD through our
+# transforms]), never to compute one. ``_current_level`` is -1 outside ``dual_level()``;
+# checked on 2.13.0, 2.15.0.
+unpack_dual = torch._VF._unpack_dual
+forward_ad_state = importlib.import_module("torch.autograd.forward_ad")
 # How many TensorImpls share a storage (a buffer aliased elsewhere is not promoted).
 storage_use_count = _C._storage_Use_Count
 # Nonzero when a tensor's memory overlaps itself (expanded views cannot be promoted).

@@ -22,7 +22,6 @@ import sys
 import threading
 
 import torch
-import torch.autograd.forward_ad as _fwad
 
 from . import _compat
 from ._gcpause import collector_paused
@@ -293,7 +292,9 @@ _tls_exclude = _compat.dispatch_tls_local_exclude_set
 _grad_enabled = torch.is_grad_enabled
 _excluded = _compat.dispatch_tls_is_dispatch_key_excluded
 _ADINPLACE = _compat.ADInplaceOrView
-_unpack_dual = torch._VF._unpack_dual
+_unpack_dual = _compat.unpack_dual
+# read, never called: Note [Torch forward AD through our transforms]
+_fwad = _compat.forward_ad_state
 
 # Note [torch's own detach of a wrapper]
 #     torch's autograd saves the output of a node it records (``SavedVariable``) as a shallow
@@ -309,7 +310,7 @@ _unpack_dual = torch._VF._unpack_dual
 #     define it (``data_as_constant``) as an ordinary detach, through the dispatcher.
 _DETACH = torch.ops.aten.detach.default
 _ALIAS = torch.ops.aten.alias.default
-_set_data = torch._C.TensorBase.data.__set__
+_set_data = _compat.tensor_set_data
 
 
 def _get_data(self):
@@ -574,7 +575,7 @@ def _innermost(args, kwargs) -> Interpreter | None:
         )
         why = (
             _IN_TORCH_BACKWARD
-            if torch._C._current_autograd_node() is not None
+            if _compat.current_autograd_node() is not None
             else "a value leaked out of the transformed function (stored in a global, a closure "
             "or an attribute). Return it from the function instead." + hint
         )
