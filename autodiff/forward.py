@@ -56,11 +56,11 @@ class DualTensor(TransformTensor):
     def register_hook(self, hook):
         # torch records a node on this wrapper when a captured tensor requires grad, but only
         # the graph of the unwrapped values is differentiated once jvp returns: a hook here
-        # would silently never run. torch.func refuses it (its values inside jvp do not
+        # would silently never run. functorch refuses it (its values inside jvp do not
         # require grad).
         raise RuntimeError(
             "x.register_hook(hook) inside jvp: a value inside jvp has no reverse-mode graph "
-            "to hook (as in torch.func, where it does not require grad). Expected: the hook "
+            "to hook (as in functorch, where it does not require grad). Expected: the hook "
             "on a tensor outside the transform, or on a value inside grad/vjp."
         )
 

@@ -505,7 +505,7 @@ override(aten._pack_padded_sequence.default)(_pack_padded_sequence)
 # In eval mode with parameters that do not require grad, nn.MultiheadAttention calls the fused
 # aten._native_multi_head_attention when no argument has a __torch_function__ and none requires
 # grad: the values inside jvp (found by the session 9 probe: jvp/jacfwd of a frozen attention
-# layer raised MissingRuleError; torch.func computes them). Its math, checked against the kernel
+# layer raised MissingRuleError; functorch computes them). Its math, checked against the kernel
 # for every mask type, bool and float masks, need_weights and average_attn_weights
 # (tests/test_probe_bothsides_s9.py); a row with every key masked is NaN, as the kernel's.
 def _native_multi_head_attention(

@@ -138,14 +138,14 @@ class GradTensor(TransformTensor):
 
     def register_hook(self, hook):
         """Run ``hook(ct)`` on this value's cotangent in the level's backward sweep, as
-        torch.func does (Note [Tensor hooks inside grad]); the hook may return a replacement."""
+        functorch does (Note [Tensor hooks inside grad]); the hook may return a replacement."""
         if self._interp.call.startswith("linearize("):
             # linearize records reverse mode only to transpose it into a jvp: a hook on a
-            # cotangent has no meaning for the tangents (torch.func's linearize refuses it too)
+            # cotangent has no meaning for the tangents (functorch's linearize refuses it too)
             raise RuntimeError(
                 f"{self._interp.call}: x.register_hook(hook) inside linearize: the function is "
                 "differentiated in forward mode, which has no cotangents to hook (as in "
-                "torch.func). Expected: the hook inside grad/vjp."
+                "functorch). Expected: the hook inside grad/vjp."
             )
         hooks = _HOOKS.setdefault(self._node, {}).setdefault(self._idx, OrderedDict())
         handle = torch.utils.hooks.RemovableHandle(hooks)

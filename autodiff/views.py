@@ -123,12 +123,12 @@ for _op, _tr in (
 def _view_dtype_refused(call):
     # Note [x.view(dtype) is not differentiable]: torch's autograd detaches view.dtype's output
     # once the op returns (its derivative is declared absent), so a rule here could only yield
-    # the zero gradient torch.func silently returns; the refusal must come at the forward op
+    # the zero gradient functorch silently returns; the refusal must come at the forward op
     # (a vjp rule alone would run in a backward pass that never reaches it). Between a complex
     # dtype and its real one the map is linear: view_as_real / view_as_complex carry it.
     raise NotImplementedError(
         f"{call}: x.view(dtype) cannot be differentiated (torch detaches its output, and "
-        "torch.func silently returns a zero gradient through it). Do: between complex and real "
+        "functorch silently returns a zero gradient through it). Do: between complex and real "
         "of one precision use torch.view_as_real(z).flatten(-2) / "
         "torch.view_as_complex(x.unflatten(-1, (-1, 2))), otherwise x.to(dtype)."
     )

@@ -531,7 +531,7 @@ class VmapInterpreter(Interpreter):
                     f"vmap rule of {cf.__name__}: it returned a value batched by the enclosing "
                     "vmap itself: the rule (or what it calls) used a tensor of that vmap that is "
                     "not among its arguments (a closure, a global, an attribute), but a vmap rule "
-                    "sees the arguments' batched values only (torch.func raises here too). Pass "
+                    "sees the arguments' batched values only (functorch raises here too). Pass "
                     "that tensor to the custom function as an argument."
                 )
             has_batch = (

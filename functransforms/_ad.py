@@ -241,7 +241,7 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
         grads = backward(root_cts, leaves, release)
         # a rule may end in a lazy conjugate (`_mm(b, ct.mH).mH` keeps a column-major input's
         # layout): right values, but torch.view_as_real (Adam on complex parameters) and
-        # .numpy() refuse a conj tensor, and torch.func's gradients carry no such bit
+        # .numpy() refuse a conj tensor, and functorch's gradients carry no such bit
         return [torch.zeros_like(x) if g is None else _resolved(g) for x, g in zip(flat, grads)]
 
     return primals_out, out_spec, spec, pull, aux

@@ -327,7 +327,7 @@ def _vmap_staticmethod_rule(cls):
 
 
 def _no_jvp_rule(cls):
-    def rule(primals, tangents):  # torch.func's exception class, for forward mode
+    def rule(primals, tangents):  # functorch's exception class, for forward mode
         raise NotImplementedError(
             f"forward-mode AD (jvp, jacfwd, hessian) of {cls.__name__}.apply: the "
             "autograd.Function has no jvp staticmethod. Expected: a jvp(ctx, *tangents) "

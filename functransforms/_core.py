@@ -504,7 +504,7 @@ def _torch_autograd_wanted(interp, args, kwargs) -> bool:
 #     formulas on the wrappers too, which reach kernels and rules that fail (and one crashed
 #     the process). Until that is designed, an op of ours that meets a tangent of torch's
 #     forward AD raises; vmap's ops that its fast paths run on plain tensors (above the
-#     dispatcher) keep the tangent, as torch.func does, and do not get here.
+#     dispatcher) keep the tangent, as functorch does, and do not get here.
 def _torch_forward_ad_wanted(interp, args, kwargs) -> bool:
     """Inside ``forward_ad.dual_level()``: does a plain tensor among the op's arguments, or
     held by a wrapper of ``interp``'s level, carry a tangent of torch's forward AD?"""
