@@ -36,6 +36,10 @@ def test_the_common_calls_take_the_lean_path(no_general):
     assert torch.equal(ft.vmap(torch.sum, out_dims=0)(x, dim=0), x.sum(1))  # kwargs pass through
     assert torch.equal(ft.vmap(lambda t: t + 1, randomness="same")(x), x + 1)
     assert torch.equal(ft.vmap(lambda t: t.sum(0), axis_name="i")(x), x.sum(1))
+    # the one-tensor branch: a negative in_dim, a Parameter (a Tensor subclass)
+    assert torch.equal(ft.vmap(torch.neg, in_dims=-1)(x), -x.T)
+    p = torch.nn.Parameter(x.clone())
+    assert torch.equal(ft.vmap(torch.neg)(p), -p)
 
 
 def _interp_attrs(vmapped, *args):
@@ -128,6 +132,8 @@ def test_lean_outputs_alias_as_the_general_path(name, out_dims):
         ((0, 0), (torch.randn(3),)),  # in_dims longer than the inputs
         ((None,), (torch.randn(3),)),  # nothing mapped
         (0, (torch.randn(3), 2.0)),  # a float mapped
+        (0, (2.0,)),  # a float alone (the one-argument branch)
+        (-3, (torch.randn(3, 2),)),  # a negative in_dim out of range
     ],
 )
 def test_lean_leaves_bad_calls_to_the_general_errors(in_dims, args):
