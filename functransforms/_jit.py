@@ -54,6 +54,8 @@ from ._jit_guards import (
     _alias_pattern,
     _entry_check,
     _layout,
+    autocast_state,
+    default_device,
     fresh_storage,
     untraced_constants,
 )
@@ -402,7 +404,12 @@ class Jitted:
             # Inside a transform, another trace, or a dispatch mode: run f as is (correct,
             # and the enclosing trace, if any, records its ops).
             return self.f(*args, **kwargs)
-        if not self.dynamic:
+        modes = _compat.len_torch_function_stack()
+        if modes and default_device() is None:
+            # A TorchFunctionMode of the caller's sees each torch call of f; a replay makes
+            # none. torch.set_default_device's mode is keyed instead (_signature).
+            return self.f(*args, **kwargs)
+        if not self.dynamic and not modes:
             # Fast paths of a hit: a flat tuple of plain tensors, else plain tensors and
             # str-keyed dicts of them (Note [Signature walk]).
             tensors = args
@@ -416,7 +423,12 @@ class Jitted:
                     key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
                 if entry.__class__ is list:  # guarded entries (Note [Replay guards])
-                    entry = next((e for e in entry if e.check(tensors)), None)
+                    for e in entry:
+                        if e.check(tensors):
+                            entry = e
+                            break
+                    else:
+                        entry = None
                 if entry.__class__ is _Entry:  # a plain entry is never guarded (_store)
                     self._cache.move_to_end(key)
                     self._hits += 1
@@ -458,7 +470,7 @@ class Jitted:
             # structure tokens in place of (pytree spec, non-tensor leaves).
             spec, consts, tensors = walked
             tkey = _dyn_tensor_key if self.dynamic else _tensor_key
-            key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+            key = (_call_context(), spec, consts, tuple(map(tkey, tensors)))
             if spec is None:
                 return key, tensors, _rebuild_flat
             return key, tensors, functools.partial(_rebuild_walked, spec, consts)
@@ -479,7 +491,7 @@ class Jitted:
         values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
         orders = tuple(_dict_orders((args, kwargs)))
-        key = (_globals_key(), (spec, orders), consts, tuple(map(tkey, tensors)))
+        key = (_call_context(), (spec, orders), consts, tuple(map(tkey, tensors)))
 
         def rebuild(ts):
             it = iter(ts)
@@ -540,6 +552,7 @@ class Jitted:
 
         rng = _rng_state()
         alias = _alias_pattern(tensors)
+        autocast = autocast_state()
         _tracing.active = True
         modules = ModuleWatch()
         try:
@@ -594,6 +607,7 @@ class Jitted:
             alias if _mutates_inputs(gm) else None,
             box["functions"].reads_layout and _layout(tensors),
             modules.guard(captured),
+            autocast,
         )
         _clean(gm, self.dynamic, replay=self.backend is None)
         run = _python_forward(gm)
@@ -631,6 +645,14 @@ class Jitted:
             JitFallbackWarning,
             stacklevel=4,
         )
+
+
+def _call_context():
+    """What the signature holds of the caller's state (the fast path of ``__call__`` takes
+    ``_globals_key()`` alone: it runs only when no TorchFunctionMode is active)."""
+    if _compat.len_torch_function_stack():
+        return _globals_key(), default_device()
+    return _globals_key()
 
 
 def _inductor(gm, tensors, dynamic):

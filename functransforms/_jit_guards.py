@@ -416,6 +416,33 @@ def _same_state(a, b) -> bool:
 
 
 # ------------------------------------------------------------------------------------------
+# Call context: default device, autocast
+
+
+def default_device():
+    """The device of ``torch.set_default_device`` when the caller's TorchFunctionModes are
+    only torch's default-device ones, else None (another mode must see f's own calls: ``f``
+    runs eagerly). Factories inside ``f`` follow it, so it joins the signature."""
+    from torch.utils._device import DeviceContext
+
+    modes = _compat.function_mode_stack()
+    if modes and all(type(m) is DeviceContext for m in modes):
+        return str(modes[-1].device)
+    return None
+
+
+def autocast_state():
+    """None outside ``torch.autocast``; else what a graph traced inside it depends on (the
+    casts are recorded ops). Checked per call only by entries traced under autocast; a graph
+    traced outside replays under autocast with autocast applied to each ATen op."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    devices = ("cpu", "cuda")
+    state = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+    return tuple(state), torch.is_autocast_cache_enabled()
+
+
+# ------------------------------------------------------------------------------------------
 # Entry checks
 
 # A signature holds several guarded entries (one per module state, aliasing pattern, ...);
@@ -432,12 +459,12 @@ def _layout(tensors):
     return tuple([(t.storage_offset(), t._base is None) for t in tensors])
 
 
-def _entry_check(alias, layout, modules):
+def _entry_check(alias, layout, modules, autocast=None):
     """``check(tensors) -> bool`` for what a replay depends on beyond the signature, checked
     per call only for entries that need it: the arguments' aliasing when the graph writes
     into one (a write through one alias is seen through the other), their storage offsets
-    and view-ness when ``f`` read them, and the module state (Note [Replay guards]). None
-    if nothing needs checking."""
+    and view-ness when ``f`` read them, the module state (Note [Replay guards]) and the
+    autocast state it was traced under. None if nothing needs checking."""
     checks = []
     if alias is not None:
         checks.append(lambda ts: _alias_pattern(ts) == alias)
@@ -445,6 +472,8 @@ def _entry_check(alias, layout, modules):
         checks.append(lambda ts: _layout(ts) == layout)
     if modules is not None:
         checks.append(modules)
+    if autocast is not None:
+        checks.append(lambda ts: autocast_state() == autocast)
     if not checks:
         return None
     if len(checks) == 1:

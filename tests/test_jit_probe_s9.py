@@ -543,3 +543,49 @@ def test_dynamic_shapes_with_captured_module_weights_replay(backend):
         m[0].weight.mul_(2)  # captured weights stay live in a symbolic graph
         ref[0].weight.mul_(2)
     _same(jm(x[:4]), ref(x[:4]))
+
+
+# -- the caller's context --------------------------------------------------------------------------
+
+
+def test_graph_traced_under_autocast_is_not_replayed_outside_it():
+    # Bug: autocast was not in the signature: a graph traced inside torch.autocast (its casts
+    # are recorded ops) replayed in bfloat16 outside it.
+    x = torch.randn(4, 4)
+    f = lambda x: x @ x  # noqa: E731
+    jf = ft.jit(f)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _same(jf(x), f(x))
+        _same(jf(x), f(x))
+    with torch.autocast("cpu", dtype=torch.float16):
+        _same(jf(x), f(x))
+
+
+def test_default_device_joins_the_signature_and_other_function_modes_run_f():
+    # Bug: the device torch.set_default_device gives f's factories was not in the signature
+    # (a replay made CPU tensors where eager made meta ones); a caller's TorchFunctionMode
+    # never saw the replay's calls.
+    f = lambda x: torch.ones(3) * 2 + x.sum()  # noqa: E731
+    jf = ft.jit(f)
+    x = torch.randn(3)
+    _same(jf(x), f(x))
+    torch.set_default_device("meta")
+    try:
+        assert jf(x.to("meta")).device.type == "meta"
+        assert jf(x.to("meta")).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
+    _same(jf(x), f(x))
+    assert jf.cache_info()[:3] == (2, 2, 0)
+
+    seen = []
+
+    class Log(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        _same(jf(x), f(x))
+    assert seen.count("ones") == 2  # jit's call ran f, as eager did
