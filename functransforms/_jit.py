@@ -48,6 +48,7 @@ import torch
 from . import _compat, _core
 from ._jit_guards import (
     _MAX_GUARDED,
+    Fresh,
     ModuleWatch,
     RngWatch,
     WatchFunctions,
@@ -57,6 +58,7 @@ from ._jit_guards import (
     autocast_state,
     default_device,
     fresh_storage,
+    mutable,
     untraced_constants,
 )
 from ._jit_passes import _clean, _for_inductor, _roots
@@ -459,7 +461,10 @@ class Jitted:
         leaves = out
         if entry.out_consts is not None:
             it = iter(out)
-            leaves = [next(it) if c is _TENSOR else c for c in entry.out_consts]
+            leaves = [
+                next(it) if c is _TENSOR else c.copy() if c.__class__ is Fresh else c
+                for c in entry.out_consts
+            ]
         return tree_unflatten(entry.out_spec, leaves)
 
     def _signature(self, args, kwargs):
@@ -616,7 +621,7 @@ class Jitted:
         elif callable(self.backend):
             run = self.backend(gm, tensors)
         spec = box["spec"]
-        consts = box["consts"]
+        consts = [Fresh(c) if c is not _TENSOR and mutable(c) else c for c in box["consts"]]
         single = spec.num_leaves == 1 and spec.is_leaf() and consts[0] is _TENSOR
         entry = _Entry(
             gm,

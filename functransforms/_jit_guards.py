@@ -25,6 +25,8 @@ does not see").
 
 from __future__ import annotations
 
+import copy
+import enum
 import functools
 import threading
 
@@ -413,6 +415,47 @@ def _same_state(a, b) -> bool:
         return a is b
     with _compat.disable_current_modes():
         return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+# ------------------------------------------------------------------------------------------
+# Outputs
+
+
+class Fresh:
+    """A mutable non-tensor output leaf (a set, a NumPy array, an object): eager ``f`` makes a
+    new one per call, so each replay returns a copy, never the traced object itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = copy.deepcopy(value)  # the first call returned the traced object itself
+
+    def copy(self):
+        return copy.deepcopy(self.value)
+
+
+_IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    range,
+    frozenset,
+    enum.Enum,
+    type,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+def mutable(c) -> bool:
+    return not isinstance(c, _IMMUTABLE) and not callable(c)
 
 
 # ------------------------------------------------------------------------------------------

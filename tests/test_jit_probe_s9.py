@@ -589,3 +589,21 @@ def test_default_device_joins_the_signature_and_other_function_modes_run_f():
     with Log():
         _same(jf(x), f(x))
     assert seen.count("ones") == 2  # jit's call ran f, as eager did
+
+
+def test_mutable_non_tensor_outputs_are_fresh_per_call():
+    # Bug: a set/list-like leaf that f returns was the traced object itself in every replay,
+    # so a caller's mutation of one call's result showed in the next call's.
+    import numpy as np
+
+    f = lambda x: (x * 2, {1, 2}, np.zeros(2), "s", torch.float64)  # noqa: E731
+    jf = ft.jit(f)
+    x = torch.randn(2, dtype=D)
+    for _ in range(3):
+        out = jf(x)
+        want = f(x)
+        _same(out[0], want[0])
+        assert out[1] == want[1] and out[2].tolist() == want[2].tolist() and out[3:] == want[3:]
+        out[1].add(3)
+        out[2][0] = 5.0
+    assert jf.cache_info().hits == 2
