@@ -308,36 +308,31 @@ class RngWatch:
         self.reason = None
         self.first = []  # (explicit generator, its state when the trace first drew from it)
         self._user_line = user_line
-        self._thread = threading.get_ident()
 
     def __enter__(self):
-        # The seeding functions are looked up on their modules at call time: wrapped for the
-        # trace, they name a seed that leaves the state as it was (`torch.manual_seed(0)` in
-        # f, right after the caller's own `torch.manual_seed(0)`), which no state shows.
-        self._saved = []
-        for mod, name in _SEEDERS:
-            fn = getattr(mod, name, None)
-            if fn is not None:
-                self._saved.append((mod, name, fn))
-                setattr(mod, name, self._wrap(fn, f"{mod.__name__}.{name}"))
+        # The seeding functions are looked up on their modules at call time: wrapped while
+        # any thread traces, they name a seed that leaves the state as it was
+        # (`torch.manual_seed(0)` in f right after the caller's own), which no state shows.
+        self._outer = getattr(_seeding, "watch", None)
+        _seeding.watch = self
+        with _seeding_lock:
+            if not _seeding_users:
+                for mod, name in _SEEDERS:
+                    fn = getattr(mod, name, None)
+                    if fn is not None:
+                        _seeding_saved.append((mod, name, fn))
+                        setattr(mod, name, _seeding_wrapper(fn, f"{mod.__name__}.{name}"))
+            _seeding_users.append(self)
         return self
 
     def __exit__(self, *exc):
-        for mod, name, fn in self._saved:
-            setattr(mod, name, fn)
-
-    def _wrap(self, fn, name):
-        @functools.wraps(fn)
-        def seeding(*args, **kwargs):
-            if self.reason is None and threading.get_ident() == self._thread:
-                self.reason = (
-                    f"f calls `{name}`, which sets a random generator's state: a replay would "
-                    "not, and would draw on from the state the previous call left",
-                    self._user_line(),
-                )
-            return fn(*args, **kwargs)
-
-        return seeding
+        _seeding.watch = self._outer
+        with _seeding_lock:
+            _seeding_users.remove(self)
+            if not _seeding_users:
+                for mod, name, fn in _seeding_saved:
+                    setattr(mod, name, fn)
+                _seeding_saved.clear()
 
     @staticmethod
     def _state(gen, dev):
@@ -392,6 +387,27 @@ _RESEEDED = (
     "`set_rng_state`, vmap's chunked randomness='same') besides drawing from it: a replay "
     "draws on from the state the previous call left"
 )
+
+
+_seeding = threading.local()  # .watch: the RngWatch of this thread's trace
+_seeding_lock = threading.Lock()
+_seeding_users = []  # the RngWatches of every thread's trace: wrapped while non-empty
+_seeding_saved = []  # (module, name, original function)
+
+
+def _seeding_wrapper(fn, name):
+    @functools.wraps(fn)
+    def seeding(*args, **kwargs):
+        watch = getattr(_seeding, "watch", None)
+        if watch is not None and watch.reason is None:
+            watch.reason = (
+                f"f calls `{name}`, which sets a random generator's state: a replay would "
+                "not, and would draw on from the state the previous call left",
+                watch._user_line(),
+            )
+        return fn(*args, **kwargs)
+
+    return seeding
 
 
 _SEEDERS = [
