@@ -364,8 +364,10 @@ class Jitted:
         functools.update_wrapper(self, f)
 
     def __repr__(self):
-        name = getattr(self.f, "__qualname__", self.f)
-        return f"jit({name!r}, backend={self.backend!r}, dynamic={self.dynamic})"
+        name = getattr(self.f, "__qualname__", None)
+        # a module's repr spans lines (every submodule): its class names it in one
+        name = repr(name) if name is not None else f"<{type(self.f).__name__} object>"
+        return f"jit({name}, backend={self.backend!r}, dynamic={self.dynamic})"
 
     # -- public helpers
     def cache_info(self) -> CacheInfo:

@@ -607,3 +607,13 @@ def test_mutable_non_tensor_outputs_are_fresh_per_call():
         out[1].add(3)
         out[2][0] = 5.0
     assert jf.cache_info().hits == 2
+
+
+def test_module_passed_as_an_argument_is_guarded_and_named_on_one_line():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).double()
+    jf = ft.jit(lambda m, x: m(x))
+    x = torch.ones(3, 2, dtype=D)
+    jf(m, x)
+    m.eval()
+    _same(jf(m, x), m(x))
+    assert repr(ft.jit(m)) == "jit(<Sequential object>, backend=None, dynamic=False)"
