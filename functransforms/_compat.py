@@ -109,6 +109,10 @@ len_torch_dispatch_stack = _C._len_torch_dispatch_stack
 # the modes torch's pre-dispatch tracing pushes (what disable_current_modes pops besides the
 # stack above): with neither, there is nothing to disable (and no import of its mode classes)
 len_pre_dispatch_stack = torch._ops._len_torch_dispatch_stack_pre_dispatch
+# The TorchFunctionMode stack (checked on 2.13.0, 2.15.0): its depth, its modes, and the mode
+# class torch.set_default_device pushes (jit keys on its device; any other mode sees f's calls).
+len_torch_function_stack = _C._len_torch_function_stack
+function_mode_stack = torch.overrides._get_current_function_mode_stack
 
 # -- wrapper tensor subclasses (checked on 2.13.0, 2.15.0) ----------------------------------------
 # The one way to build a tensor subclass with its own metadata and no storage of its own.

@@ -48,13 +48,17 @@ import torch
 from . import _compat, _core
 from ._jit_guards import (
     _MAX_GUARDED,
+    Fresh,
     ModuleWatch,
     RngWatch,
     WatchFunctions,
     _alias_pattern,
     _entry_check,
     _layout,
+    autocast_state,
+    default_device,
     fresh_storage,
+    mutable,
     untraced_constants,
 )
 from ._jit_passes import _clean, _for_inductor, _roots
@@ -360,8 +364,10 @@ class Jitted:
         functools.update_wrapper(self, f)
 
     def __repr__(self):
-        name = getattr(self.f, "__qualname__", self.f)
-        return f"jit({name!r}, backend={self.backend!r}, dynamic={self.dynamic})"
+        name = getattr(self.f, "__qualname__", None)
+        # a module's repr spans lines (every submodule): its class names it in one
+        name = repr(name) if name is not None else f"<{type(self.f).__name__} object>"
+        return f"jit({name}, backend={self.backend!r}, dynamic={self.dynamic})"
 
     # -- public helpers
     def cache_info(self) -> CacheInfo:
@@ -402,7 +408,12 @@ class Jitted:
             # Inside a transform, another trace, or a dispatch mode: run f as is (correct,
             # and the enclosing trace, if any, records its ops).
             return self.f(*args, **kwargs)
-        if not self.dynamic:
+        modes = _compat.len_torch_function_stack()
+        if modes and default_device() is None:
+            # A TorchFunctionMode of the caller's sees each torch call of f; a replay makes
+            # none. torch.set_default_device's mode is keyed instead (_signature).
+            return self.f(*args, **kwargs)
+        if not self.dynamic and not modes:
             # Fast paths of a hit: a flat tuple of plain tensors, else plain tensors and
             # str-keyed dicts of them (Note [Signature walk]).
             tensors = args
@@ -416,7 +427,12 @@ class Jitted:
                     key = (_globals_key(), walked[0], walked[1], tuple(map(_tensor_key, tensors)))
                 entry = self._cache.get(key)
                 if entry.__class__ is list:  # guarded entries (Note [Replay guards])
-                    entry = next((e for e in entry if e.check(tensors)), None)
+                    for e in entry:
+                        if e.check(tensors):
+                            entry = e
+                            break
+                    else:
+                        entry = None
                 if entry.__class__ is _Entry:  # a plain entry is never guarded (_store)
                     self._cache.move_to_end(key)
                     self._hits += 1
@@ -447,7 +463,10 @@ class Jitted:
         leaves = out
         if entry.out_consts is not None:
             it = iter(out)
-            leaves = [next(it) if c is _TENSOR else c for c in entry.out_consts]
+            leaves = [
+                next(it) if c is _TENSOR else c.copy() if c.__class__ is Fresh else c
+                for c in entry.out_consts
+            ]
         return tree_unflatten(entry.out_spec, leaves)
 
     def _signature(self, args, kwargs):
@@ -458,7 +477,7 @@ class Jitted:
             # structure tokens in place of (pytree spec, non-tensor leaves).
             spec, consts, tensors = walked
             tkey = _dyn_tensor_key if self.dynamic else _tensor_key
-            key = (_globals_key(), spec, consts, tuple(map(tkey, tensors)))
+            key = (_call_context(), spec, consts, tuple(map(tkey, tensors)))
             if spec is None:
                 return key, tensors, _rebuild_flat
             return key, tensors, functools.partial(_rebuild_walked, spec, consts)
@@ -479,7 +498,7 @@ class Jitted:
         values = [None if isinstance(x, _Tensor) else x for x in leaves]
         tkey = _dyn_tensor_key if self.dynamic else _tensor_key
         orders = tuple(_dict_orders((args, kwargs)))
-        key = (_globals_key(), (spec, orders), consts, tuple(map(tkey, tensors)))
+        key = (_call_context(), (spec, orders), consts, tuple(map(tkey, tensors)))
 
         def rebuild(ts):
             it = iter(ts)
@@ -540,6 +559,7 @@ class Jitted:
 
         rng = _rng_state()
         alias = _alias_pattern(tensors)
+        autocast = autocast_state()
         _tracing.active = True
         modules = ModuleWatch()
         try:
@@ -594,6 +614,7 @@ class Jitted:
             alias if _mutates_inputs(gm) else None,
             box["functions"].reads_layout and _layout(tensors),
             modules.guard(captured),
+            autocast,
         )
         _clean(gm, self.dynamic, replay=self.backend is None)
         run = _python_forward(gm)
@@ -602,7 +623,7 @@ class Jitted:
         elif callable(self.backend):
             run = self.backend(gm, tensors)
         spec = box["spec"]
-        consts = box["consts"]
+        consts = [Fresh(c) if c is not _TENSOR and mutable(c) else c for c in box["consts"]]
         single = spec.num_leaves == 1 and spec.is_leaf() and consts[0] is _TENSOR
         entry = _Entry(
             gm,
@@ -631,6 +652,14 @@ class Jitted:
             JitFallbackWarning,
             stacklevel=4,
         )
+
+
+def _call_context():
+    """What the signature holds of the caller's state (the fast path of ``__call__`` takes
+    ``_globals_key()`` alone: it runs only when no TorchFunctionMode is active)."""
+    if _compat.len_torch_function_stack():
+        return _globals_key(), default_device()
+    return _globals_key()
 
 
 def _inductor(gm, tensors, dynamic):

@@ -25,6 +25,8 @@ does not see").
 
 from __future__ import annotations
 
+import copy
+import enum
 import functools
 import threading
 
@@ -306,36 +308,31 @@ class RngWatch:
         self.reason = None
         self.first = []  # (explicit generator, its state when the trace first drew from it)
         self._user_line = user_line
-        self._thread = threading.get_ident()
 
     def __enter__(self):
-        # The seeding functions are looked up on their modules at call time: wrapped for the
-        # trace, they name a seed that leaves the state as it was (`torch.manual_seed(0)` in
-        # f, right after the caller's own `torch.manual_seed(0)`), which no state shows.
-        self._saved = []
-        for mod, name in _SEEDERS:
-            fn = getattr(mod, name, None)
-            if fn is not None:
-                self._saved.append((mod, name, fn))
-                setattr(mod, name, self._wrap(fn, f"{mod.__name__}.{name}"))
+        # The seeding functions are looked up on their modules at call time: wrapped while
+        # any thread traces, they name a seed that leaves the state as it was
+        # (`torch.manual_seed(0)` in f right after the caller's own), which no state shows.
+        self._outer = getattr(_seeding, "watch", None)
+        _seeding.watch = self
+        with _seeding_lock:
+            if not _seeding_users:
+                for mod, name in _SEEDERS:
+                    fn = getattr(mod, name, None)
+                    if fn is not None:
+                        _seeding_saved.append((mod, name, fn))
+                        setattr(mod, name, _seeding_wrapper(fn, f"{mod.__name__}.{name}"))
+            _seeding_users.append(self)
         return self
 
     def __exit__(self, *exc):
-        for mod, name, fn in self._saved:
-            setattr(mod, name, fn)
-
-    def _wrap(self, fn, name):
-        @functools.wraps(fn)
-        def seeding(*args, **kwargs):
-            if self.reason is None and threading.get_ident() == self._thread:
-                self.reason = (
-                    f"f calls `{name}`, which sets a random generator's state: a replay would "
-                    "not, and would draw on from the state the previous call left",
-                    self._user_line(),
-                )
-            return fn(*args, **kwargs)
-
-        return seeding
+        _seeding.watch = self._outer
+        with _seeding_lock:
+            _seeding_users.remove(self)
+            if not _seeding_users:
+                for mod, name, fn in _seeding_saved:
+                    setattr(mod, name, fn)
+                _seeding_saved.clear()
 
     @staticmethod
     def _state(gen, dev):
@@ -392,6 +389,27 @@ _RESEEDED = (
 )
 
 
+_seeding = threading.local()  # .watch: the RngWatch of this thread's trace
+_seeding_lock = threading.Lock()
+_seeding_users = []  # the RngWatches of every thread's trace: wrapped while non-empty
+_seeding_saved = []  # (module, name, original function)
+
+
+def _seeding_wrapper(fn, name):
+    @functools.wraps(fn)
+    def seeding(*args, **kwargs):
+        watch = getattr(_seeding, "watch", None)
+        if watch is not None and watch.reason is None:
+            watch.reason = (
+                f"f calls `{name}`, which sets a random generator's state: a replay would "
+                "not, and would draw on from the state the previous call left",
+                watch._user_line(),
+            )
+        return fn(*args, **kwargs)
+
+    return seeding
+
+
 _SEEDERS = [
     (torch, "manual_seed"),
     (torch, "seed"),
@@ -416,6 +434,74 @@ def _same_state(a, b) -> bool:
 
 
 # ------------------------------------------------------------------------------------------
+# Outputs
+
+
+class Fresh:
+    """A mutable non-tensor output leaf (a set, a NumPy array, an object): eager ``f`` makes a
+    new one per call, so each replay returns a copy, never the traced object itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = copy.deepcopy(value)  # the first call returned the traced object itself
+
+    def copy(self):
+        return copy.deepcopy(self.value)
+
+
+_IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    range,
+    frozenset,
+    enum.Enum,
+    type,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+def mutable(c) -> bool:
+    return not isinstance(c, _IMMUTABLE) and not callable(c)
+
+
+# ------------------------------------------------------------------------------------------
+# Call context: default device, autocast
+
+
+def default_device():
+    """The device of ``torch.set_default_device`` when the caller's TorchFunctionModes are
+    only torch's default-device ones, else None (another mode must see f's own calls: ``f``
+    runs eagerly). Factories inside ``f`` follow it, so it joins the signature."""
+    from torch.utils._device import DeviceContext
+
+    modes = _compat.function_mode_stack()
+    if modes and all(type(m) is DeviceContext for m in modes):
+        return str(modes[-1].device)
+    return None
+
+
+def autocast_state():
+    """None outside ``torch.autocast``; else what a graph traced inside it depends on (the
+    casts are recorded ops). Checked per call only by entries traced under autocast; a graph
+    traced outside replays under autocast with autocast applied to each ATen op."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    devices = ("cpu", "cuda")
+    state = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+    return tuple(state), torch.is_autocast_cache_enabled()
+
+
+# ------------------------------------------------------------------------------------------
 # Entry checks
 
 # A signature holds several guarded entries (one per module state, aliasing pattern, ...);
@@ -432,12 +518,12 @@ def _layout(tensors):
     return tuple([(t.storage_offset(), t._base is None) for t in tensors])
 
 
-def _entry_check(alias, layout, modules):
+def _entry_check(alias, layout, modules, autocast=None):
     """``check(tensors) -> bool`` for what a replay depends on beyond the signature, checked
     per call only for entries that need it: the arguments' aliasing when the graph writes
     into one (a write through one alias is seen through the other), their storage offsets
-    and view-ness when ``f`` read them, and the module state (Note [Replay guards]). None
-    if nothing needs checking."""
+    and view-ness when ``f`` read them, the module state (Note [Replay guards]) and the
+    autocast state it was traced under. None if nothing needs checking."""
     checks = []
     if alias is not None:
         checks.append(lambda ts: _alias_pattern(ts) == alias)
@@ -445,6 +531,8 @@ def _entry_check(alias, layout, modules):
         checks.append(lambda ts: _layout(ts) == layout)
     if modules is not None:
         checks.append(modules)
+    if autocast is not None:
+        checks.append(lambda ts: autocast_state() == autocast)
     if not checks:
         return None
     if len(checks) == 1:

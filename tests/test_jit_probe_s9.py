@@ -543,3 +543,77 @@ def test_dynamic_shapes_with_captured_module_weights_replay(backend):
         m[0].weight.mul_(2)  # captured weights stay live in a symbolic graph
         ref[0].weight.mul_(2)
     _same(jm(x[:4]), ref(x[:4]))
+
+
+# -- the caller's context --------------------------------------------------------------------------
+
+
+def test_graph_traced_under_autocast_is_not_replayed_outside_it():
+    # Bug: autocast was not in the signature: a graph traced inside torch.autocast (its casts
+    # are recorded ops) replayed in bfloat16 outside it.
+    x = torch.randn(4, 4)
+    f = lambda x: x @ x  # noqa: E731
+    jf = ft.jit(f)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _same(jf(x), f(x))
+        _same(jf(x), f(x))
+    with torch.autocast("cpu", dtype=torch.float16):
+        _same(jf(x), f(x))
+
+
+def test_default_device_joins_the_signature_and_other_function_modes_run_f():
+    # Bug: the device torch.set_default_device gives f's factories was not in the signature
+    # (a replay made CPU tensors where eager made meta ones); a caller's TorchFunctionMode
+    # never saw the replay's calls.
+    f = lambda x: torch.ones(3) * 2 + x.sum()  # noqa: E731
+    jf = ft.jit(f)
+    x = torch.randn(3)
+    _same(jf(x), f(x))
+    torch.set_default_device("meta")
+    try:
+        assert jf(x.to("meta")).device.type == "meta"
+        assert jf(x.to("meta")).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
+    _same(jf(x), f(x))
+    assert jf.cache_info()[:3] == (2, 2, 0)
+
+    seen = []
+
+    class Log(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        _same(jf(x), f(x))
+    assert seen.count("ones") == 2  # jit's call ran f, as eager did
+
+
+def test_mutable_non_tensor_outputs_are_fresh_per_call():
+    # Bug: a set/list-like leaf that f returns was the traced object itself in every replay,
+    # so a caller's mutation of one call's result showed in the next call's.
+    import numpy as np
+
+    f = lambda x: (x * 2, {1, 2}, np.zeros(2), "s", torch.float64)  # noqa: E731
+    jf = ft.jit(f)
+    x = torch.randn(2, dtype=D)
+    for _ in range(3):
+        out = jf(x)
+        want = f(x)
+        _same(out[0], want[0])
+        assert out[1] == want[1] and out[2].tolist() == want[2].tolist() and out[3:] == want[3:]
+        out[1].add(3)
+        out[2][0] = 5.0
+    assert jf.cache_info().hits == 2
+
+
+def test_module_passed_as_an_argument_is_guarded_and_named_on_one_line():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).double()
+    jf = ft.jit(lambda m, x: m(x))
+    x = torch.ones(3, 2, dtype=D)
+    jf(m, x)
+    m.eval()
+    _same(jf(m, x), m(x))
+    assert repr(ft.jit(m)) == "jit(<Sequential object>, backend=None, dynamic=False)"
