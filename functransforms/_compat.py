@@ -42,6 +42,9 @@ import torch.utils._pytree as torch_pytree  # checked on 2.13.0, 2.15.0; arg_tre
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = [
+    "device_context_class",
+    "is_any_autocast_enabled",
+    "neg_view",
     "ADInplaceOrView",
     "AutoDispatchBelowADInplaceOrView",
     "AutogradFunctionality",
@@ -113,6 +116,17 @@ len_pre_dispatch_stack = torch._ops._len_torch_dispatch_stack_pre_dispatch
 # class torch.set_default_device pushes (jit keys on its device; any other mode sees f's calls).
 len_torch_function_stack = _C._len_torch_function_stack
 function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def device_context_class():
+    """The mode class of ``torch.set_default_device`` (its module loads on first use)."""
+    return importlib.import_module("torch.utils._device").DeviceContext
+
+
+# whether any device's autocast is on (one C call: jit checks it per call of an autocast entry)
+is_any_autocast_enabled = _C._is_any_autocast_enabled
+# a lazily negated view (the neg bit), as conj() is a lazily conjugated one
+neg_view = torch._neg_view
 
 # -- wrapper tensor subclasses (checked on 2.13.0, 2.15.0) ----------------------------------------
 # The one way to build a tensor subclass with its own metadata and no storage of its own.

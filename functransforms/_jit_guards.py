@@ -482,10 +482,8 @@ def default_device():
     """The device of ``torch.set_default_device`` when the caller's TorchFunctionModes are
     only torch's default-device ones, else None (another mode must see f's own calls: ``f``
     runs eagerly). Factories inside ``f`` follow it, so it joins the signature."""
-    from torch.utils._device import DeviceContext
-
     modes = _compat.function_mode_stack()
-    if modes and all(type(m) is DeviceContext for m in modes):
+    if modes and all(type(m) is _compat.device_context_class() for m in modes):
         return str(modes[-1].device)
     return None
 
@@ -494,7 +492,7 @@ def autocast_state():
     """None outside ``torch.autocast``; else what a graph traced inside it depends on (the
     casts are recorded ops). Checked per call only by entries traced under autocast; a graph
     traced outside replays under autocast with autocast applied to each ATen op."""
-    if not torch._C._is_any_autocast_enabled():
+    if not _compat.is_any_autocast_enabled():
         return None
     devices = ("cpu", "cuda")
     state = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]

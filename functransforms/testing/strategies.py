@@ -19,6 +19,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
+from functransforms import _compat
+
 
 def shapes(min_dims=0, max_dims=3, min_side=1, max_side=4):
     """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``min_side..max_side``."""
@@ -164,7 +166,7 @@ def laid_out(draw, tensor, kinds=LAYOUTS):
     if kind == "conj":
         return torch.conj_physical(x).conj()
     if kind == "neg":
-        return torch._neg_view(-x)
+        return _compat.neg_view(-x)
     return x.clone()
 
 
