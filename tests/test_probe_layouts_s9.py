@@ -594,3 +594,14 @@ def test_a_floating_view_dtype_refuses_instead_of_a_silent_zero():
     # the spelling the message suggests agrees with torch.func
     spelled = lambda a: torch.view_as_complex(a.unflatten(-1, (-1, 2))).abs().sum()  # noqa: E731
     assert_same(ft.grad(spelled)(x), tf.grad(spelled)(x))
+
+
+def test_the_gradient_of_a_mean_can_be_written_in_place():
+    # ours was a stride-0 expand of ct / n (torch.func's is dense): clip_grad_norm_-style
+    # `g.mul_(c)` raised "more than one element of the written-to tensor refers to a single
+    # memory location"
+    x = torch.randn(3, 4, dtype=D)
+    for f in (lambda a: a.mean(), lambda a: a.mean(0).sum(), lambda a: a.mean((0, 1), True).sum()):
+        g = ft.grad(f)(x)
+        assert_same(g, tf.grad(f)(x))
+        g.mul_(2)  # raised
