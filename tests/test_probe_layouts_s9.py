@@ -626,9 +626,9 @@ def test_the_gradient_of_a_mean_can_be_written_in_place():
         g.mul_(2)  # raised
 
 
-# Found by the explore profile and left (docs/design.md, "Session 9 probe"): cumprod's derivative
-# divides by x (as torch's backward does), which overflows at subnormal x and underflows in half
-# precision, where torch's kernels compute in float32. Strict: a fix makes these XPASS.
+# Found by the explore profile (docs/design.md, "Session 9 probe"): cumprod's derivative divides
+# by x (as torch's backward does), which overflows at a subnormal x (left: a strict xfail, which
+# a fix makes XPASS) and underflowed in half precision (fixed: float32 inside, as torch's kernels).
 @pytest.mark.xfail(strict=True, reason="cumprod's derivative divides by a subnormal x: nan")
 def test_cumprod_gradient_at_a_subnormal_input():
     z = torch.tensor([2.2251e-309j], dtype=torch.complex128)
@@ -636,8 +636,11 @@ def test_cumprod_gradient_at_a_subnormal_input():
     assert_same(ft.grad(loss)(z), tf.grad(loss)(z))
 
 
-@pytest.mark.xfail(strict=True, reason="cumprod's second derivative underflows in float16")
 def test_cumprod_hessian_in_half_precision():
+    # silent: 4 instead of 2 (ct * C underflowed in float16 before the division by x)
     x = torch.tensor([8.0407e-05], dtype=torch.float16)
     loss = lambda a: (a.cumprod(-1) ** 2).sum()  # noqa: E731
     assert_same(ft.hessian(loss)(x), tf.hessian(loss)(x))
+    assert ft.hessian(loss)(x).item() == 2.0
+    y = torch.tensor([[3e-3, 2e-3, 5e-3]], dtype=torch.bfloat16)
+    assert_same(ft.jacfwd(lambda a: a.cumprod(-1))(y), tf.jacfwd(lambda a: a.cumprod(-1))(y))
