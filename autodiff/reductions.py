@@ -54,10 +54,10 @@ def def_sum(op, mean):
 
     def sum_vjp_rule(ct, primals, kwargs, out, needs):
         x, dim, keepdim = _args(primals, kwargs)
-        g = _keep(ct, x, dim, keepdim)
-        if mean:
+        g = _keep(ct, x, dim, keepdim).expand(x.shape)
+        if mean:  # after the expand, as torch: a gradient the caller may write into in place
             g = g / _count(x, dim)
-        return (g.expand(x.shape),) + (None,) * (len(primals) - 1)
+        return (g,) + (None,) * (len(primals) - 1)
 
     register_jvp_rule(op)(sum_jvp_rule)
     register_vjp_rule(op)(sum_vjp_rule)

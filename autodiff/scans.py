@@ -39,6 +39,9 @@ def _scan_args(primals, kwargs):
 #     differentiable values, so that their derivatives are right: second derivatives are exact
 #     at any number of zeros (d2 out_j / dx_f1 dx_f2 = C_j, as torch's). A third derivative
 #     with three zeros in one scan would need an n_j = 3 term: not kept (it costs every call).
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _cumprod_parts(x, dim):
     z = x == 0
     xs = torch.where(z, torch.ones_like(x), x)
@@ -63,8 +66,10 @@ def cumprod_jvp_rule(primals, tangents, kwargs):
     t = t.to(out.dtype)
     if x.dim() == 0:
         return out, t
+    half = out.dtype in _HALF  # in float32, as torch's kernels: t / x and C * S underflow
+    x, t = (x.float(), t.float()) if half else (x, t)
     z, xs, C, (m0, m1, m2), firsts, (xf1, xf2) = _cumprod_parts(x, dim)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    zero = torch.zeros((), dtype=x.dtype, device=out.device)
     S = torch.where(z, zero, t / xs).cumsum(dim)
     tf1, tf2 = (torch.where(f, t, zero).cumsum(dim) for f in firsts)
     d = (
@@ -72,7 +77,7 @@ def cumprod_jvp_rule(primals, tangents, kwargs):
         + torch.where(m1, C * (tf1 + xf1 * S), zero)
         + torch.where(m2, C * (tf1 * xf2 + xf1 * tf2 + xf1 * xf2 * S), zero)
     )
-    return out, d
+    return out, d.to(out.dtype) if half else d
 
 
 @register_vjp_rule(aten.cumprod.default)
@@ -81,6 +86,8 @@ def cumprod_vjp_rule(ct, primals, kwargs, out, needs):
     rest = (None,) * (len(primals) - 1)
     if x.dim() == 0:
         return (ct.to(primals[0].dtype),) + rest
+    if x.dtype in _HALF:  # in float32, as torch's kernels: ct * C underflows in float16
+        x, ct = x.float(), ct.float()
     z, xs, C, (m0, m1, m2), (first, second), (xf1, xf2) = _cumprod_parts(x, dim)
     zero = torch.zeros((), dtype=ct.dtype, device=ct.device)
     cC = ct * conj_if_complex(C)
