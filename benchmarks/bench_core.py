@@ -826,7 +826,7 @@ def render(rows, cold, per_call, trace_s, plain, ov, inductor):
     lines += [
         "",
         f"Geometric mean of ours / torch.func (eager): {gm:.2f} (target <= 1.0); "
-        f"largest: {max(eager_ratios):.2f} (target <= 1.3).",
+        f"largest: {max(eager_ratios, default=float('nan')):.2f} (target <= 1.3).",
         "",
     ]
     if inductor:

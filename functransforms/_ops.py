@@ -151,7 +151,11 @@ def facts(func) -> OpFacts:
     f = _FACTS.get(func)
     if f is None:
         f = _FACTS[func] = OpFacts(func)
-        for registry in _REGISTRIES.values():
+        # a snapshot: a lookup may load a rule family (Note [Rule families load on first use])
+        # that makes a registry, which refreshes every record itself (make_registry); the
+        # live view raised "dictionary changed size during iteration" (jvp(vjp) of matrix_exp,
+        # torch 2.15, when it was a worker's first op of that family)
+        for registry in tuple(_REGISTRIES.values()):
             registry._refresh(func)
     return f
 

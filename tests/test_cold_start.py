@@ -307,3 +307,17 @@ def test_a_collector_the_program_disabled_stays_disabled():
         "ft.jit"
     )
     assert not enabled
+
+
+def test_a_first_op_that_loads_a_registry_making_family():
+    # jvp(vjp) of matrix_exp as a process's first call loads a family that makes a registry
+    # while facts() refreshes the op's new record from every registry: iterating the live
+    # dict raised "dictionary changed size during iteration" (torch 2.15; conformance
+    # test_jvp_vjp[matrix_exp-real] in a full -n 2 run)
+    code = (
+        "import functransforms as ft\n"
+        "x = torch.randn(5, 5, dtype=torch.float64)\n"
+        "f = lambda a: ft.vjp(torch.linalg.matrix_exp, a)[1](torch.ones_like(a))[0]\n"
+        "print(tuple(ft.jvp(f, (x,), (x,))[1].shape))\n"
+    )
+    assert _run(code)[0] == "(5, 5)"
