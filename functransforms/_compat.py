@@ -79,6 +79,7 @@ __all__ = [
     "elementwise_dtypes",
     "fake_tensor_mode",
     "has_internal_overlap",
+    "has_cpu_kernel",
     "is_fake_tensor",
     "is_fwd_grad_enabled",
     "is_torch_function_mode_enabled",
@@ -335,6 +336,12 @@ def is_fake_tensor(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def has_cpu_kernel(op) -> bool:
+    """Does ``op`` (an OpOverload) have a kernel of its own for the CPU dispatch key (not
+    only a composite one, such as the generated ``out=`` overloads that copy a result)?"""
+    return _C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
 
 
 def compile_fx(gm, example_inputs):

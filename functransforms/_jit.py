@@ -61,6 +61,7 @@ from ._jit_guards import (
     mutable,
     untraced_constants,
 )
+from ._jit_hugepages import call_with_buffers, replay_target, with_output_buffers
 from ._jit_passes import _clean, _for_inductor, _roots
 from ._jit_signature import (
     _TENSOR,
@@ -303,7 +304,7 @@ def _python_forward(gm):
             body.append(f"{name} = _a{i}")
         elif node.op == "call_function":
             t = node.target
-            fn = t._op if isinstance(t, _compat.OpOverload) else t
+            fn = replay_target(node) or (t._op if isinstance(t, _compat.OpOverload) else t)
             glob[f"_f{i}"] = fn
             pieces = [arg(a) for a in node.args]
             pieces += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
@@ -668,6 +669,26 @@ def _inductor(gm, tensors, dynamic):
     workloads. Symbolic graphs, or a graph compile_fx refuses, go through ``torch.compile``."""
     _for_inductor(gm)
     if not dynamic:
+        # Note [Large buffers in huge pages]: large outputs written into buffers we pass.
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad
+            for t in (
+                *tensors,
+                *(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"),
+            )
+            if isinstance(t, torch.Tensor)
+        )
+        gm_bufs, plan = with_output_buffers(gm, _roots(gm.graph), grads)
+        if plan is not None:
+            try:
+                bufs = [torch.empty_strided(sz, st, dtype=dt) for sz, st, dt in plan[0]]
+                return call_with_buffers(_compat.compile_fx(gm_bufs, [*tensors, *bufs]), plan)
+            except Exception as e:  # noqa: BLE001 - the plain graph below still compiles
+                warnings.warn(
+                    f"jit: inductor refused the graph writing large outputs into huge pages "
+                    f"({e}); compiling it without",
+                    stacklevel=2,
+                )
         try:
             return _compat.compile_fx(gm, list(tensors))
         except Exception as e:  # noqa: BLE001 - the general path below still works

@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from . import _compat
+from ._jit_hugepages import large_layout
 
 _Tensor = torch.Tensor
 _RANDOM = torch.Tag.nondeterministic_seeded
@@ -290,8 +291,14 @@ def _clean(gm, dynamic: bool, replay: bool = True):
     if replay:
         _fused_bias(gm)  # after DCE: the no-op views between the product and the add are gone
     gm.graph.lint()
+    if not dynamic:
+        _record_output_views(gm)
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:
+            if node.op == "call_function":  # Note [Large buffers in huge pages]
+                layout = large_layout(node.meta.get("val"))
+                if layout is not None:
+                    node.meta["large_layout"] = layout
             node.meta.pop("val", None)
         node.meta.pop("tensor_meta", None)
     gm.recompile()
@@ -300,6 +307,20 @@ def _clean(gm, dynamic: bool, replay: bool = True):
     for name in list(vars(gm)):
         if name.startswith(("_tensor_constant", "_folded_")) and name not in used:
             delattr(gm, name)
+
+
+def _record_output_views(gm) -> None:
+    """Each returned tensor's (size, stride, storage offset), kept after the values are
+    dropped: a graph that writes a large output into a caller's buffer returns it as this
+    view of the buffer (Note [Large buffers in huge pages])."""
+    for node in gm.graph.nodes:
+        if node.op == "output" and isinstance(node.args[0], (list, tuple)):
+            for arg in node.args[0]:
+                val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+                if isinstance(val, _Tensor) and val.layout == torch.strided:
+                    layout = (tuple(val.shape), tuple(val.stride()), val.storage_offset())
+                    if all(type(d) is int for d in (*layout[0], *layout[1])):
+                        arg.meta["out_view"] = layout
 
 
 def _shape_only_placeholders(gm) -> int:
