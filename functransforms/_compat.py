@@ -91,6 +91,7 @@ __all__ = [
     "set_fwd_grad_enabled",
     "set_grad_enabled",
     "storage_use_count",
+    "storage_address",
     "swap_proxy_slots",
     "proxy_tracing",
     "swap_tensor_impl",
@@ -204,6 +205,9 @@ unpack_dual = torch._VF._unpack_dual
 forward_ad_state = importlib.import_module("torch.autograd.forward_ad")
 # How many TensorImpls share a storage (a buffer aliased elsewhere is not promoted).
 storage_use_count = _C._storage_Use_Count
+# The address of a tensor's StorageImpl (what storage_use_count takes), without making the
+# storage's Python object: once made, that object holds a reference for the storage's lifetime.
+storage_address = _C._storage_address
 # Nonzero when a tensor's memory overlaps itself (expanded views cannot be promoted).
 has_internal_overlap = torch._debug_has_internal_overlap
 

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat, _core
+from ._jit_buffers import Spares, call_with_buffers, replay_target, with_output_buffers
 from ._jit_guards import (
     _MAX_GUARDED,
     Fresh,
@@ -61,7 +62,6 @@ from ._jit_guards import (
     mutable,
     untraced_constants,
 )
-from ._jit_hugepages import call_with_buffers, replay_target, with_output_buffers
 from ._jit_passes import _clean, _for_inductor, _roots
 from ._jit_signature import (
     _TENSOR,
@@ -256,10 +256,11 @@ def _scan(gm) -> str | None:
     return None
 
 
-def _python_forward(gm):
+def _python_forward(gm, spares=None):
     """A flat Python function that runs the graph: each ATen op called through its C++ entry
     (``OpOverload._op``, ~0.7 us/op cheaper than ``torch.ops.aten.x.y(...)``), intermediates
-    dropped after their last use, captured tensors bound as the live objects themselves."""
+    dropped after their last use, captured tensors bound as the live objects themselves;
+    large buffers kept in ``spares`` across calls (Note [Large buffers reused across calls])."""
     glob = {}
     names = {}
     consts = {}
@@ -304,7 +305,8 @@ def _python_forward(gm):
             body.append(f"{name} = _a{i}")
         elif node.op == "call_function":
             t = node.target
-            fn = replay_target(node) or (t._op if isinstance(t, _compat.OpOverload) else t)
+            fn = spares is not None and replay_target(node, spares, gm)
+            fn = fn or (t._op if isinstance(t, _compat.OpOverload) else t)
             glob[f"_f{i}"] = fn
             pieces = [arg(a) for a in node.args]
             pieces += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
@@ -362,6 +364,7 @@ class Jitted:
         self.cache_size = cache_size
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._hits = self._misses = self._fallbacks = 0
+        self._spares = Spares()  # Note [Large buffers reused across calls]
         functools.update_wrapper(self, f)
 
     def __repr__(self):
@@ -377,8 +380,10 @@ class Jitted:
         return CacheInfo(self._hits, self._misses, self._fallbacks, self.cache_size, size)
 
     def cache_clear(self) -> None:
-        """Forget every traced signature and reset the counters."""
+        """Forget every traced signature, release the buffers kept for reuse (Note [Large
+        buffers reused across calls]) and reset the counters."""
         self._cache.clear()
+        self._spares.clear()
         self._hits = self._misses = self._fallbacks = 0
 
     def graph(self, *args, **kwargs) -> torch.fx.GraphModule:
@@ -618,11 +623,12 @@ class Jitted:
             autocast,
         )
         _clean(gm, self.dynamic, replay=self.backend is None)
-        run = _python_forward(gm)
         if self.backend == "inductor":
-            run = _inductor(gm, tensors, self.dynamic)
+            run = _inductor(gm, tensors, self.dynamic, self._spares)
         elif callable(self.backend):
             run = self.backend(gm, tensors)
+        else:
+            run = _python_forward(gm, self._spares)
         spec = box["spec"]
         consts = [Fresh(c) if c is not _TENSOR and mutable(c) else c for c in box["consts"]]
         single = spec.num_leaves == 1 and spec.is_leaf() and consts[0] is _TENSOR
@@ -663,13 +669,13 @@ def _call_context():
     return _globals_key()
 
 
-def _inductor(gm, tensors, dynamic):
+def _inductor(gm, tensors, dynamic, spares):
     """Inductor on the cleaned graph. Static shapes go straight to ``compile_fx`` (what
     ``torch.compile`` calls after dynamo): no dynamo guards per call, ~30 us less on small
     workloads. Symbolic graphs, or a graph compile_fx refuses, go through ``torch.compile``."""
     _for_inductor(gm)
     if not dynamic:
-        # Note [Large buffers in huge pages]: large outputs written into buffers we pass.
+        # Note [Large buffers reused across calls]: large outputs written into our buffers.
         grads = torch.is_grad_enabled() and any(
             t.requires_grad
             for t in (
@@ -682,10 +688,11 @@ def _inductor(gm, tensors, dynamic):
         if plan is not None:
             try:
                 bufs = [torch.empty_strided(sz, st, dtype=dt) for sz, st, dt in plan[0]]
-                return call_with_buffers(_compat.compile_fx(gm_bufs, [*tensors, *bufs]), plan)
+                compiled = _compat.compile_fx(gm_bufs, [*tensors, *bufs])
+                return call_with_buffers(compiled, plan, spares, gm_bufs)
             except Exception as e:  # noqa: BLE001 - the plain graph below still compiles
                 warnings.warn(
-                    f"jit: inductor refused the graph writing large outputs into huge pages "
+                    f"jit: inductor refused the graph writing large outputs into kept buffers "
                     f"({e}); compiling it without",
                     stacklevel=2,
                 )

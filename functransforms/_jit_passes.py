@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import _compat
-from ._jit_hugepages import large_layout
+from ._jit_buffers import large_layout
 
 _Tensor = torch.Tensor
 _RANDOM = torch.Tag.nondeterministic_seeded
@@ -295,7 +295,7 @@ def _clean(gm, dynamic: bool, replay: bool = True):
         _record_output_views(gm)
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:
-            if node.op == "call_function":  # Note [Large buffers in huge pages]
+            if node.op == "call_function":  # Note [Large buffers reused across calls]
                 layout = large_layout(node.meta.get("val"))
                 if layout is not None:
                     node.meta["large_layout"] = layout
@@ -312,7 +312,7 @@ def _clean(gm, dynamic: bool, replay: bool = True):
 def _record_output_views(gm) -> None:
     """Each returned tensor's (size, stride, storage offset), kept after the values are
     dropped: a graph that writes a large output into a caller's buffer returns it as this
-    view of the buffer (Note [Large buffers in huge pages])."""
+    view of the buffer (Note [Large buffers reused across calls])."""
     for node in gm.graph.nodes:
         if node.op == "output" and isinstance(node.args[0], (list, tuple)):
             for arg in node.args[0]:

@@ -1,37 +1,45 @@
-"""Large buffers of a replayed graph in transparent huge pages.
+"""Large buffers of a replayed graph, reused across calls.
 
-Note [Large buffers in huge pages]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Note [Large buffers reused across calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Per-sample gradients are large: the tutorial CNN's fc1 weight gradient at B=64 is
-[64, 128, 9216] floats, 302 MB, a fresh buffer on every call. glibc maps a buffer that size
-afresh each time (anything above its 32 MB mmap threshold) and the kernel then faults it in
-4 KB page by 4 KB page: 74k faults, ~130 ms of a ~240 ms call, where the multiply writing the
-values takes ~30 ms. The same buffer advised for transparent huge pages (``madvise(...,
-MADV_HUGEPAGE)`` before anything touches it) faults in 2 MB at a time: ~35 ms for the write,
-faults included (``benchmarks/bench_core.py``, the CNN rows; the kernel's default THP mode,
-"madvise", grants huge pages only to advised memory).
+[64, 128, 9216] floats, 302 MB, a fresh buffer on every call of eager code. glibc maps a
+buffer that size afresh each time (anything above its 32 MB mmap threshold: smaller freed
+buffers come back from the heap, already in memory) and the kernel then faults it in 4 KB page
+by 4 KB page: ~130 ms of a ~240 ms call, where the multiply writing the values takes ~30 ms.
+torch.func, ``torch.compile`` and hand-written code all pay it (benchmarks/bench_core.py).
 
-jit knows every buffer's size and layout when it traces, so a replay can allocate the large
-ones itself (``torch.empty_strided``, then the advice; an ordinary torch storage that torch
-frees as always) and have the op write into them:
-- replayed op by op, an op whose ``out=`` kernel is the functional one's own (pointwise ops,
-  the matmul family) runs as that ``out=`` overload into the advised buffer: the same kernel
-  on the same layout, bit-identical. When autograd records the op (grad mode on and an
-  argument requiring grad), ``out=`` would refuse: the functional op runs, as traced.
-- under inductor, a large output's buffer becomes an extra input of the compiled graph,
-  which writes the output into it (``copy_`` into a graph input: inductor fuses the
-  computation into the store), and the call passes a fresh advised buffer.
-Only where it pays and cannot change a result: CPU, static shapes, buffers of at least 32 MB
-(always a fresh mapping, so the advice reaches untouched memory), Linux with THP in
-"madvise" mode ("always" needs no advice; "never" grants none).
+jit knows every buffer's size and layout when it traces, so a replay can hand an op a buffer
+that is already in memory: the one the previous call returned, once the caller has dropped
+it. A jitted function keeps, for each buffer of at least 32 MB its graph makes, the storages
+of the last two calls (two: in ``g = jitted(x)`` the previous ``g`` is still alive during the
+call), and a call reuses one that nothing else holds any more (its storage's use count is 1:
+no tensor, view, numpy array, autograd graph or storage object refers to it), else allocates.
+One signature's buffers at a time: the replay of another signature that writes large
+buffers releases them, and ``cache_clear()`` releases them all. This is what a caching allocator does (torch's CUDA one
+keeps freed blocks the same way), limited to these buffers; a caller's tensor is never written
+while the caller holds it.
+- Replayed op by op, an op whose ``out=`` kernel is its own (pointwise ops, the matmul family)
+  runs as that ``out=`` overload into the buffer: the same kernel on the same layout,
+  bit-identical. When autograd records the op (grad mode on and an argument requiring grad),
+  ``out=`` would refuse: the functional op runs, as traced.
+- Under inductor, a large output's buffer is an extra input of the compiled graph, which
+  writes the output into it (``copy_`` into a graph input: inductor fuses the computation
+  into the store); the result is that buffer, with the traced output's sizes and strides.
+Only where it cannot change a result: CPU, static shapes, dense layouts.
+
+Rejected: advising fresh buffers for transparent huge pages (``madvise(MADV_HUGEPAGE)``, 2 MB
+pages, ~500x fewer faults). Alone in a loop it wrote the 302 MB in ~35 ms, but interleaved
+with other large allocations (any real program) a call took 35 to 860 ms, median ~140: on a
+virtual machine freed 2 MB blocks go back to the host (free page reporting), and faulting
+them in again costs more than the 4 KB pages it saves.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import operator
-import sys
+import threading
 
 import torch
 
@@ -43,49 +51,19 @@ _Tensor = torch.Tensor
 # glibc's largest mmap threshold: a freed buffer at least this large was unmapped, so the
 # next one is fresh pages (smaller ones come back from the heap already faulted in).
 LARGE_BYTES = 32 << 20
-_HUGE = 2 << 20  # the x86-64 / arm64 (4 KB base pages) transparent huge page
-_MADV_HUGEPAGE = 14
+_KEPT = 2  # storages kept per buffer: the caller's last result, and one to write into
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
-
-_madvise = None  # libc's madvise, or False where huge pages cannot be advised
-
-
-def _libc_madvise():
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-                    mode = f.read()
-                if "[madvise]" in mode:
-                    fn = ctypes.CDLL(None, use_errno=True).madvise
-                    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                    fn.restype = ctypes.c_int
-                    _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    return _madvise
-
-
-def empty_huge(size, stride, dtype):
-    """``torch.empty_strided`` on the CPU, its 2 MB-aligned interior advised for huge pages."""
-    t = torch.empty_strided(size, stride, dtype=dtype)
-    start = t.data_ptr()
-    end = start + t.untyped_storage().nbytes()
-    lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # a refusal only costs the speed-up
-    return t
 
 
 def large_layout(val):
-    """(size, stride, dtype) of a traced value worth a huge-page buffer, else None."""
+    """(size, stride, dtype) of a traced value worth reusing, else None."""
     if not isinstance(val, _Tensor) or val.layout != torch.strided or val.device.type != "cpu":
         return None
     if any(type(d) is not int for d in (*val.shape, *val.stride())):
         return None  # symbolic
     if val.numel() * val.element_size() < LARGE_BYTES or not _dense(val):
+        return None
+    if val.is_conj() or val.is_neg() or val.requires_grad:
         return None
     return (tuple(val.shape), tuple(val.stride()), val.dtype)
 
@@ -101,8 +79,43 @@ def _dense(val) -> bool:
     return True
 
 
-def enabled() -> bool:
-    return bool(_libc_madvise())
+class Spares:
+    """The large buffers a jitted function keeps for its next calls (one per Jitted).
+
+    Each kept buffer is a private alias (a tensor of our own on the storage) and the storage's
+    address, whose use count is 1 when nothing but the alias refers to it. Never through the
+    storage's Python object (``untyped_storage()``): once made, that object keeps a reference
+    for the storage's lifetime, and it is the same object a caller would hold. (A caller who
+    made it leaves the count above 1 for good: that buffer is simply not reused.)"""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # two threads must never take the same storage
+        self._graph = None  # the graph (signature) whose buffers are kept
+        self._kept = {}  # slot -> [(alias, storage address)], oldest first
+
+    def take(self, graph, slot, layout):
+        """An empty tensor of ``layout`` on a storage nobody else holds."""
+        size, stride, dtype = layout
+        with self._lock:
+            if graph is not self._graph:
+                self._kept = {}  # another signature ran last: its buffers go
+                self._graph = graph
+            kept = self._kept.setdefault(slot, [])
+            for i, item in enumerate(kept):
+                if _compat.storage_use_count(item[1]) == 1:  # only our alias holds it
+                    kept.append(kept.pop(i))
+                    # made inside the lock: the count is 2 before another thread looks
+                    return torch.empty((0,), dtype=dtype).set_(item[0])
+            t = torch.empty_strided(size, stride, dtype=dtype)
+            kept.append((t.detach(), _compat.storage_address(t)))
+            if len(kept) > _KEPT:
+                del kept[0]
+            return t
+
+    def clear(self):
+        with self._lock:
+            self._kept = {}
+            self._graph = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -134,27 +147,30 @@ def _out_overload(op):
     return out
 
 
-def into_huge(op, out_op, layout):
-    """A replay step: ``op(*args, **kwargs)`` written into a fresh huge-page buffer."""
-    size, stride, dtype = layout
+def _into(op, out_op, take):
+    """A replay step: ``op(*args, **kwargs)`` written into a kept buffer."""
 
     def run(*args, **kwargs):
         if torch.is_grad_enabled() and any(
             isinstance(a, _Tensor) and a.requires_grad for a in args
         ):
             return op(*args, **kwargs)  # autograd records it: out= would refuse
-        return out_op(*args, **kwargs, out=empty_huge(size, stride, dtype))
+        return out_op(*args, **kwargs, out=take())
 
     return run
 
 
-def replay_target(node):
-    """What the op-by-op replay calls for ``node``: an ``into_huge`` step, or None."""
+def replay_target(node, spares, graph):
+    """What the op-by-op replay calls for ``node``: a step writing into a kept buffer, or
+    None (the op itself)."""
     layout = node.meta.get("large_layout")
-    if layout is None or not enabled() or not isinstance(node.target, _compat.OpOverload):
+    if layout is None or not isinstance(node.target, _compat.OpOverload):
         return None
     out = _out_overload(node.target)
-    return None if out is None else into_huge(node.target._op, out._op, layout)
+    if out is None:
+        return None
+    slot = node.name
+    return _into(node.target._op, out._op, lambda: spares.take(graph, slot, layout))
 
 
 # ------------------------------------------------------------------------------------------
@@ -167,7 +183,7 @@ def with_output_buffers(gm, roots, any_requires_grad: bool):
     ``call_with_buffers``. The new graph returns the other outputs only: the caller's buffer
     (viewed as the traced output) is the output. Returned from the graph instead, inductor
     would compute it into a buffer of its own and copy that into ours."""
-    if any_requires_grad or not enabled():
+    if any_requires_grad:
         return gm, None
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = out_node.args[0]
@@ -215,9 +231,9 @@ def _impure(node) -> bool:
     return node.is_impure()
 
 
-def call_with_buffers(compiled, plan):
-    """The runner of a graph made by ``with_output_buffers``: fresh huge-page buffers in, the
-    outputs put back in their places (each a view of its buffer with the traced layout)."""
+def call_with_buffers(compiled, plan, spares, graph):
+    """The runner of a graph made by ``with_output_buffers``: kept buffers in, the outputs put
+    back in their places (each its buffer, or a view of it with the traced layout)."""
     layouts, taken, n = plan
 
     def output(buf, view):
@@ -226,7 +242,7 @@ def call_with_buffers(compiled, plan):
         return buf.as_strided(*view)
 
     def run(*ts):
-        bufs = [empty_huge(*layout) for layout in layouts]
+        bufs = [spares.take(graph, k, layout) for k, layout in enumerate(layouts)]
         rest = iter(compiled(*ts, *bufs))
         return [
             output(bufs[taken[i][0]], taken[i][1]) if i in taken else next(rest) for i in range(n)
