@@ -7,18 +7,19 @@ Per-sample gradients are large: the tutorial CNN's fc1 weight gradient at B=64 i
 buffer that size afresh each time (anything above its 32 MB mmap threshold: smaller freed
 buffers come back from the heap, already in memory) and the kernel then faults it in 4 KB page
 by 4 KB page: ~130 ms of a ~240 ms call, where the multiply writing the values takes ~30 ms.
-torch.func, ``torch.compile`` and hand-written code all pay it (benchmarks/bench_core.py).
+functorch, ``torch.compile`` and hand-written code all pay it (benchmarks/bench_core.py).
 
 jit knows every buffer's size and layout when it traces, so a replay can hand an op a buffer
 that is already in memory: the one the previous call returned, once the caller has dropped
-it. A jitted function keeps, for each buffer of at least 32 MB its graph makes, the storages
-of the last two calls (two: in ``g = jitted(x)`` the previous ``g`` is still alive during the
-call), and a call reuses one that nothing else holds any more (its storage's use count is 1:
-no tensor, view, numpy array, autograd graph or storage object refers to it), else allocates.
-One signature's buffers at a time: the replay of another signature that writes large
-buffers releases them, and ``cache_clear()`` releases them all. This is what a caching allocator does (torch's CUDA one
-keeps freed blocks the same way), limited to these buffers; a caller's tensor is never written
-while the caller holds it.
+it. A jitted function keeps, for each result of at least 32 MB (the memory of a returned
+tensor; never intermediates, which kept all together could outgrow the graph's own peak),
+the storages of the last two calls (two: in ``g = jitted(x)`` the previous ``g`` is still
+alive during the call), and a call reuses one that nothing else holds any more (its
+storage's use count is 1: no tensor, view, numpy array, autograd graph or storage object
+refers to it), else allocates. One signature's buffers at a time: the replay of another
+signature that writes large buffers releases them, and ``cache_clear()`` releases them all.
+This is what a caching allocator does (torch's CUDA one keeps freed blocks the same way),
+limited to these buffers; a caller's tensor is never written while the caller holds it.
 - Replayed op by op, an op whose ``out=`` kernel is its own (pointwise ops, the matmul family)
   runs as that ``out=`` overload into the buffer: the same kernel on the same layout,
   bit-identical. When autograd records the op (grad mode on and an argument requiring grad),

@@ -295,10 +295,6 @@ def _clean(gm, dynamic: bool, replay: bool = True):
         _record_output_views(gm)
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:
-            if node.op == "call_function":  # Note [Large buffers reused across calls]
-                layout = large_layout(node.meta.get("val"))
-                if layout is not None:
-                    node.meta["large_layout"] = layout
             node.meta.pop("val", None)
         node.meta.pop("tensor_meta", None)
     gm.recompile()
@@ -310,17 +306,28 @@ def _clean(gm, dynamic: bool, replay: bool = True):
 
 
 def _record_output_views(gm) -> None:
-    """Each returned tensor's (size, stride, storage offset), kept after the values are
-    dropped: a graph that writes a large output into a caller's buffer returns it as this
-    view of the buffer (Note [Large buffers reused across calls])."""
+    """Note [Large buffers reused across calls]: what the values would tell, kept after they
+    are dropped. On each returned tensor, its (size, stride, storage offset): a graph that
+    writes a large output into a kept buffer returns it as this view of the buffer. On the
+    node owning a returned tensor's memory, if large, the buffer's layout. Only outputs:
+    the memory kept between calls is what the caller got back, never intermediates (kept,
+    all of them together could outgrow the graph's own peak)."""
+    root = _roots(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "output" and isinstance(node.args[0], (list, tuple)):
             for arg in node.args[0]:
                 val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-                if isinstance(val, _Tensor) and val.layout == torch.strided:
-                    layout = (tuple(val.shape), tuple(val.stride()), val.storage_offset())
-                    if all(type(d) is int for d in (*layout[0], *layout[1])):
-                        arg.meta["out_view"] = layout
+                if not isinstance(val, _Tensor) or val.layout != torch.strided:
+                    continue
+                view = (tuple(val.shape), tuple(val.stride()), val.storage_offset())
+                if not all(type(d) is int for d in (*view[0], *view[1])):
+                    continue  # symbolic
+                arg.meta["out_view"] = view
+                base = root.get(arg, arg)
+                if base.op == "call_function" and base.target is not operator.getitem:
+                    layout = large_layout(base.meta.get("val"))
+                    if layout is not None:
+                        base.meta["large_layout"] = layout
 
 
 def _shape_only_placeholders(gm) -> int:

@@ -116,6 +116,18 @@ def test_another_signature_or_cache_clear_releases_the_kept_buffers():
     assert refs(mine) == 1
 
 
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_intermediates_are_not_kept(backend):
+    def f(w, x, y):
+        return per_sample_grads(ft)(w, x, y).square().sum((1, 2))  # large inside, small out
+
+    args = data()
+    jitted = ft.jit(f, backend=backend)
+    jitted(*args)
+    torch.testing.assert_close(jitted(*args), f(*args), rtol=1e-4, atol=1e-6)
+    assert not jitted._spares._kept
+
+
 def test_replay_keeps_autograd_when_an_argument_requires_grad():
     w, x, _ = data()
 
