@@ -52,6 +52,7 @@ _Tensor = torch.Tensor
 # glibc's largest mmap threshold: a freed buffer at least this large was unmapped, so the
 # next one is fresh pages (smaller ones come back from the heap already faulted in).
 LARGE_BYTES = 32 << 20
+_CPU = torch.device("cpu")  # explicit: `with torch.device(...)` around a call sets the default
 _KEPT = 2  # storages kept per buffer: the caller's last result, and one to write into
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
 
@@ -106,8 +107,8 @@ class Spares:
                 if _compat.storage_use_count(item[1]) == 1:  # only our alias holds it
                     kept.append(kept.pop(i))
                     # made inside the lock: the count is 2 before another thread looks
-                    return torch.empty((0,), dtype=dtype).set_(item[0])
-            t = torch.empty_strided(size, stride, dtype=dtype)
+                    return torch.empty((0,), dtype=dtype, device=_CPU).set_(item[0])
+            t = torch.empty_strided(size, stride, dtype=dtype, device=_CPU)
             kept.append((t.detach(), _compat.storage_address(t)))
             if len(kept) > _KEPT:
                 del kept[0]

@@ -170,6 +170,17 @@ def test_inductor_outputs_viewing_one_large_buffer():
     torch.testing.assert_close(out["g"], again["g"])
 
 
+def test_a_default_device_around_the_call_does_not_move_kept_buffers():
+    args = data()
+    jitted = ft.jit(per_sample_grads(ft))
+    with torch.device("meta"):
+        jitted(*args)
+        jitted(*args).data_ptr()
+        out = jitted(*args)
+    assert out.device.type == "cpu"
+    assert torch.equal(out, per_sample_grads(ft)(*args))
+
+
 def test_threads_calling_one_jitted_function_never_share_a_buffer():
     jitted = ft.jit(per_sample_grads(ft))
     jitted(*data())
