@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 __all__ = [
     "device_context_class",
+    "dynamo_skip_packages",
     "is_any_autocast_enabled",
     "neg_view",
     "ADInplaceOrView",
@@ -161,6 +162,16 @@ def proxy_tracing() -> bool:
     tensor it has seen. Checked on 2.13.0, 2.15.0."""
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
+
+
+def dynamo_skip_packages(names) -> None:
+    """Tell dynamo (``torch.compile``) to run the code of these packages as it runs torch's own
+    internals: never trace into it, call it eagerly (a graph break where a traced frame calls
+    in). ``torch._dynamo.trace_rules.add``, checked on 2.13.0, 2.15.0 (Note [torch.compile
+    inside our transforms], _core.py)."""
+    trace_rules = importlib.import_module("torch._dynamo.trace_rules")
+    for name in names:
+        trace_rules.add(name)
 
 
 def swap_proxy_slots(a, b, *, share=False):

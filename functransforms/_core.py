@@ -619,6 +619,32 @@ def _raise_inside_torch_func():
     )
 
 
+# Note [torch.compile inside our transforms]
+#     ``ft.vmap(torch.compile(g))(x)`` runs the compiled ``g`` on our wrappers, and dynamo
+#     compiles every Python frame it reaches, ours included: it inlined BatchedTensor's
+#     ``__torch_function__`` and the pointwise fast path, guarded on what it saw and replayed
+#     graphs over the wrapper's physical value. ``v.sin() * 2 + v.sum()`` came out wrong without
+#     an error (the batched ``sum`` added unaligned), and ``vmap(grad(torch.compile(f)))`` died
+#     in dynamo with a RecursionError. Our dispatch is Python that reads and rewraps wrappers, as
+#     torch's own functorch and dispatch internals are, which dynamo never traces. So the
+#     packages of the transforms (not ``linalg``, whose operator algebra compiles well) go on
+#     dynamo's skip list: a compiled frame that calls into them, including an op on a wrapper,
+#     graph-breaks and runs that call eagerly, which is always right. Registered at import when
+#     dynamo is loaded, else at the first transform call after it is (a compiled function runs
+#     inside a transform only after that transform's entry ran).
+DYNAMO_KEPT_OUT: list = []  # [True] once our packages are on dynamo's skip list
+
+
+def keep_dynamo_out() -> None:
+    """Put the transform packages on dynamo's skip list (Note [torch.compile inside our
+    transforms]); idempotent."""
+    if not DYNAMO_KEPT_OUT:
+        DYNAMO_KEPT_OUT.append(True)
+        _compat.dynamo_skip_packages(
+            ("functransforms", "functransforms.batching", "functransforms.autodiff")
+        )
+
+
 def eager_under_compile(fn):
     """Note [torch.compile around our transforms]: under ``torch.compile``, run ``fn`` (a
     transform's entry point) eagerly, as one graph break, instead of letting dynamo trace into
@@ -637,6 +663,8 @@ def eager_under_compile(fn):
     @functools.wraps(fn)
     def entry(*args, **kwargs):
         dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None and not DYNAMO_KEPT_OUT:
+            keep_dynamo_out()
         if dynamo is None or not torch.compiler.is_compiling():  # True only while tracing
             if _compat.functorch_interpreter() is not None:  # not while dynamo traces: it
                 _raise_inside_torch_func()  # would trace this call

@@ -102,6 +102,8 @@ def vmap(
         if lean:
             # eager_under_compile's test (the general path below is wrapped by it)
             dynamo = _modules.get("torch._dynamo")
+            if dynamo is not None and not _core.DYNAMO_KEPT_OUT:
+                _core.keep_dynamo_out()
             if dynamo is None or not torch.compiler.is_compiling():
                 if _functorch_interpreter() is not None:
                     _core._raise_inside_torch_func()
