@@ -239,6 +239,29 @@ def _entry_of(a):
     return (a._node, a._idx)
 
 
+# Note [Saved tensor hooks under grad]
+#     ``saved_tensors_hooks`` act on what torch's autograd saves; our tape (Note [The tape])
+#     saves its own values, so hooks around ``grad`` were skipped without a word: a hook that
+#     changes what it saves (activation compression) changed torch's gradients and not ours.
+#     functorch refuses every hook. We refuse the user's hooks active when a grad level is
+#     entered, and let torch's own through (``save_on_cpu``, non-reentrant
+#     ``torch.utils.checkpoint`` around the call): they give back what they saved, so skipping
+#     them changes memory, not values. Hooks entered inside the function are not checked (one
+#     look per op would cost every program): they apply to torch's autograd only, as torch's
+#     checkpoint inside ``grad`` does (docs/torch_func_differences.md, sections 27 and 34).
+def _raise_saved_tensors_hooks(call):
+    from functransforms.errors import TransformError
+
+    raise TransformError(
+        f"{call}: called inside torch.autograd.graph.saved_tensors_hooks(...), whose hooks our "
+        "transforms cannot apply (their tape does not save through torch's autograd: the hooks "
+        "would be skipped, and gradients computed as without them). Expected: no saved tensor "
+        "hooks around grad/vjp/jacrev/hessian (functorch refuses them too; torch's own "
+        "save_on_cpu and checkpoint are let through). Do: enter the hooks around the code that "
+        "uses torch's autograd only, not around the transform's call."
+    )
+
+
 class GradInterpreter(InplaceMixin, Interpreter):
     name = "grad"
     rule_kind = "vjp"
@@ -252,6 +275,9 @@ class GradInterpreter(InplaceMixin, Interpreter):
     wrapper_cls = GradTensor
 
     def __enter__(self):
+        hooks = _compat.top_saved_tensors_hooks(False)
+        if hooks is not None and not hooks[0].__module__.startswith("torch."):
+            _raise_saved_tensors_hooks(self.call)  # Note [Saved tensor hooks under grad]
         # Note [Grad mode]: as PyTorch, recording is on inside the function whatever the
         # caller's grad mode, and the caller's mode is restored on exit.
         self.prev_grad = torch.is_grad_enabled()

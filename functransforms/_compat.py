@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 __all__ = [
     "device_context_class",
     "dynamo_skip_packages",
+    "top_saved_tensors_hooks",
     "is_any_autocast_enabled",
     "neg_view",
     "ADInplaceOrView",
@@ -162,6 +163,12 @@ def proxy_tracing() -> bool:
     tensor it has seen. Checked on 2.13.0, 2.15.0."""
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
+
+
+# The innermost saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``): ``(pack,
+# unpack)`` or None; the argument is ``ignore_is_tracing``. A grad level refuses the user's
+# (Note [Saved tensor hooks under grad], autodiff/reverse.py). Checked on 2.13.0, 2.15.0.
+top_saved_tensors_hooks = _C._autograd._top_saved_tensors_default_hooks
 
 
 def dynamo_skip_packages(names) -> None:

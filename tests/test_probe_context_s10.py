@@ -147,3 +147,413 @@ def test_compiled_function_inside_vmap_when_dynamo_loads_after_us():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root, env=env
     )
     assert res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_torch_export_of_vmap_gives_a_graph_that_recomputes_right():
+    """torch.export, non-strict: ``vmap`` exports to a graph of plain ops that recomputes right
+    on new inputs."""
+
+    class Vmapped(torch.nn.Module):
+        def forward(self, x):
+            return ft.vmap(torch.sin)(x) * 2
+
+    ep = torch.export.export(Vmapped(), (_X,), strict=False)
+    x2 = _rand(4, 3)
+    torch.testing.assert_close(ep.module()(x2), x2.sin() * 2)
+
+
+# -- 2. autocast ------------------------------------------------------------------------------
+_MLP = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+_CNN = torch.nn.Sequential(
+    torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 2)
+)
+_XS32, _YS32, _IMS = _rand(5, 3, dtype=torch.float32), _rand(5, 2, dtype=torch.float32), None
+_IMS = _rand(5, 1, 6, 6, dtype=torch.float32)
+_W32 = _rand(3, 4, dtype=torch.float32)
+
+
+def _bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _psg(lib, model, xs):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return ((lib.functional_call(model, p, (x[None],)) - y) ** 2).sum()
+
+    return lib.vmap(lib.grad(loss), in_dims=(None, 0, 0))(params, xs, _YS32)
+
+
+def _inside(lib):
+    params = {k: v.detach() for k, v in _MLP.named_parameters()}
+
+    def loss(p, x, y):
+        with _bf16():
+            out = lib.functional_call(_MLP, p, (x[None],))
+        return ((out.float() - y) ** 2).sum()
+
+    return lib.vmap(lib.grad(loss), in_dims=(None, 0, 0))(params, _XS32, _YS32)
+
+
+def _mm_tanh(x):
+    return torch.mm(x, _W32).tanh()
+
+
+def _vjp_bf16(lib):
+    out, pull = lib.vjp(_mm_tanh, _XS32)
+    return out, pull(torch.ones(5, 4, dtype=torch.bfloat16))
+
+
+_AUTOCAST = {
+    "psg_mlp": lambda lib: _psg(lib, _MLP, _XS32),
+    "psg_cnn": lambda lib: _psg(lib, _CNN, _IMS),
+    "autocast_inside_grad": _inside,
+    "jvp": lambda lib: lib.jvp(_mm_tanh, (_XS32,), (_XS32,)),
+    "vjp": _vjp_bf16,
+    "jacrev": lambda lib: lib.jacrev(_mm_tanh)(_XS32),
+    "jacfwd": lambda lib: lib.jacfwd(_mm_tanh)(_XS32),
+    "hessian": lambda lib: lib.hessian(lambda x: _mm_tanh(x[None]).sum())(_XS32[0]),
+    "vmap_linear": lambda lib: lib.vmap(lambda x: torch.nn.functional.linear(x, _W32.T))(_XS32),
+    "log_softmax_fp32_op": lambda lib: lib.vmap(
+        lib.grad(lambda a: torch.nn.functional.log_softmax(a @ _W32, -1).sum())
+    )(_XS32),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_AUTOCAST))
+def test_autocast_results_have_torch_funcs_dtypes_and_values(case):
+    with _bf16():
+        ours, ref = _AUTOCAST[case](ft), _AUTOCAST[case](tf)
+    _same(ours, ref, atol=1e-2, rtol=1e-2)
+
+
+def test_autocast_conv_under_vmap_is_low_precision_as_a_loop():
+    """torch.func is wrong here: its vmap of conv2d under autocast returns float32, where every
+    example (and a loop) is bfloat16. Ours follows the loop."""
+    w = _CNN[0].weight.detach()
+    xs = _rand(5, 2, 1, 6, 6, dtype=torch.float32)
+    with _bf16():
+        loop = torch.stack([torch.nn.functional.conv2d(x, w) for x in xs])
+        ours = ft.vmap(lambda x: torch.nn.functional.conv2d(x, w))(xs)
+        assert tf.vmap(lambda x: torch.nn.functional.conv2d(x, w))(xs).dtype == torch.float32
+    assert ours.dtype == loop.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, loop)
+
+
+# -- 3. meta and fake tensors -------------------------------------------------------------------
+def _sum_sin(x):
+    return (x.sin() * x).sum()
+
+
+def _exp_mm(x):
+    return x.exp() @ torch.ones(3, 3, device=x.device, dtype=x.dtype)
+
+
+def _meta_cases(x, mod, net):
+    fc = lambda lib, m: lambda p, v: lib.functional_call(m, p, (v,))  # noqa: E731
+    params = lambda m: dict(m.named_parameters())  # noqa: E731
+    return {
+        "grad": lambda lib: lib.grad(_sum_sin)(x[0]),
+        "vjp": lambda lib: lib.vjp(_exp_mm, x)[1](torch.ones_like(x)),
+        "jvp": lambda lib: lib.jvp(_exp_mm, (x,), (torch.ones_like(x),)),
+        "vmap_in_dims1": lambda lib: lib.vmap(_exp_mm, in_dims=1, out_dims=1)(x.T.contiguous()),
+        "jacrev_chunk": lambda lib: lib.jacrev(_exp_mm, chunk_size=2)(x[0]),
+        "jacfwd": lambda lib: lib.jacfwd(_exp_mm)(x[0]),
+        "hessian": lambda lib: lib.hessian(_sum_sin)(x[0]),
+        "linearize": lambda lib: lib.linearize(_exp_mm, x)[1](torch.ones_like(x)),
+        "vmap_chunk": lambda lib: lib.vmap(_exp_mm, chunk_size=4)(x),
+        "vmap_randomness_same": lambda lib: lib.vmap(
+            lambda v: v + torch.randn(3, device=v.device, dtype=v.dtype), randomness="same"
+        )(x),
+        "functional_call_vmap": lambda lib: lib.vmap(fc(lib, mod), in_dims=(None, 0))(
+            params(mod), x
+        ),
+        "functional_call_jacrev": lambda lib: lib.jacrev(fc(lib, mod))(params(mod), x[0]),
+        "functional_call_hessian": lambda lib: lib.hessian(
+            lambda p, v: fc(lib, mod)(p, v).pow(2).sum(), argnums=1
+        )(params(mod), x[0]),
+        "layer_norm_vmap_grad": lambda lib: lib.vmap(
+            lib.grad(lambda p, v: fc(lib, net)(p, v[None]).sum()), in_dims=(None, 0)
+        )(params(net), x),
+    }
+
+
+def _models():
+    return torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+
+
+@pytest.mark.parametrize("how", ["device_context", "default_device", "fake_mode"])
+@pytest.mark.parametrize("case", sorted(_meta_cases(None, None, None)))
+def test_meta_and_fake_inputs_give_torch_funcs_shapes_and_dtypes(case, how):
+    if how == "fake_mode":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        ctx = FakeTensorMode()
+    elif how == "device_context":
+        ctx = torch.device("meta")
+    else:
+        ctx = None
+    if ctx is None:
+        torch.set_default_device("meta")
+        try:
+            mod, net = _models()
+            x = torch.randn(6, 3)
+            make = _meta_cases(x, mod, net)[case]
+            ours, ref = make(ft), make(tf)
+        finally:
+            torch.set_default_device("cpu")
+    else:
+        with ctx:
+            mod, net = _models()
+            x = torch.randn(6, 3)
+            make = _meta_cases(x, mod, net)[case]
+            ours, ref = make(ft), make(tf)
+    _same(ours, ref, values=False)
+
+
+# -- 4. batch size 0 and empty tensors -----------------------------------------------------------
+_X0, _Y0, _W0 = _rand(0, 3), _rand(0, 2), _rand(3, 2)
+_CNN64 = torch.nn.Sequential(
+    torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 2)
+).double()
+
+
+def _lin_loss(w, x, y):
+    return ((x @ w - y) ** 2).sum()
+
+
+def _cnn_loss(lib):
+    return lambda p, x, y: ((lib.functional_call(_CNN64, p, (x[None],)) - y) ** 2).sum()
+
+
+_EMPTY = {
+    "in_dims=1": lambda lib: lib.vmap(lambda v: v.sin() * 2, in_dims=1)(_X0.T),
+    "in_dims=-1": lambda lib: lib.vmap(lambda v: v.cumsum(0), in_dims=-1)(_X0.T),
+    "in_dims=(None,0)": lambda lib: lib.vmap(lambda w, v: v @ w, in_dims=(None, 0))(_W0, _X0),
+    "in_dims=dict": lambda lib: lib.vmap(lambda d: d["a"] @ d["w"], in_dims=({"a": 0, "w": None},))(
+        {"a": _X0, "w": _W0}
+    ),
+    "out_dims=(1,0)": lambda lib: lib.vmap(lambda v: (v * 2, v.sum()), out_dims=(1, 0))(_X0),
+    "vmap(grad)": lambda lib: lib.vmap(lib.grad(_lin_loss), in_dims=(None, 0, 0))(_W0, _X0, _Y0),
+    "vmap(jacrev)": lambda lib: lib.vmap(lib.jacrev(torch.sin))(_X0),
+    "vmap(jacfwd)": lambda lib: lib.vmap(lib.jacfwd(torch.sin))(_X0),
+    # crash before: the batched reshape of hessian's basis had an ambiguous -1
+    "vmap(hessian)": lambda lib: lib.vmap(lib.hessian(lambda v: v.sin().sum()))(_X0),
+    "vmap(vmap) inner B=0": lambda lib: lib.vmap(lib.vmap(lambda v: v * 2))(_rand(4, 0, 3)),
+    "vmap(vjp)": lambda lib: lib.vmap(lambda v: lib.vjp(torch.sin, v)[1](v))(_X0),
+    "jacrev 0-out": lambda lib: lib.jacrev(lambda v: v[:0] * 2)(_rand(3)),
+    "jacrev 0-in": lambda lib: lib.jacrev(lambda v: v.sum() + torch.ones(2, dtype=D))(_rand(0)),
+    "hessian 0x3": lambda lib: lib.hessian(lambda v: (v**3).sum())(_rand(0, 3)),
+    "linearize 0": lambda lib: lib.linearize(torch.sin, _rand(0))[1](_rand(0)),
+    "randomness=different": lambda lib: lib.vmap(
+        lambda v: v + torch.randn(3, dtype=D), randomness="different"
+    )(_X0),
+    "matmul both batched": lambda lib: lib.vmap(torch.matmul)(_rand(0, 2, 3), _rand(0, 3, 4)),
+    "solve": lambda lib: lib.vmap(torch.linalg.solve)(_rand(0, 3, 3), _rand(0, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EMPTY))
+def test_empty_batches_give_torch_funcs_shapes_and_dtypes(case):
+    _same(_EMPTY[case](ft), _EMPTY[case](tf))
+
+
+def _one_example_shape(fn, x):
+    return fn(torch.empty(x.shape[1:], dtype=x.dtype, device="meta")).shape
+
+
+_CONV_W, _CONVT_W = _rand(4, 2, 3, 3), _rand(2, 4, 3, 3)
+_EMPTY_CONV = {  # per-example fn, batch of 0
+    # crash before: an ambiguous -1 (torch.func raises for reshape(-1) too)
+    "reshape(-1)": (lambda a: a.reshape(-1), _rand(0, 2, 3)),
+    "view(-1, 2)": (lambda a: a.view(-1, 2), _rand(0, 2, 3, 6)),
+    "max_pool2d": (lambda a: torch.nn.functional.max_pool2d(a, 2), _rand(0, 5, 2, 6, 6)),
+    "conv2d": (lambda a: torch.nn.functional.conv2d(a, _CONV_W), _rand(0, 5, 2, 6, 6)),
+    "conv_transpose2d": (
+        lambda a: torch.nn.functional.conv_transpose2d(a, _CONVT_W),
+        _rand(0, 5, 2, 6, 6),
+    ),
+    "grad_conv_input": (
+        lambda a: ft.grad(lambda a: torch.nn.functional.conv2d(a, _CONV_W).pow(2).sum())(a),
+        _rand(0, 5, 2, 6, 6),
+    ),
+    "grad_conv_weight": (
+        lambda a: ft.grad(lambda w: torch.nn.functional.conv2d(a, w).pow(2).sum())(_CONV_W),
+        _rand(0, 5, 2, 6, 6),
+    ),
+    "grad_max_pool": (
+        lambda a: ft.grad(lambda a: torch.nn.functional.max_pool2d(a, 2).pow(2).sum())(a),
+        _rand(0, 5, 2, 6, 6),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EMPTY_CONV))
+def test_empty_batch_through_convolution_and_pooling_has_each_examples_shape(case):
+    """Crash before (ZeroDivisionError; groups=0 for a batched weight). torch.func is wrong
+    for conv2d and max_pool2d: its vmap over 0 examples of [5, 2, 6, 6] returns
+    [0, 0, 4, 4, 4] where one example gives [5, 4, 4, 4]; ours gives [0, 5, 4, 4, 4]."""
+    fn, x = _EMPTY_CONV[case]
+    out = ft.vmap(fn)(x)
+    per_example = fn(x.new_zeros(x.shape[1:])).shape  # one example, computed eagerly
+    assert out.shape == (0, *per_example) and out.dtype == x.dtype
+
+
+def test_per_sample_grads_of_a_cnn_over_an_empty_batch():
+    """torch.func raises (groups=0); ours gives every parameter's shape with a batch of 0."""
+    params = {k: v.detach() for k, v in _CNN64.named_parameters()}
+    with pytest.raises(RuntimeError):
+        tf.vmap(tf.grad(_cnn_loss(tf)), in_dims=(None, 0, 0))(params, _rand(0, 1, 6, 6), _Y0)
+    g = ft.vmap(ft.grad(_cnn_loss(ft)), in_dims=(None, 0, 0))(params, _rand(0, 1, 6, 6), _Y0)
+    assert {k: v.shape for k, v in g.items()} == {k: (0, *v.shape) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_chunked_vmap_over_an_empty_batch(chunk_size):
+    """torch.func raises an internal AssertionError (arg_spec must not be None); ours returns
+    the empty result."""
+    g = ft.vmap(ft.grad(_lin_loss), in_dims=(None, 0, 0), chunk_size=chunk_size)(_W0, _X0, _Y0)
+    assert g.shape == (0, 3, 2) and g.dtype == D
+
+
+# -- 5. global modes ----------------------------------------------------------------------------
+_WM, _XM, _YM = _rand(3, 2), _rand(5, 3), _rand(5, 2)
+
+
+def _psg_lin(lib):
+    return lib.vmap(lib.grad(_lin_loss), in_dims=(None, 0, 0))(_WM, _XM, _YM)
+
+
+with torch.inference_mode():
+    _WI, _XI, _YI = _WM.clone(), _XM.clone(), _YM.clone()
+
+
+def _grad_off_inside(x):
+    torch.set_grad_enabled(False)
+    y = x.sin()
+    torch.set_grad_enabled(True)
+    return (y * x).sum()
+
+
+def _default_float64(lib):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        x = _XM.float()  # float32 inputs, float64 factories
+        return (
+            lib.vmap(lib.grad(lambda v: (v * torch.tensor([1.0, 2.0, 3.0])).pow(2).sum()))(x),
+            lib.jacrev(lambda v: v + torch.zeros(3))(x[0]),
+            lib.jvp(lambda v: v.sum() * torch.tensor(2.0), (_XM[0],), (_XM[0],)),
+        )
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _deterministic(lib):
+    idx = torch.tensor([0, 2, 0, 1])
+    torch.use_deterministic_algorithms(True)
+    try:
+        return lib.vmap(
+            lib.grad(lambda v: (v[idx] ** 2).sum() + v.index_add(0, idx, v[idx]).pow(2).sum())
+        )(_XM)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _under(ctx, make):
+    def run(lib):
+        with ctx():
+            return make(lib)
+
+    return run
+
+
+def _enable_in_no_grad(lib):
+    with torch.no_grad(), torch.enable_grad():
+        return lib.grad(_lin_loss)(_WM, _XM, _YM)
+
+
+def _anomaly(lib):
+    with torch.autograd.set_detect_anomaly(True):
+        return _psg_lin(lib), lib.hessian(lambda x: (x.sin() ** 2).sum())(_XM[0])
+
+
+_MODES = {
+    "no_grad": _under(torch.no_grad, _psg_lin),
+    "inference_mode": _under(torch.inference_mode, _psg_lin),
+    "inference_tensors_psg": lambda lib: lib.vmap(lib.grad(_lin_loss), in_dims=(None, 0, 0))(
+        _WI, _XI, _YI
+    ),
+    "inference_tensors_hessian": lambda lib: lib.hessian(lambda w: _lin_loss(w, _XI, _YI))(_WI),
+    "inference_tensors_jvp": lambda lib: lib.jvp(lambda w: _XI @ w, (_WI,), (_WI,)),
+    "enable_grad_in_no_grad": _enable_in_no_grad,
+    "set_grad_enabled_inside_f": lambda lib: lib.vmap(lib.grad(_grad_off_inside))(_XM),
+    "detect_anomaly": _anomaly,
+    "deterministic_algorithms": _deterministic,
+    "default_dtype_float64": _default_float64,
+    "disable_saved_tensors_hooks": _under(
+        lambda: torch.autograd.graph.disable_saved_tensors_hooks("no hooks"), _psg_lin
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MODES))
+def test_global_modes_give_torch_funcs_values(case):
+    _same(_MODES[case](ft), _MODES[case](tf), atol=1e-10, rtol=1e-8)
+
+
+def _doubling_hooks():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t * 2, lambda t: t)
+
+
+def test_user_saved_tensor_hooks_around_grad_raise_as_torch_func():
+    """SILENT before: a hook that changes what it saves changes torch's gradients (4x here),
+    and ours skipped it (2x). torch.func raises; ours too, naming the call."""
+    x = _rand(3)
+    with _doubling_hooks(), pytest.raises(RuntimeError, match="saved tensor hooks"):
+        tf.grad(lambda v: (v * v).sum())(x)
+    with _doubling_hooks(), pytest.raises(RuntimeError, match=r"grad\(<lambda>.*saved_tensors"):
+        ft.grad(lambda v: (v * v).sum())(x)
+    with _doubling_hooks(), pytest.raises(RuntimeError, match="saved_tensors_hooks"):
+        _psg_lin(ft)
+    assert torch.autograd.graph.saved_tensors_hooks  # the state is clean: hooks work after
+    y = x.clone().requires_grad_()
+    with _doubling_hooks():
+        (y * y).sum().backward()
+    torch.testing.assert_close(y.grad, 4 * x)
+
+
+def test_torchs_own_saved_tensor_hooks_around_grad_are_let_through():
+    """save_on_cpu and torch's checkpoint give back what they saved: skipping them changes
+    memory, not values (torch.func raises; differences section 34)."""
+    with torch.autograd.graph.save_on_cpu():
+        ours = _psg_lin(ft)
+    _same(ours, _psg_lin(tf), atol=1e-12)
+    w = _WM.clone().requires_grad_()
+    out = torch.utils.checkpoint.checkpoint(
+        lambda w: ft.vmap(ft.grad(_lin_loss, argnums=1), in_dims=(None, 0, 0))(w, _XM, _YM),
+        w,
+        use_reentrant=False,
+    )
+    out.pow(2).sum().backward()
+    w2 = _WM.clone().requires_grad_()
+    tf.vmap(tf.grad(_lin_loss, argnums=1), in_dims=(None, 0, 0))(w2, _XM, _YM).pow(
+        2
+    ).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_default_device_meta_shapes():
+    torch.set_default_device("meta")
+    try:
+        make = lambda lib: (  # noqa: E731
+            lib.vmap(lib.grad(lambda w, x: (x @ w).pow(2).sum()), in_dims=(None, 0))(
+                torch.randn(3, 2), torch.randn(5, 3)
+            ),
+            lib.hessian(lambda x: (x.sin() * torch.ones(3)).sum())(torch.randn(3)),
+        )
+        ours, ref = make(ft), make(tf)
+    finally:
+        torch.set_default_device("cpu")
+    _same(ours, ref, values=False)
