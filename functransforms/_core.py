@@ -668,12 +668,39 @@ def eager_under_compile(fn):
         if dynamo is None or not torch.compiler.is_compiling():  # True only while tracing
             if _compat.functorch_interpreter() is not None:  # not while dynamo traces: it
                 _raise_inside_torch_func()  # would trace this call
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as e:
+                raise_if_pre_dispatch(e)
+                raise
         if not disabled:
             disabled.append(dynamo.disable(fn, recursive=True))
-        return disabled[0](*args, **kwargs)
+        try:
+            return disabled[0](*args, **kwargs)
+        except RuntimeError as e:
+            raise_if_pre_dispatch(e)
+            raise
 
     return entry
+
+
+def raise_if_pre_dispatch(e: RuntimeError):
+    """Note [Pre-dispatch tracing]: ``torch.export`` (non-strict) traces at torch's PreDispatch
+    key, whose modes return NotImplemented for our wrappers, and torch then fails with "Unable
+    to cast NotImplemented to Tensor" from inside the transform (only vmap's pointwise fast
+    path, above the dispatcher, went through). That error, under such a trace, is restated."""
+    if "Unable to cast NotImplemented" not in str(e) or not _compat.len_pre_dispatch_stack():
+        return
+    from functransforms.errors import TransformError
+
+    raise TransformError(
+        "torch.export cannot trace through functransforms' transforms: its pre-dispatch trace "
+        "does not look inside tensor subclasses (our wrappers), and failed inside the "
+        "transform. Expected: the transform outside the exported function. Do: export the "
+        "model without the transform and apply the transform to the exported module "
+        "(ep.module()), or trace the transformed function to a graph of plain ops with "
+        "functransforms.jit / make_fx (without pre_dispatch)."
+    ) from e
 
 
 # Note [Reading a wrapper's metadata]
