@@ -385,7 +385,29 @@ def _one_example_shape(fn, x):
 
 
 _CONV_W, _CONVT_W = _rand(4, 2, 3, 3), _rand(2, 4, 3, 3)
+_V7, _T4 = _rand(7), torch.tensor([0, 3, 1, 4])
+_F = torch.nn.functional
 _EMPTY_CONV = {  # per-example fn, batch of 0
+    # crash before (an ambiguous reshape(B, -1)); torch.func computes these
+    "cross_entropy": (lambda x: _F.cross_entropy(x, _T4), _rand(0, 4, 5)),
+    "grad_cross_entropy": (
+        lambda x: ft.grad(lambda x: _F.cross_entropy(x, _T4))(x),
+        _rand(0, 4, 5),
+    ),
+    "group_norm": (lambda x: _F.group_norm(x, 1), _rand(0, 4, 3, 5)),
+    "grad_group_norm": (
+        lambda x: ft.grad(lambda x: _F.group_norm(x, 1).pow(2).sum())(x),
+        _rand(0, 4, 3, 5),
+    ),
+    "take": (lambda i: torch.take(_V7, i), torch.zeros(0, 3, dtype=torch.long)),  # tf raises
+    # torch.func's shapes are [0, 0, ...] here
+    "batch_norm_eval": (
+        lambda x: _F.batch_norm(x, torch.zeros(3, dtype=D), torch.ones(3, dtype=D)),
+        _rand(0, 4, 3),
+    ),
+    "unfold": (lambda x: _F.unfold(x, 2), _rand(0, 1, 2, 4, 4)),
+    "interpolate": (lambda x: _F.interpolate(x, scale_factor=2), _rand(0, 1, 2, 4, 4)),
+    "avg_pool1d": (lambda x: _F.avg_pool1d(x, 2), _rand(0, 2, 3, 6)),
     # crash before: an ambiguous -1 (torch.func raises for reshape(-1) too)
     "reshape(-1)": (lambda a: a.reshape(-1), _rand(0, 2, 3)),
     "view(-1, 2)": (lambda a: a.view(-1, 2), _rand(0, 2, 3, 6)),
@@ -411,14 +433,14 @@ _EMPTY_CONV = {  # per-example fn, batch of 0
 
 
 @pytest.mark.parametrize("case", sorted(_EMPTY_CONV))
-def test_empty_batch_through_convolution_and_pooling_has_each_examples_shape(case):
+def test_empty_batch_has_each_examples_shape(case):
     """Crash before (ZeroDivisionError; groups=0 for a batched weight). torch.func is wrong
     for conv2d and max_pool2d: its vmap over 0 examples of [5, 2, 6, 6] returns
     [0, 0, 4, 4, 4] where one example gives [5, 4, 4, 4]; ours gives [0, 5, 4, 4, 4]."""
     fn, x = _EMPTY_CONV[case]
     out = ft.vmap(fn)(x)
-    per_example = fn(x.new_zeros(x.shape[1:])).shape  # one example, computed eagerly
-    assert out.shape == (0, *per_example) and out.dtype == x.dtype
+    one = fn(x.new_zeros(x.shape[1:]))  # one example, computed eagerly
+    assert out.shape == (0, *one.shape) and out.dtype == one.dtype
 
 
 def test_per_sample_grads_of_a_cnn_over_an_empty_batch():
