@@ -666,3 +666,25 @@ def _psg_dropout(lib):
 @pytest.mark.parametrize("make", [_fork, _fork_inside, _psg_dropout], ids=lambda f: f.__name__)
 def test_fork_rng_and_per_sample_dropout_match_torch_func(make):
     _same(make(ft), make(tf), atol=0, rtol=0)
+
+
+_NAN_CASES = {
+    "grad": lambda lib, f, x: lib.grad(lambda v: f(v).sum())(x[0]),
+    "vmap(grad)": lambda lib, f, x: lib.vmap(lib.grad(lambda v: f(v).sum()))(x),
+    "jacrev": lambda lib, f, x: lib.jacrev(f)(x[0]),
+    "vjp": lambda lib, f, x: lib.vjp(f, x[0])[1](torch.ones(3, dtype=D)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NAN_CASES))
+def test_detect_anomaly_raises_on_a_nan_cotangent_as_torch_func(case):
+    """SILENT before: under set_detect_anomaly(True) torch.func raises "Function
+    'SqrtBackward0' returned nan values"; ours returned the NaN without a word."""
+    x = torch.zeros(2, 3, dtype=D)
+    f = lambda v: torch.sqrt(v) * 0  # noqa: E731  (0 * inf in the backward)
+    with torch.autograd.set_detect_anomaly(True):
+        with pytest.raises(RuntimeError, match="SqrtBackward0' returned nan"):
+            _NAN_CASES[case](tf, f, x)
+        with pytest.raises(RuntimeError, match="SqrtBackward' returned nan"):
+            _NAN_CASES[case](ft, f, x)
+    assert all(t.isnan().all() for t in _leaves(_NAN_CASES[case](ft, f, x)))  # as torch
