@@ -109,6 +109,21 @@ def test_compiled_structured_solve_inside_vmap_matches_a_loop():
     _same(ours, torch.stack([b[i] / d[i] + d[i].log().sum() for i in range(4)]))
 
 
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_compiled_dropout_inside_vmap_draws_torch_funcs_stream(randomness):
+    import torch._dynamo
+
+    def run(lib, g):
+        torch.manual_seed(0)
+        return lib.vmap(g, randomness=randomness)(_X), torch.randn(2)
+
+    def g(v):
+        return torch.nn.functional.dropout(v, 0.5) * 3
+
+    torch._dynamo.reset()
+    _same(run(ft, torch.compile(g, backend="aot_eager")), run(tf, g), atol=0, rtol=0)
+
+
 def test_compiled_training_step_fullgraph_and_backward_through_vmap_grad():
     import torch._dynamo
 
