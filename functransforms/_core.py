@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import sys
 import threading
 
@@ -637,12 +638,23 @@ DYNAMO_KEPT_OUT: list = []  # [True] once our packages are on dynamo's skip list
 
 def keep_dynamo_out() -> None:
     """Put the transform packages on dynamo's skip list (Note [torch.compile inside our
-    transforms]); idempotent."""
-    if not DYNAMO_KEPT_OUT:
-        DYNAMO_KEPT_OUT.append(True)
-        _compat.dynamo_skip_packages(
-            ("functransforms", "functransforms.batching", "functransforms.autodiff")
-        )
+    transforms]); idempotent. Every module and subpackage of ``functransforms`` but
+    ``linalg`` (a wheel nests batching/, autodiff/ and linalg/ inside it; a checkout keeps
+    them beside it), and the folders of ``batching`` and ``autodiff`` wherever they are."""
+    if DYNAMO_KEPT_OUT:
+        return
+    DYNAMO_KEPT_OUT.append(True)
+    from functransforms import autodiff, batching
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    paths = [os.path.dirname(os.path.abspath(m.__file__)) + "/" for m in (batching, autodiff)]
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.endswith(".py"):
+            paths.append(path)
+        elif name not in ("linalg", "__pycache__") and os.path.isdir(path):
+            paths.append(path + "/")
+    _compat.dynamo_skip_paths(paths)
 
 
 def eager_under_compile(fn):
