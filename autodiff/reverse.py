@@ -149,7 +149,8 @@ class GradTensor(TransformTensor):
             )
         hooks = _HOOKS.setdefault(self._node, {}).setdefault(self._idx, OrderedDict())
         handle = torch.utils.hooks.RemovableHandle(hooks)
-        hooks[handle.id] = hook
+        if not _engine_hook(hook):  # Note [Tensor hooks inside grad]: kept, never run
+            hooks[handle.id] = hook
         return handle
 
 
@@ -177,7 +178,23 @@ class GradFn:
 #     index. The sweep visits a node once every consumer has added its cotangent, so that is
 #     where the node's hooks see the whole cotangent and may replace it, as torch's hooks do;
 #     the inputs' hooks run on their final cotangents. Nothing is read while no hook exists.
+#     The per-tensor hooks of ``torch.autograd.graph.register_multi_grad_hook`` (module
+#     backward tracking: ``ModuleTracker``, so ``FlopCounterMode``) group calls by torch's
+#     engine's graph task and assert they run inside one; our sweep is not torch's engine, so
+#     they are not run here (their handle is still returned): FlopCounterMode around our grad
+#     counts every op, and attributes the backward's to the modules around the call.
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Node -> {idx: {id: hook}}
+
+
+def _engine_hook(hook) -> bool:
+    """Whether ``hook`` is one of register_multi_grad_hook's, which need torch's engine."""
+    code = getattr(hook, "__code__", None)
+    return (
+        code is not None
+        and code.co_name in ("inner_hook", "wrapped_fn")
+        and code.co_filename == torch.autograd.graph.__file__
+    )
+
 
 _torch_requires_grad = _compat.tensor_requires_grad
 _Tensor = torch.Tensor

@@ -718,3 +718,33 @@ def test_detect_anomaly_raises_on_a_nan_cotangent_as_torch_func(case):
         with pytest.raises(RuntimeError, match="SqrtBackward' returned nan"):
             _NAN_CASES[case](ft, f, x)
     assert all(t.isnan().all() for t in _leaves(_NAN_CASES[case](ft, f, x)))  # as torch
+
+
+# -- torch's dispatch-mode tools around our transforms ---------------------------------------------
+def _psg_mlp(lib):
+    return _psg(lib, _MLP, _XS32)
+
+
+def test_flop_counter_mode_around_per_sample_grads():
+    """crash before: FlopCounterMode's module tracker registers torch.autograd.graph
+    multi-grad hooks, which assert they run inside torch's engine, and our sweep ran them. They
+    are kept out of our sweep; the values are torch.func's (the counts are not: section 36)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        ours = _psg_mlp(ft)
+    assert counter.get_total_flops() > 0
+    _same(ours, _psg_mlp(tf))
+
+
+def test_torch_multi_grad_hooks_inside_grad_are_not_run_by_our_sweep():
+    calls = []
+    x = _rand(3)
+
+    def f(v):
+        y = v.sin()
+        torch.autograd.graph.register_multi_grad_hook((y,), lambda grads: calls.append(1))
+        return (y * 2).sum()
+
+    torch.testing.assert_close(ft.grad(f)(x), 2 * x.cos())
+    assert calls == []  # torch.func runs it (torch's engine): a difference, section 36
