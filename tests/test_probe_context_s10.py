@@ -353,7 +353,7 @@ def test_meta_and_fake_inputs_give_torch_funcs_shapes_and_dtypes(case, how):
             make = _meta_cases(x, mod, net)[case]
             ours, ref = make(ft), make(tf)
         finally:
-            torch.set_default_device("cpu")
+            torch.set_default_device(None)
     else:
         with ctx:
             mod, net = _models()
@@ -628,7 +628,7 @@ def test_default_device_meta_shapes():
         )
         ours, ref = make(ft), make(tf)
     finally:
-        torch.set_default_device("cpu")
+        torch.set_default_device(None)
     _same(ours, ref, values=False)
 
 
@@ -748,3 +748,20 @@ def test_torch_multi_grad_hooks_inside_grad_are_not_run_by_our_sweep():
 
     torch.testing.assert_close(ft.grad(f)(x), 2 * x.cos())
     assert calls == []  # torch.func runs it (torch's engine): a difference, section 36
+
+
+@pytest.mark.parametrize("default", ["cpu", "meta"])
+def test_linearize_keeps_its_primals_device_under_a_default_device(default):
+    """crash before: linearize's jvp_fn called torch.as_tensor on its primals, which under
+    set_default_device copies a tensor to the default device ("Cannot copy out of meta
+    tensor"; a CPU primal would have moved)."""
+    x = torch.empty(4, 3, device="meta", dtype=D) if default == "cpu" else _rand(4, 3)
+    w = torch.ones(3, 3, dtype=D, device=x.device)
+    torch.set_default_device(default)
+    try:
+        out, jvp_fn = ft.linearize(lambda v: v.exp() @ w, x)
+        t = jvp_fn(torch.ones_like(x))
+        g = ft.grad(lambda v: (v > 0).sum())(x)  # the integer-output branch of grad
+    finally:
+        torch.set_default_device(None)
+    assert t.device == x.device and g.device == x.device and t.shape == (4, 3)
