@@ -644,10 +644,13 @@ def keep_dynamo_out() -> None:
     if DYNAMO_KEPT_OUT:
         return
     DYNAMO_KEPT_OUT.append(True)
-    from functransforms import autodiff, batching
+    from importlib.util import find_spec  # finds the folders without importing (cold start)
 
     root = os.path.dirname(os.path.abspath(__file__))
-    paths = [os.path.dirname(os.path.abspath(m.__file__)) + "/" for m in (batching, autodiff)]
+    paths = [
+        os.path.dirname(os.path.abspath(find_spec(f"functransforms.{name}").origin)) + "/"
+        for name in ("batching", "autodiff")
+    ]
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if name.endswith(".py"):
