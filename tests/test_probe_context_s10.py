@@ -124,6 +124,21 @@ def test_compiled_dropout_inside_vmap_draws_torch_funcs_stream(randomness):
     _same(run(ft, torch.compile(g, backend="aot_eager")), run(tf, g), atol=0, rtol=0)
 
 
+def test_inductor_function_inside_vmap_of_grad():
+    """The SILENT case and the crash above, with inductor (skipped without a C++ compiler)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        ours = ft.vmap(torch.compile(_g_sum, backend="inductor"))(_X)
+    except Exception as e:  # no C++ compiler on the machine
+        if "compiler" in str(e).lower() or "cpp" in str(e).lower():
+            pytest.skip(f"inductor cannot compile here: {e}")
+        raise
+    _same(ours, tf.vmap(_g_sum)(_X))
+    _same(ft.vmap(ft.grad(torch.compile(_f, backend="inductor")))(_X), tf.vmap(tf.grad(_f))(_X))
+
+
 def test_compiled_training_step_fullgraph_and_backward_through_vmap_grad():
     import torch._dynamo
 
