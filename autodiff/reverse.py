@@ -149,7 +149,8 @@ class GradTensor(TransformTensor):
             )
         hooks = _HOOKS.setdefault(self._node, {}).setdefault(self._idx, OrderedDict())
         handle = torch.utils.hooks.RemovableHandle(hooks)
-        hooks[handle.id] = hook
+        if not _engine_hook(hook):  # Note [Tensor hooks inside grad]: kept, never run
+            hooks[handle.id] = hook
         return handle
 
 
@@ -177,7 +178,23 @@ class GradFn:
 #     index. The sweep visits a node once every consumer has added its cotangent, so that is
 #     where the node's hooks see the whole cotangent and may replace it, as torch's hooks do;
 #     the inputs' hooks run on their final cotangents. Nothing is read while no hook exists.
+#     The per-tensor hooks of ``torch.autograd.graph.register_multi_grad_hook`` (module
+#     backward tracking: ``ModuleTracker``, so ``FlopCounterMode``) group calls by torch's
+#     engine's graph task and assert they run inside one; our sweep is not torch's engine, so
+#     they are not run here (their handle is still returned): FlopCounterMode around our grad
+#     counts every op, and attributes the backward's to the modules around the call.
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Node -> {idx: {id: hook}}
+
+
+def _engine_hook(hook) -> bool:
+    """Whether ``hook`` is one of register_multi_grad_hook's, which need torch's engine."""
+    code = getattr(hook, "__code__", None)
+    return (
+        code is not None
+        and code.co_name in ("inner_hook", "wrapped_fn")
+        and code.co_filename == torch.autograd.graph.__file__
+    )
+
 
 _torch_requires_grad = _compat.tensor_requires_grad
 _Tensor = torch.Tensor
@@ -239,6 +256,29 @@ def _entry_of(a):
     return (a._node, a._idx)
 
 
+# Note [Saved tensor hooks under grad]
+#     ``saved_tensors_hooks`` act on what torch's autograd saves; our tape (Note [The tape])
+#     saves its own values, so hooks around ``grad`` were skipped without a word: a hook that
+#     changes what it saves (activation compression) changed torch's gradients and not ours.
+#     functorch refuses every hook. We refuse the user's hooks active when a grad level is
+#     entered, and let torch's own through (``save_on_cpu``, non-reentrant
+#     ``torch.utils.checkpoint`` around the call): they give back what they saved, so skipping
+#     them changes memory, not values. Hooks entered inside the function are not checked (one
+#     look per op would cost every program): they apply to torch's autograd only, as torch's
+#     checkpoint inside ``grad`` does (docs/torch_func_differences.md, sections 27 and 34).
+def _raise_saved_tensors_hooks(call):
+    from functransforms.errors import TransformError
+
+    raise TransformError(
+        f"{call}: called inside torch.autograd.graph.saved_tensors_hooks(...), whose hooks our "
+        "transforms cannot apply (their tape does not save through torch's autograd: the hooks "
+        "would be skipped, and gradients computed as without them). Expected: no saved tensor "
+        "hooks around grad/vjp/jacrev/hessian (functorch refuses them too; torch's own "
+        "save_on_cpu and checkpoint are let through). Do: enter the hooks around the code that "
+        "uses torch's autograd only, not around the transform's call."
+    )
+
+
 class GradInterpreter(InplaceMixin, Interpreter):
     name = "grad"
     rule_kind = "vjp"
@@ -252,6 +292,9 @@ class GradInterpreter(InplaceMixin, Interpreter):
     wrapper_cls = GradTensor
 
     def __enter__(self):
+        hooks = _compat.top_saved_tensors_hooks(False)
+        if hooks is not None and not hooks[0].__module__.startswith("torch."):
+            _raise_saved_tensors_hooks(self.call)  # Note [Saved tensor hooks under grad]
         # Note [Grad mode]: as PyTorch, recording is on inside the function whatever the
         # caller's grad mode, and the caller's mode is restored on exit.
         self.prev_grad = torch.is_grad_enabled()
@@ -599,6 +642,7 @@ def backward(roots, leaves, release=False):
     heap = []  # (-id, node): the newest node first, compared as ints in C
     seen = set()
     hooked = bool(_HOOKS)  # Note [Tensor hooks inside grad]
+    anomaly = torch.is_anomaly_enabled()  # Note [Anomaly detection in the sweep]
     for node, idx, ct in roots:
         if ct is None:
             continue
@@ -626,6 +670,8 @@ def backward(roots, leaves, release=False):
             input_cts = _physical_pullback(rule, ct, node)
         if input_cts is None:
             input_cts = rule(ct, node.primals, node.kwargs, out, node.needs)
+        if anomaly:
+            _raise_on_nan(node, input_cts)
         for i, inp in enumerate(node.inputs):
             if inp is None:
                 continue
@@ -649,6 +695,26 @@ def backward(roots, leaves, release=False):
             if cts is not None:
                 _run_hooks(leaf, cts)
     return [_leaf_ct(acc, leaf) for leaf in leaves]
+
+
+# Note [Anomaly detection in the sweep]
+#     Under ``torch.autograd.set_detect_anomaly(True)`` torch's engine, and so functorch's grad
+#     (also under vmap), raises when a backward function returns NaN, naming it; our sweep
+#     returned the NaN silently. With the mode on (read once per sweep: nothing otherwise), each
+#     rule's cotangents are checked through every wrapper down to the plain value (all examples
+#     of a vmap at once). Not on meta/fake values, nor while ft.jit traces (no values there).
+def _raise_on_nan(node, input_cts):
+    if _compat.proxy_tracing():
+        return
+    for i, c in enumerate(input_cts):
+        for part in c if type(c) is list or type(c) is tuple else (c,):
+            while isinstance(part, TransformTensor):  # BatchedTensor: _value; others: _primal
+                part = part._value if hasattr(part, "_value") else part._primal
+            if type(part) is torch.Tensor and part.device.type != "meta" and part.isnan().any():
+                raise RuntimeError(
+                    f"Function '{GradFn(node).name()}' returned nan values in its {i}th output "
+                    "(functransforms tape, under torch.autograd.set_detect_anomaly)."
+                )
 
 
 def _leaf_ct(acc, leaf):

@@ -23,6 +23,30 @@ def flat_batch(x):
     return x.reshape(x.shape[0], -1)
 
 
+def empty_batch(op, args, bdims, kwargs):
+    """``op`` over an empty batch (batch size 0): ``(out, out_bdim)`` with the shapes and dtypes
+    one example gives, computed on meta (no values), and a batch dim of size 0 in front. For
+    rules that fold the batch dim into another, which loses that dim's per-example size (and
+    ``groups * B`` is no valid convolution) when ``B == 0``."""
+
+    def example(a, b):
+        if not isinstance(a, torch.Tensor):
+            return a
+        shape = a.shape if b is None else a.shape[:b] + a.shape[b + 1 :]
+        return torch.empty(shape, dtype=a.dtype, device="meta")
+
+    out = op(*[example(a, b) for a, b in zip(args, bdims)], *args[len(bdims) :], **kwargs)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+
+    def batch(o):
+        return None if o is None else torch.empty((0, *o.shape), dtype=o.dtype, device=device)
+
+    if isinstance(out, torch.Tensor):
+        return batch(out), 0
+    outs = tuple(batch(o) for o in out)
+    return outs, tuple(None if o is None else 0 for o in outs)
+
+
 def wrap_dim(d, n):
     """Normalize a possibly negative logical dim against logical rank ``n``. As in torch, a 0-d
     tensor accepts dims 0 and -1."""
@@ -88,10 +112,18 @@ def merge_dims(x, d):
     return x.reshape(s[:d] + (s[d] * s[d + 1],) + s[d + 2 :])
 
 
-def split_dim(x, d, n):
-    """``x`` with dim ``d`` split into ``(n, -1)``, through ``reshape`` (see ``merge_dims``)."""
+def split_dim(x, d, n, inner=None):
+    """``x`` with dim ``d`` split into ``(n, inner)``, through ``reshape`` (see ``merge_dims``).
+    ``inner`` defaults to ``size(d) // n``, which an empty batch (``n == 0``) cannot give: a
+    caller that folded the batch dim passes the per-example size it knows."""
     s = tuple(x.shape)
-    return x.reshape(s[:d] + (n, s[d] // n) + s[d + 1 :])
+    if n == 0 and inner is None:
+        raise NotImplementedError(
+            "vmap over an empty batch (batch size 0): this batching rule folds the batch dim "
+            "into another and cannot recover that dim's per-example size. Expected: a batch "
+            "size >= 1, or a rule that passes split_dim(..., inner=) (batching/_util.py)."
+        )
+    return x.reshape(s[:d] + (n, s[d] // n if n else inner) + s[d + 1 :])
 
 
 # Note [Memory formats per example]

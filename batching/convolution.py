@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import register_vmap_rule
-from ._util import merge_dims, split_dim, to_front
+from ._util import empty_batch, merge_dims, split_dim, to_front
 
 aten = torch.ops.aten
 
@@ -21,6 +21,8 @@ aten = torch.ops.aten
 @register_vmap_rule(aten.convolution.default, aten._convolution.default)
 def convolution_vmap_rule(interp, args, bdims, kwargs):
     """Note [Batching convolution]."""
+    if interp.batch_size == 0:  # groups * 0 is no convolution; the shapes come from one example
+        return empty_batch(aten.convolution.default, args[:9], bdims[:9], {})
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
     xb, wb, bb = bdims[0], bdims[1], bdims[2]
     B = interp.batch_size
@@ -99,6 +101,8 @@ def _weight_fold(t, bdim, B):
 @register_vmap_rule(aten.convolution_backward.default)
 def convolution_backward_vmap_rule(interp, args, bdims, kwargs):
     """Note [Batching convolution_backward]."""
+    if interp.batch_size == 0:  # as convolution_vmap_rule
+        return empty_batch(aten.convolution_backward.default, args, bdims, kwargs)
     go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
     gb_, xb, wb = bdims[0], bdims[1], bdims[2]
     B = interp.batch_size

@@ -202,7 +202,7 @@ def index_select_vmap_rule(interp, args, bdims, kwargs):
             return x.unsqueeze(1).index_select(1, idx.reshape(-1)).squeeze(1), 0
         return aten.index_select.default(x, wrap_dim(dim, n) + 1, idx), 0
     n = x.dim() - (bdims[0] is not None)
-    idx = to_front(idx, bdims[2]).reshape(interp.batch_size, -1)  # a 0-d index selects one
+    idx = flat_batch(to_front(idx, bdims[2]))  # a 0-d index selects one
     if n == 0:  # each example is 0-d: index i of example b reads example b's own value
         x = expand_front(x, bdims[0], interp.batch_size)
         return x.unsqueeze(1).gather(1, idx[:, :1]).squeeze(1), 0
@@ -359,9 +359,9 @@ def take_vmap_rule(interp, args, bdims, kwargs):
     """take(x, idx) reads the flattened x: a gather along the flattened dims (negative indices
     count from the end, as in take); batched indices are values, not control flow."""
     B = interp.batch_size
-    x = expand_front(args[0], bdims[0], B).reshape(B, -1)
+    x = flat_batch(expand_front(args[0], bdims[0], B))  # flat_batch: also for B == 0
     idx = expand_front(args[1], bdims[1], B)
-    flat = idx.reshape(B, -1)
+    flat = flat_batch(idx)
     flat = torch.where(flat < 0, flat + x.shape[1], flat)
     return torch.gather(x, 1, flat).reshape(idx.shape), 0
 

@@ -130,14 +130,14 @@ def nll_loss_forward_vmap_rule(interp, args, bdims, kwargs):
     ignored = t == ignore_index
     safe_t = torch.where(ignored, 0, t)
     if w_elem_src is not None:
-        w_elem = w_elem_src.gather(1, safe_t.reshape(B, -1)).reshape(t.shape)
+        w_elem = w_elem_src.gather(1, flat_batch(safe_t)).reshape(t.shape)
     elif weight is not None:
         w_elem = weight[safe_t]
     else:
         w_elem = torch.ones_like(loss)
     w_elem = torch.where(ignored, 0, w_elem).to(loss.dtype)
-    total = w_elem.reshape(B, -1).sum(1)
-    summed = loss.reshape(B, -1).sum(1)
+    total = flat_batch(w_elem).sum(1)  # flat_batch: also over an empty batch
+    summed = flat_batch(loss).sum(1)
     if reduction == _SUM:
         return (summed, total), (0, 0)
     return (summed / total, total), (0, 0)

@@ -62,7 +62,8 @@ def native_group_norm_vmap_rule(interp, args, bdims, kwargs):
         if bias is not None:
             b = bias.reshape(shape[2:]) if bb is None else to_front(bias, bb).reshape(shape)
             out = out.reshape(x.shape) + b
-    return (out.reshape(x.shape), mean.reshape(B, N, -1), rstd.reshape(B, N, -1)), (0, 0, 0)
+    stats = (B, N, group)  # not -1: ambiguous over an empty batch
+    return (out.reshape(x.shape), mean.reshape(stats), rstd.reshape(stats)), (0, 0, 0)
 
 
 def _fold_channels(t, bdim, B):

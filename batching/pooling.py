@@ -22,8 +22,9 @@ def def_pool(op, spatial):
         a[0] = merge_dims(x, 0) if fold else x
         out = op(*a, **kwargs)
         if isinstance(out, torch.Tensor):
-            return (split_dim(out, 0, x.shape[0]) if fold else out), 0
-        return tuple(split_dim(o, 0, x.shape[0]) if fold else o for o in out), (0,) * len(out)
+            return (split_dim(out, 0, x.shape[0], x.shape[1]) if fold else out), 0
+        outs = tuple(split_dim(o, 0, x.shape[0], x.shape[1]) if fold else o for o in out)
+        return outs, (0,) * len(out)
 
     register_vmap_rule(op)(pool_vmap_rule)
 
@@ -43,10 +44,11 @@ for _op, _k in (
 
 def _fold(x, bdim, batch_size, spatial):
     """``x`` (batched or not) as the op's input with the batch dim folded into the leading dim:
-    ``(value, fold)``; ``fold`` says whether the logical value had a leading N dim."""
+    ``(value, n)``; ``n`` is the per-example leading N dim when the logical value has one (the
+    size split_dim needs for an empty batch), else None (nothing folded)."""
     x = expand_front(x, bdim, batch_size)
     fold = x.dim() - 1 == spatial + 2
-    return (merge_dims(x, 0) if fold else x), fold
+    return (merge_dims(x, 0), x.shape[1]) if fold else (x, None)
 
 
 def def_pool_backward(op, spatial):
@@ -54,10 +56,10 @@ def def_pool_backward(op, spatial):
 
     def pool_backward_vmap_rule(interp, args, bdims, kwargs):
         B = interp.batch_size
-        go, fold = _fold(args[0], bdims[0], B, spatial)
+        go, n = _fold(args[0], bdims[0], B, spatial)
         x, _ = _fold(args[1], bdims[1], B, spatial)
         out = op(go, x, *args[2:], **kwargs)
-        return (split_dim(out, 0, B) if fold else out), 0
+        return (out if n is None else split_dim(out, 0, B, n)), 0
 
     register_vmap_rule(op)(pool_backward_vmap_rule)
 
@@ -79,11 +81,11 @@ def def_max_pool_backward(op, spatial):
 
     def max_pool_backward_vmap_rule(interp, args, bdims, kwargs):
         B = interp.batch_size
-        go, fold = _fold(args[0], bdims[0], B, spatial)
+        go, n = _fold(args[0], bdims[0], B, spatial)
         x, _ = _fold(args[1], bdims[1], B, spatial)
         idx, _ = _fold(args[-1], bdims[-1], B, spatial)
         out = op(go, x, *args[2:-1], idx.contiguous(), **kwargs)
-        return (split_dim(out, 0, B) if fold else out), 0
+        return (out if n is None else split_dim(out, 0, B, n)), 0
 
     register_vmap_rule(op)(max_pool_backward_vmap_rule)
 
@@ -103,12 +105,12 @@ def def_fractional_max_pool(op, spatial):
 
     def fractional_max_pool_vmap_rule(interp, args, bdims, kwargs):
         B = interp.batch_size
-        x, fold = _fold(args[0], bdims[0], B, spatial)
+        x, n = _fold(args[0], bdims[0], B, spatial)
         s = expand_front(args[3], bdims[3], B)
         s = s.reshape((x.shape[0],) + tuple(s.shape[-2:]))
         out, idx = op(x, args[1], args[2], s, **kwargs)
-        if fold:
-            out, idx = split_dim(out, 0, B), split_dim(idx, 0, B)
+        if n is not None:
+            out, idx = split_dim(out, 0, B, n), split_dim(idx, 0, B, n)
         return (out, idx), (0, 0)
 
     register_vmap_rule(op)(fractional_max_pool_vmap_rule)

@@ -63,7 +63,7 @@ def view_vmap_rule(interp, args, bdims, kwargs):
     # dim of its own in both shapes, so the physical view succeeds exactly when the logical one
     # does: errors are torch's own ("view size is not compatible ... use .reshape").
     x, _ = _front(args, bdims)
-    return x.view((x.shape[0], *args[1])), 0
+    return x.view(_batched_size(x, args[1])), 0
 
 
 @register_vmap_rule(aten.view_copy.default)
@@ -71,7 +71,7 @@ def view_copy_vmap_rule(interp, args, bdims, kwargs):
     # Eager view_copy reshapes where a view would fail (an example that is not contiguous,
     # e.g. batched at in_dims=1); torch._decomp's `view(x).clone()` raised there instead
     x, _ = _front(args, bdims)
-    return aten.view_copy.default(x, (x.shape[0], *args[1])), 0
+    return aten.view_copy.default(x, _batched_size(x, args[1])), 0
 
 
 def def_copy_in_format(op):
@@ -91,7 +91,16 @@ def_copy_in_format(aten._to_copy.default)
 @register_vmap_rule(aten._unsafe_view.default, aten.reshape.default)
 def reshape_vmap_rule(interp, args, bdims, kwargs):
     x, _ = _front(args, bdims)
-    return x.reshape((x.shape[0], *args[1])), 0
+    return x.reshape(_batched_size(x, args[1])), 0
+
+
+def _batched_size(x, size):
+    """The physical size of a view/reshape of ``x`` (batch dim in front) to logical ``size``.
+    Over an empty batch a -1 is ambiguous (0 elements), so it is resolved against one example,
+    as torch would for that example (on meta: shapes only; the errors are torch's)."""
+    if x.shape[0] == 0 and -1 in size:
+        size = torch.empty(x.shape[1:], device="meta").reshape(size).shape
+    return (x.shape[0], *size)
 
 
 @register_vmap_rule(aten.expand.default)

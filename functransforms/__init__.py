@@ -1,6 +1,7 @@
 """functransforms: composable function transforms for PyTorch (grad, vjp, jvp, vmap, ...)."""
 
 import os as _os
+import sys as _sys
 
 # In a source checkout the subpackages live beside this folder (batching/, autodiff/, linalg/)
 # and the installed package-dir mapping finds them. Run from the repository root, though,
@@ -36,6 +37,10 @@ with _paused_collector():
     from ._vmap import vmap
 
     _install_autograd_function()  # Note [autograd.Function under transforms]
+    if "torch._dynamo" in _sys.modules:  # Note [torch.compile inside our transforms] (_core.py)
+        from ._core import keep_dynamo_out as _keep_dynamo_out
+
+        _keep_dynamo_out()
 
 # Note [Lazy parts of the package]: what no rule needs loads at first use (PEP 562), so
 # ``import functransforms`` stays cheap (cold start, docs/performance.md): ``jit`` (make_fx's

@@ -126,6 +126,13 @@ def _split_aux(result, call):
     return result
 
 
+def _as_tensor(x):
+    """``x`` itself if it is a tensor, else ``torch.as_tensor(x)``: under
+    ``torch.set_default_device(d)`` ``as_tensor`` of a tensor copies it to ``d`` (a meta primal
+    raised "Cannot copy out of meta tensor", a CPU one moved to the default device)."""
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
 @eager_under_compile
 def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
@@ -363,7 +370,7 @@ def grad_and_value(
             if holomorphic:  # vjp gives conj(f'(z)) for holomorphic f (docs/complex.md)
                 g = pt.tree_map(torch.conj_physical, g)
         else:  # an integer output does not depend differentiably on anything (as PyTorch)
-            g = pt.tree_map(lambda x: torch.zeros_like(torch.as_tensor(x)), diff)
+            g = pt.tree_map(lambda x: torch.zeros_like(_as_tensor(x)), diff)
         g = g if isinstance(argnums, tuple) else g[0]
         if has_aux:
             return g, (out, aux)
@@ -635,7 +642,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
             )
         cast = []
         for p, t in zip(flat_primals, flat_t):
-            p = torch.as_tensor(p)
+            p = _as_tensor(p)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise RuntimeError(

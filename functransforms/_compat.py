@@ -43,6 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 __all__ = [
     "device_context_class",
+    "dynamo_skip_paths",
+    "top_saved_tensors_hooks",
     "is_any_autocast_enabled",
     "neg_view",
     "ADInplaceOrView",
@@ -163,6 +165,23 @@ def proxy_tracing() -> bool:
     tensor it has seen. Checked on 2.13.0, 2.15.0."""
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
+
+
+# The innermost saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``): ``(pack,
+# unpack)`` or None; the argument is ``ignore_is_tracing``. A grad level refuses the user's
+# (Note [Saved tensor hooks under grad], autodiff/reverse.py). Checked on 2.13.0, 2.15.0.
+top_saved_tensors_hooks = _C._autograd._top_saved_tensors_default_hooks
+
+
+def dynamo_skip_paths(paths) -> None:
+    """Tell dynamo (``torch.compile``) to run the code under these paths (files, or folders
+    ending in ``/``) as it runs torch's own internals: never trace into it, call it eagerly (a
+    graph break where a traced frame calls in). What ``torch._dynamo.trace_rules.add`` does per
+    module, with one recompile of the pattern for all (``add`` costs ~10 ms each). Checked on
+    2.13.0, 2.15.0 (Note [torch.compile inside our transforms], _core.py)."""
+    trace_rules = importlib.import_module("torch._dynamo.trace_rules")
+    trace_rules.SKIP_DIRS.extend(p.replace("\\", "/") for p in paths)
+    trace_rules._recompile_re()
 
 
 def swap_proxy_slots(a, b, *, share=False):

@@ -102,12 +102,18 @@ def vmap(
         if lean:
             # eager_under_compile's test (the general path below is wrapped by it)
             dynamo = _modules.get("torch._dynamo")
+            if dynamo is not None and not _core.DYNAMO_KEPT_OUT:
+                _core.keep_dynamo_out()
             if dynamo is None or not torch.compiler.is_compiling():
                 if _functorch_interpreter() is not None:
                     _core._raise_inside_torch_func()
                 if not facts:
                     facts.append(_lean_facts(func, in_dims, out_dims, randomness))
-                out = _lean_call(func, facts[0], out_dims, axis_name, args, kwargs)
+                try:
+                    out = _lean_call(func, facts[0], out_dims, axis_name, args, kwargs)
+                except RuntimeError as e:  # Note [Pre-dispatch tracing]
+                    _core.raise_if_pre_dispatch(e)
+                    raise
                 if out is not _GENERAL:
                     return out
         return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs, axis)
