@@ -207,18 +207,34 @@ def _loop_vmap(f, in_dims=0, out_dims=0, randomness="error"):
 
 
 def _loop_jvp(f, primals, tangents):
-    """jvp as the reverse-mode Jacobian (``torch.autograd.functional.jacobian``, one backward
-    per output element) contracted with the tangents: no double backward, which some kernels
-    lack (flash attention on CPU)."""
-    out = f(*primals)
-    jac = torch.autograd.functional.jacobian(f, tuple(primals))  # [output][input]
-    tangents_out = tuple(
-        sum(
-            torch.tensordot(j, t, dims=t.dim()) if t.dim() else j * t for j, t in zip(row, tangents)
-        )
-        for row in jac
-    )
-    return out, tangents_out
+    """jvp from one forward (a training-mode forward writes buffers) by the double-backward
+    trick; where a kernel has no double backward (flash attention on CPU), by the rows of the
+    reverse-mode Jacobian (one backward per output element) contracted with the tangents."""
+    ps = [p.detach().requires_grad_() for p in primals]
+    with torch.enable_grad():
+        out = f(*ps)
+        try:
+            us = [torch.zeros_like(o, requires_grad=True) for o in out]
+            gs = torch.autograd.grad(out, ps, us, create_graph=True, allow_unused=True)
+            pairs = [(g, t) for g, t in zip(gs, tangents) if g is not None]
+            tangents_out = torch.autograd.grad(
+                [g for g, _ in pairs], us, [t for _, t in pairs], allow_unused=True
+            )
+            tangents_out = tuple(
+                torch.zeros_like(o) if t is None else t for o, t in zip(out, tangents_out)
+            )
+        except (RuntimeError, NotImplementedError):
+            tangents_out = tuple(_jvp_by_rows(o, ps, tangents) for o in out)
+    return tuple(o.detach() for o in out), tangents_out
+
+
+def _jvp_by_rows(o, ps, tangents):
+    flat = o.reshape(-1)
+    rows = []
+    for i in range(flat.numel()):
+        gs = torch.autograd.grad(flat[i], ps, retain_graph=True, allow_unused=True)
+        rows.append(sum((g * t).sum() for g, t in zip(gs, tangents) if g is not None))
+    return torch.stack(rows).reshape(o.shape) if rows else torch.zeros_like(o)
 
 
 def _loop_jac(f, argnums=0):
@@ -248,6 +264,27 @@ FUNC = types.SimpleNamespace(
     functional_call=tf.functional_call,
     stack_module_state=tf.stack_module_state,
 )
+
+
+def _soft_margin_loss(module, x, y):
+    """torch's kernel refuses a gradient for the target (derivatives.yaml: not_implemented);
+    the formula has one: log(1 + exp(-y x)), reduced."""
+    loss = torch.log1p(torch.exp(-y * x))
+    return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[module.reduction]
+
+
+# The loop of plain autograd computes these modules by their formula, where torch's kernel
+# has no derivative that ours computes (torch_func_differences.md 33).
+FORMULAS = {torch.nn.SoftMarginLoss: _soft_margin_loss}
+
+
+def _loop_functional_call(module, params, args, kwargs):
+    formula = FORMULAS.get(type(module))
+    if formula is not None:
+        return formula(module, *args, **kwargs)
+    return tf.functional_call(module, params, args, kwargs)
+
+
 LOOP = types.SimpleNamespace(
     name="loop",
     grad=_loop_grad,
@@ -255,7 +292,7 @@ LOOP = types.SimpleNamespace(
     jvp=_loop_jvp,
     jacrev=_loop_jac,
     jacfwd=_loop_jac,
-    functional_call=tf.functional_call,  # no transform: swaps tensors into the module
+    functional_call=_loop_functional_call,  # no transform: swaps tensors into the module
     stack_module_state=tf.stack_module_state,
 )
 

@@ -11,6 +11,9 @@ import warnings
 
 import module_harness as mh
 import pytest
+import torch
+
+import functransforms as ft
 
 # (case id, check) -> the root cause; strict xfails.
 EXPECTED: dict[tuple[str, str], str] = {}
@@ -46,3 +49,63 @@ def test_module(case_id, check):
         f"TORCH_FUNC_WRONG[{case_id!r}, {check!r}] says {wrong!r}, but torch.func agrees with a "
         "loop of autograd on every input: remove the entry"
     )
+
+
+# Random modules: module_db builds every dropout with p=0, so these cases switch dropout on
+# (p=0.5, training mode) to check randomness where torch.func defines it.
+def _with_dropout(case_id):
+    case = mh.cases(case_id)[0]
+    for m in case.module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.5
+        if isinstance(m, (torch.nn.MultiheadAttention, torch.nn.RNNBase)):
+            m.dropout = 0.5
+    case.module.train()
+    return case
+
+
+_RANDOM_CASES = [
+    "nn.TransformerEncoderLayer-train",
+    "nn.MultiheadAttention-train",
+    "nn.Transformer",
+]
+
+
+@pytest.mark.parametrize("case_id", _RANDOM_CASES)
+def test_random_module_grad_same_stream(case_id):
+    """grad and jvp outside vmap draw dropout's masks from torch's generator as torch does:
+    from one seed, ours and torch.func drop the same units (compare() seeds both)."""
+    case = _with_dropout(case_id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for check in ("grad", "jvp"):
+            assert mh.compare(check, case) == "both compute"
+
+
+@pytest.mark.parametrize("case_id", _RANDOM_CASES)
+def test_random_module_vmap_randomness(case_id):
+    """vmap of a dropout module: randomness='error' raises like torch.func; 'same' gives one
+    mask to B identical examples (identical rows), 'different' one mask per example; from one
+    seed both draw what torch.func draws (batching/random.py keeps torch.func's streams)."""
+    case = _with_dropout(case_id)
+    xs = [torch.stack([x] * mh.B) for x in case.tensors]
+
+    def f(api):
+        def g(ts):
+            return mh.floats_out(mh._call(api, case, case.module, case.params, ts, case.tensor_at))
+
+        return g
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="randomness"):
+            ft.vmap(f(mh.OURS))(xs)
+        for randomness, identical in (("same", True), ("different", False)):
+            torch.manual_seed(1)
+            ours = ft.vmap(f(mh.OURS), randomness=randomness)(xs)
+            torch.manual_seed(1)
+            theirs = torch.func.vmap(f(mh.FUNC), randomness=randomness)(xs)
+            torch.testing.assert_close(ours, theirs, **mh.TOL)
+            out = ours[0]
+            rows_equal = all(torch.allclose(out[0], out[k]) for k in range(1, mh.B))
+            assert rows_equal == identical, randomness
