@@ -681,10 +681,18 @@ _LCE_MODULE = "torch.nn.modules.linear_cross_entropy"
 
 
 def _lce_dz(x, W, t, b, w, reduction, ignore_index, acc_dtype):
-    """(z, dL/dz) in acc_dtype; reduction None for per-row losses (dL_n/dz_n in row n)."""
+    """(dL/dz, dL/dt) in acc_dtype, dL/dt None for class-index targets; reduction None for
+    per-row losses (row n holds dL_n/dz_n). Probability targets (torch 2.15: float [N, C]):
+    L_n = -sum_c w_c t_nc log_softmax(z_n)_c, 'mean' divides by N."""
     z = x.to(acc_dtype) @ W.to(acc_dtype).mT
     if b is not None:
         z = z + b.to(acc_dtype)
+    if t.is_floating_point():
+        wt = t.to(acc_dtype) if w is None else t.to(acc_dtype) * w.to(acc_dtype)
+        scale = 1 / z.shape[-2] if reduction == "mean" else 1
+        G = scale * (wt.sum(-1, keepdim=True) * torch.softmax(z, -1) - wt)
+        lsm = torch.log_softmax(z, -1)
+        return G, -scale * (lsm if w is None else w.to(acc_dtype) * lsm)
     keep = t != ignore_index
     safe_t = torch.where(keep, t, 0)
     s = keep.to(acc_dtype)
@@ -694,7 +702,7 @@ def _lce_dz(x, W, t, b, w, reduction, ignore_index, acc_dtype):
         d = s.sum(-1)
         s = s / torch.where(d == 0, torch.nan, d)  # nan when every row is ignored, as the op
     onehot = F.one_hot(safe_t, z.shape[-1]).to(z.dtype)
-    return z, s.unsqueeze(-1) * (torch.softmax(z, -1) - onehot)
+    return s.unsqueeze(-1) * (torch.softmax(z, -1) - onehot), None
 
 
 def _lce_parts(primals):
@@ -707,13 +715,13 @@ def _lce_parts(primals):
 
 def _lce_jvp_rule(op_index):
     def lce_jvp_rule(primals, tangents, kwargs):
-        """dL = sum_n <dL/dz_n, dx_n W^T + x_n dW^T + db>."""
+        """dL = sum_n <dL/dz_n, dx_n W^T + x_n dW^T + db> + <dL/dt_n, dt_n>."""
         out = _lce(op_index)(*primals, **kwargs)
-        tx, tW, _, tb = tangents[:4]
-        if tx is None and tW is None and tb is None:
+        tx, tW, tt, tb = tangents[:4]
+        if tx is None and tW is None and tt is None and tb is None:
             return out, None
         x, W, t, b, w, reduction, ignore_index, acc = _lce_parts(primals)
-        _, G = _lce_dz(x, W, t, b, w, reduction, ignore_index, acc)
+        G, Gt = _lce_dz(x, W, t, b, w, reduction, ignore_index, acc)
         dz = 0
         if tx is not None:
             dz = dz + tx.to(acc) @ W.to(acc).mT
@@ -722,6 +730,8 @@ def _lce_jvp_rule(op_index):
         if tb is not None:
             dz = dz + tb.to(acc)
         dloss = (G * dz).sum(-1)
+        if tt is not None and Gt is not None:
+            dloss = dloss + (Gt * tt.to(acc)).sum(-1)
         if reduction is None:
             return out, dloss.to(out.dtype)
         return out, (dloss.sum().to(out[0].dtype), None, None, None)
@@ -731,7 +741,7 @@ def _lce_jvp_rule(op_index):
 
 def _lce_vjp_rule(op_index):
     def lce_vjp_rule(cts, primals, kwargs, out, needs):
-        """dx = ct G W, dW = ct G^T x, db = ct sum_n G_n (G = dL/dz)."""
+        """dx = ct G W, dW = ct G^T x, db = ct sum_n G_n (G = dL/dz); dt = ct dL/dt."""
         ct = cts if op_index == 1 else cts[0]
         if op_index == 0 and any(c is not None for c in cts[1:]):
             raise NotImplementedError(
@@ -743,12 +753,15 @@ def _lce_vjp_rule(op_index):
         if ct is None:
             return tuple(res)
         x, W, t, b, w, reduction, ignore_index, acc = _lce_parts(primals)
-        _, G = _lce_dz(x, W, t, b, w, reduction, ignore_index, acc)
-        G = G * (ct.to(acc).unsqueeze(-1) if reduction is None else ct.to(acc))
+        G, Gt = _lce_dz(x, W, t, b, w, reduction, ignore_index, acc)
+        scale = ct.to(acc).unsqueeze(-1) if reduction is None else ct.to(acc)
+        G = G * scale
         if needs[0]:
             res[0] = (G @ W.to(acc)).to(x.dtype)
         if needs[1]:
             res[1] = (G.mT @ x.to(acc)).to(W.dtype)
+        if needs[2] and Gt is not None:
+            res[2] = (Gt * scale).to(t.dtype)
         if needs[3] and b is not None:
             res[3] = G.sum(-2).to(b.dtype)
         return tuple(res)

@@ -20,10 +20,9 @@ Note [Module conformance]
     raises as well, ours must raise).
 
     Each api call runs on its own deep copy of the module (calls write buffers), from the same
-    seed (modules that draw random numbers, e.g. FractionalMaxPool or dropout in training
-    mode, then see the same stream wherever the draw is the same op). Modules whose draws
-    cannot line up between implementations (dropout inside vmap) are compared by semantics,
-    see ``RANDOM``.
+    seed, so a module that draws random numbers sees the same stream wherever the draw is the
+    same op (module_db's dropouts have p=0; test_random_module_* switch them on and check
+    grad, jvp and vmap's randomness modes against torch.func's draws).
 
     Inputs: at most ``MAX_INPUTS`` per module, spread evenly over the list (the list of
     CrossEntropyLoss has 105, LinearCrossEntropyLoss 857), generated from a seed derived from
@@ -44,15 +43,9 @@ import functransforms as ft
 
 B = 3  # examples in every batch
 MAX_INPUTS = 3  # ModuleInputs per module and check
-SMALL = 64  # jacrev / jacfwd: the input differentiated has at most this many elements
+SMALL = 256  # jacrev / jacfwd: the tensor differentiated has at most this many elements
+PROJECT = 32  # and they see at most this many outputs (random projections of larger ones)
 TOL = {"atol": 1e-7, "rtol": 1e-7, "equal_nan": True}  # float64; NaN where torch has NaN
-
-# module_db names whose forward draws random numbers in the given mode (None: in both);
-# see ``random_case``.
-RANDOM = {
-    "nn.FractionalMaxPool2d": None,
-    "nn.FractionalMaxPool3d": None,
-}
 
 
 def seed_of(*parts) -> int:
@@ -382,21 +375,38 @@ def check_jvp(api, case, module):
 
 
 def small_input(case):
-    """The position (in ``case.float_at``) of the smallest float input, if small enough."""
+    """What jacrev / jacfwd differentiate: ``("input", k)``, the smallest float input (k in
+    ``case.float_at`` order) if small enough, else ``("param", name)``, the smallest parameter
+    if small enough, else None."""
     sizes = [(x.numel(), k) for k, x in enumerate(case.floats) if x.numel() <= SMALL]
-    return min(sizes)[1] if sizes else None
+    if sizes:
+        return "input", min(sizes)[1]
+    sizes = [(p.numel(), n) for n, p in case.params.items() if p.numel() <= SMALL]
+    return ("param", min(sizes)[1]) if sizes else None
 
 
 def check_jac(api, case, module, which):
-    """jacrev / jacfwd of the forward w.r.t. one small float input."""
-    k = small_input(case)
+    """jacrev / jacfwd of the forward w.r.t. one small float input (or parameter)."""
+    kind, k = small_input(case)
+    start = case.floats[k] if kind == "input" else case.params[k]
 
-    def f(x):
-        xs = list(case.floats)
-        xs[k] = x
-        return floats_out(_call(api, case, module, case.params, xs, case.float_at))
+    def f(v):
+        xs, params = list(case.floats), dict(case.params)
+        if kind == "input":
+            xs[k] = v
+        else:
+            params[k] = v
+        outs = floats_out(_call(api, case, module, params, xs, case.float_at))
+        flat = torch.cat([o.reshape(-1) for o in outs])
+        if flat.numel() <= PROJECT:
+            return outs
+        # a large output is seen through PROJECT fixed random directions: jacrev's cost
+        # follows the number of outputs (ConvTranspose3d: thousands)
+        gen = torch.Generator().manual_seed(flat.numel())
+        P = torch.randn(PROJECT, flat.numel(), generator=gen, dtype=flat.dtype)
+        return P @ flat
 
-    return getattr(api, which)(f)(case.floats[k])
+    return getattr(api, which)(f)(start)
 
 
 def check_vmap(api, case, module, batch_dim=0):
@@ -454,7 +464,7 @@ def applicable(check, case):
         if all(x.dim() == 0 for x in case.tensors):
             return "only 0-d inputs (dim 1 is dim 0)"
     if check in ("jacrev", "jacfwd") and small_input(case) is None:
-        return f"no float input of at most {SMALL} elements"
+        return f"no float input or parameter of at most {SMALL} elements"
     return None
 
 
