@@ -319,15 +319,18 @@ def check_grad(api, case, module):
 
 
 def batch_of(case, seed, batch_dim=0):
-    """``B`` perturbed copies of the tensor inputs (ints copied), stacked at ``batch_dim``
-    (at 0 where a leaf is 0-d); returns (tensors, in_dims) in ``case.tensor_at`` order."""
+    """``B`` perturbed copies of the tensor inputs, stacked at ``batch_dim`` (at 0 where a
+    leaf is 0-d); returns (tensors, in_dims) in ``case.tensor_at`` order. Example k's floats
+    move by ~1e-3 k; its integers (targets, indices, lengths) are rolled by k places, so a
+    rule that mixes up examples shows in them too, while every value stays one the module
+    accepts (the same multiset)."""
     gen = torch.Generator().manual_seed(seed)
     out, dims = [], []
     for x in case.tensors:
         copies = [
             x + 1e-3 * k * torch.randn(x.shape, generator=gen, dtype=x.dtype)
-            if x.dtype.is_floating_point and k
-            else x.clone()
+            if x.dtype.is_floating_point
+            else x.reshape(-1).roll(k).reshape(x.shape)
             for k in range(B)
         ]
         d = batch_dim if x.dim() >= batch_dim else 0
