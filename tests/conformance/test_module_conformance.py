@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import functransforms as ft
+from functransforms.testing import check_grads
 
 # (case id, check) -> the root cause; strict xfails.
 EXPECTED: dict[tuple[str, str], str] = {}
@@ -109,3 +110,32 @@ def test_random_module_vmap_randomness(case_id):
             out = ours[0]
             rows_equal = all(torch.allclose(out[0], out[k]) for k in range(1, mh.B))
             assert rows_equal == identical, randomness
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        torch.nn.SoftMarginLoss(),  # torch's kernel: no derivative in the target
+        torch.nn.LinearCrossEntropyLoss(  # the chunked ops: no forward formula in torch
+            6, 4, options=torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+        ).double(),
+    ],
+    ids=["SoftMarginLoss", "LinearCrossEntropyLoss"],
+)
+def test_beyond_torch_by_finite_differences(module):
+    """Where ours differentiates what torch refuses or gets wrong (torch_func_differences.md
+    33), finite differences agree, forward and reverse, to second order."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    if isinstance(module, torch.nn.SoftMarginLoss):
+        args = (x, torch.randn(5, 6, generator=gen, dtype=torch.float64))
+    else:
+        args = (x, torch.randint(0, 4, (5,), generator=gen))
+    names = [k for k, _ in module.named_parameters()]
+    params = [v.detach() for _, v in module.named_parameters()]
+
+    def f(*ps_and_args):  # check_grads differentiates the positional float tensors
+        ps, args = ps_and_args[: len(names)], ps_and_args[len(names) :]
+        return ft.functional_call(module, dict(zip(names, ps)), args)
+
+    check_grads(f, (*params, *args), order=2)
