@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from functransforms._decomp import override
 
-from ._registry import register_jvp_rule, register_vjp_rule
+from ._registry import JVP_RULES, VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import logsumexp_jvp, unbroadcast
 
 aten = torch.ops.aten
@@ -660,3 +660,121 @@ def binary_cross_entropy_backward_vjp_rule(ct, primals, kwargs, out, needs):
         gt = _double_backward_target(g, ct, x, weight, reduction)
         res[2] = unbroadcast(gt, target.shape)
     return tuple(res)
+
+
+# -- F.linear_cross_entropy's chunked custom ops ---------------------------------------------
+# Note [Derivatives of linear_cross_entropy]
+#     torch_nn::_linear_cross_entropy_batch_chunked (mean / sum) returns (loss, grad_input,
+#     grad_weight, grad_bias), the gradients precomputed in its forward when the compute_*
+#     flags say so (torch's autograd scales them by the cotangent); the _no_reduction op
+#     returns per-row losses. Neither has a forward-mode formula in torch (torch.func.jvp
+#     returns a zero tangent for the loss: torch_func_differences.md 33). Both rules use
+#     dL/dz = s_n (softmax(z_n) - onehot(t_n)) for the logits z = x W^T + b (Note [Batching
+#     linear_cross_entropy], batching/nn.py), in ordinary ops, so they compose; the
+#     precomputed gradient outputs are not differentiated (no caller reads them but torch's
+#     backward, which these rules replace).
+_LCE_NAMES = (
+    "torch_nn::_linear_cross_entropy_batch_chunked.default",
+    "torch_nn::_linear_cross_entropy_batch_chunked_no_reduction.default",
+)
+_LCE_MODULE = "torch.nn.modules.linear_cross_entropy"
+
+
+def _lce_dz(x, W, t, b, w, reduction, ignore_index, acc_dtype):
+    """(dL/dz, dL/dt) in acc_dtype, dL/dt None for class-index targets; reduction None for
+    per-row losses (row n holds dL_n/dz_n). Probability targets (torch 2.15: float [N, C]):
+    L_n = -sum_c w_c t_nc log_softmax(z_n)_c, 'mean' divides by N."""
+    z = x.to(acc_dtype) @ W.to(acc_dtype).mT
+    if b is not None:
+        z = z + b.to(acc_dtype)
+    if t.is_floating_point():
+        wt = t.to(acc_dtype) if w is None else t.to(acc_dtype) * w.to(acc_dtype)
+        scale = 1 / z.shape[-2] if reduction == "mean" else 1
+        G = scale * (wt.sum(-1, keepdim=True) * torch.softmax(z, -1) - wt)
+        lsm = torch.log_softmax(z, -1)
+        return G, -scale * (lsm if w is None else w.to(acc_dtype) * lsm)
+    keep = t != ignore_index
+    safe_t = torch.where(keep, t, 0)
+    s = keep.to(acc_dtype)
+    if w is not None:
+        s = torch.where(keep, w.to(acc_dtype).gather(-1, safe_t), 0)
+    if reduction == "mean":
+        d = s.sum(-1)
+        s = s / torch.where(d == 0, torch.nan, d)  # nan when every row is ignored, as the op
+    onehot = F.one_hot(safe_t, z.shape[-1]).to(z.dtype)
+    return s.unsqueeze(-1) * (torch.softmax(z, -1) - onehot), None
+
+
+def _lce_parts(primals):
+    """(x, W, t, b, w, reduction, ignore_index, acc_dtype) of either op."""
+    x, W, t, b, w = primals[:5]
+    if len(primals) == 9:  # _no_reduction: (..., ignore_index, chunk, policy, acc_dtype)
+        return x, W, t, b, w, None, primals[5], primals[8]
+    return x, W, t, b, w, primals[5], primals[6], primals[10]
+
+
+def _lce_jvp_rule(op_index):
+    def lce_jvp_rule(primals, tangents, kwargs):
+        """dL = sum_n <dL/dz_n, dx_n W^T + x_n dW^T + db> + <dL/dt_n, dt_n>."""
+        out = _lce(op_index)(*primals, **kwargs)
+        tx, tW, tt, tb = tangents[:4]
+        if tx is None and tW is None and tt is None and tb is None:
+            return out, None
+        x, W, t, b, w, reduction, ignore_index, acc = _lce_parts(primals)
+        G, Gt = _lce_dz(x, W, t, b, w, reduction, ignore_index, acc)
+        dz = 0
+        if tx is not None:
+            dz = dz + tx.to(acc) @ W.to(acc).mT
+        if tW is not None:
+            dz = dz + x.to(acc) @ tW.to(acc).mT
+        if tb is not None:
+            dz = dz + tb.to(acc)
+        dloss = (G * dz).sum(-1)
+        if tt is not None and Gt is not None:
+            dloss = dloss + (Gt * tt.to(acc)).sum(-1)
+        if reduction is None:
+            return out, dloss.to(out.dtype)
+        return out, (dloss.sum().to(out[0].dtype), None, None, None)
+
+    return lce_jvp_rule
+
+
+def _lce_vjp_rule(op_index):
+    def lce_vjp_rule(cts, primals, kwargs, out, needs):
+        """dx = ct G W, dW = ct G^T x, db = ct sum_n G_n (G = dL/dz); dt = ct dL/dt."""
+        ct = cts if op_index == 1 else cts[0]
+        if op_index == 0 and any(c is not None for c in cts[1:]):
+            raise NotImplementedError(
+                "linear_cross_entropy: the gradients precomputed by "
+                "torch_nn._linear_cross_entropy_batch_chunked were differentiated; only its "
+                "loss has a derivative rule (Note [Derivatives of linear_cross_entropy])."
+            )
+        res = [None] * len(primals)
+        if ct is None:
+            return tuple(res)
+        x, W, t, b, w, reduction, ignore_index, acc = _lce_parts(primals)
+        G, Gt = _lce_dz(x, W, t, b, w, reduction, ignore_index, acc)
+        scale = ct.to(acc).unsqueeze(-1) if reduction is None else ct.to(acc)
+        G = G * scale
+        if needs[0]:
+            res[0] = (G @ W.to(acc)).to(x.dtype)
+        if needs[1]:
+            res[1] = (G.mT @ x.to(acc)).to(W.dtype)
+        if needs[2] and Gt is not None:
+            res[2] = (Gt * scale).to(t.dtype)
+        if needs[3] and b is not None:
+            res[3] = G.sum(-2).to(b.dtype)
+        return tuple(res)
+
+    return lce_vjp_rule
+
+
+def _lce(i):
+    """The op ``_LCE_NAMES[i]`` (defined by now: its rule is running)."""
+    name = _LCE_NAMES[i].partition("::")[2].partition(".")[0]
+    return getattr(torch.ops.torch_nn, name).default
+
+
+for _i, _name in enumerate(_LCE_NAMES):
+    JVP_RULES.register_when_defined(_name, _lce_jvp_rule(_i), _LCE_MODULE)
+    VJP_RULES.register_when_defined(_name, _lce_vjp_rule(_i), _LCE_MODULE)

@@ -209,7 +209,9 @@ def grid_sampler_3d_backward_vmap_rule(interp, args, bdims, kwargs):
 #     t_n == ignore_index; 'mean' divides by sum_n w[t_n] (nan when 0, as the op); the gradients
 #     use dL/dz_n = s_n (softmax(z_n) - onehot(t_n)) with s_n the row's weight (/ d for mean).
 def _lce_rows(interp, args, bdims, acc_dtype, ignore_index):
-    """Batch-front values and per-row (logits, target weight, safe target, loss)."""
+    """Batch-front values, the logits and per-row (loss, target weight): a class-index target
+    weighs its row by w[t_n] (0 where t_n == ignore_index); a probability target (torch 2.15:
+    float [N, C]) gives loss_n = -sum_c w_c t_nc log_softmax(z_n)_c, weight 1."""
     B = interp.batch_size
     x, W, t, b, w = (
         None if a is None else expand_front(a, d, B) for a, d in zip(args[:5], bdims[:5])
@@ -217,13 +219,18 @@ def _lce_rows(interp, args, bdims, acc_dtype, ignore_index):
     z = torch.matmul(x.to(acc_dtype), W.to(acc_dtype).mT)
     if b is not None:
         z = z + b.to(acc_dtype).unsqueeze(-2)
+    if t.is_floating_point():
+        p = t.to(acc_dtype) if w is None else t.to(acc_dtype) * w.to(acc_dtype).unsqueeze(-2)
+        loss = -(p * torch.log_softmax(z, -1)).sum(-1)
+        return (x, W, t, b), z, torch.ones_like(loss), p, loss
     keep = t != ignore_index
     safe_t = torch.where(keep, t, 0)
     wt = keep.to(acc_dtype)
     if w is not None:
         wt = torch.where(keep, w.to(acc_dtype).gather(-1, safe_t), 0)
     z_t = z.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
-    return (x, W, t, b), z, wt, safe_t, wt * (torch.logsumexp(z, -1) - z_t)
+    onehot = torch.nn.functional.one_hot(safe_t, z.shape[-1]).to(z.dtype)
+    return (x, W, t, b), z, wt, wt.unsqueeze(-1) * onehot, wt * (torch.logsumexp(z, -1) - z_t)
 
 
 # torch defines the two ops when F.linear_cross_entropy first imports their module (~7 ms, ~750
@@ -260,18 +267,19 @@ def _lce_vmap_rule(interp, args, bdims, kwargs):
             f"linear_cross_entropy does not support label_smoothing={smoothing} / "
             f"reduction={reduction!r} (the chunked op takes label_smoothing=0, mean or sum)"
         )
-    (x, W, t, b), z, wt, safe_t, loss = _lce_rows(interp, args, bdims, acc_dtype, ignore_index)
+    (x, W, t, b), z, wt, p, loss = _lce_rows(interp, args, bdims, acc_dtype, ignore_index)
     B, dtype = x.shape[0], x.dtype
-    scale = wt
-    total = loss.sum(-1)
-    if reduction == "mean":
+    total, d = loss.sum(-1), None
+    if reduction == "mean":  # by the weights of the rows (N for probability targets)
         d = wt.sum(-1)
         d = torch.where(d == 0, torch.nan, d)
-        total, scale = total / d, wt / d.unsqueeze(-1)
+        total = total / d
     gx = gW = gb = None
     if need_gx or need_gw or need_gb:
-        onehot = torch.nn.functional.one_hot(safe_t, z.shape[-1]).to(z.dtype)
-        G = scale.unsqueeze(-1) * (torch.softmax(z, -1) - onehot)  # dL/dz [B, N, C]
+        # dL/dz_n = sum_c p_nc softmax(z_n) - p_n, p_n the row's weighted one-hot/probabilities
+        G = p.sum(-1, keepdim=True) * torch.softmax(z, -1) - p  # [B, N, C]
+        if d is not None:
+            G = G / d.unsqueeze(-1).unsqueeze(-1)
         if need_gx:
             gx = (G @ W.to(z.dtype)).to(dtype)
         if need_gw:

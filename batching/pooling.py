@@ -101,13 +101,15 @@ for _op, _k in (
 
 def def_fractional_max_pool(op, spatial):
     """``op(x, kernel_size, output_size, random_samples)``: the samples (``[N, C, spatial]``)
-    fold like the input; unbatched samples are shared by every example."""
+    fold like the input; unbatched samples are shared by every example. The kernel reads the
+    first N rows of the samples only (row 0 for an input without N, as ``nn.FractionalMaxPool``
+    given ``_random_samples`` of a batch calls it), so each example keeps its first N rows."""
 
     def fractional_max_pool_vmap_rule(interp, args, bdims, kwargs):
         B = interp.batch_size
         x, n = _fold(args[0], bdims[0], B, spatial)
-        s = expand_front(args[3], bdims[3], B)
-        s = s.reshape((x.shape[0],) + tuple(s.shape[-2:]))
+        s = expand_front(args[3], bdims[3], B)  # [B, N', C, spatial]: the rows the kernel reads
+        s = s[:, : (1 if n is None else n)].reshape((x.shape[0],) + tuple(s.shape[-2:]))
         out, idx = op(x, args[1], args[2], s, **kwargs)
         if n is not None:
             out, idx = split_dim(out, 0, B, n), split_dim(idx, 0, B, n)

@@ -188,6 +188,8 @@ INDEX = {
         'functransforms::pmean': 268435456, 'functransforms::pmin': 268435456,
         'functransforms::ppermute': 268435456, 'functransforms::psum': 268435456,
         'functransforms::psum_many': 268435456, 'functransforms::psum_scatter': 268435456,
+        'torch_nn::_linear_cross_entropy_batch_chunked': 4194304,
+        'torch_nn::_linear_cross_entropy_batch_chunked_no_reduction': 4194304,
     },
     'vjp_forward': {
         'aten::_conj': 4096, 'aten::_conj_physical': 4096, 'aten::_neg_view': 4096,
@@ -334,6 +336,8 @@ INDEX = {
         'functransforms::pmean': 268435456, 'functransforms::pmin': 268435456,
         'functransforms::ppermute': 268435456, 'functransforms::psum': 268435456,
         'functransforms::psum_many': 268435456, 'functransforms::psum_scatter': 268435456,
+        'torch_nn::_linear_cross_entropy_batch_chunked': 4194304,
+        'torch_nn::_linear_cross_entropy_batch_chunked_no_reduction': 4194304,
     },
     'vmap_rule': {
         'aten::__and__.Scalar': 0, 'aten::__and__.Tensor': 0, 'aten::__or__.Scalar': 0,
