@@ -668,7 +668,7 @@ def binary_cross_entropy_backward_vjp_rule(ct, primals, kwargs, out, needs):
 #     grad_weight, grad_bias), the gradients precomputed in its forward when the compute_*
 #     flags say so (torch's autograd scales them by the cotangent); the _no_reduction op
 #     returns per-row losses. Neither has a forward-mode formula in torch (torch.func.jvp
-#     returns a zero tangent for the loss: torch_func_differences.md 33). Both rules use
+#     returns a zero tangent for the loss: torch_func_differences.md 37). Both rules use
 #     dL/dz = s_n (softmax(z_n) - onehot(t_n)) for the logits z = x W^T + b (Note [Batching
 #     linear_cross_entropy], batching/nn.py), in ordinary ops, so they compose; the
 #     precomputed gradient outputs are not differentiated (no caller reads them but torch's

@@ -267,7 +267,7 @@ def _soft_margin_loss(module, x, y):
 
 
 # The loop of plain autograd computes these modules by their formula, where torch's kernel
-# has no derivative that ours computes (torch_func_differences.md 33).
+# has no derivative that ours computes (torch_func_differences.md 37).
 FORMULAS = {torch.nn.SoftMarginLoss: _soft_margin_loss}
 
 
@@ -517,7 +517,7 @@ def _lce_zero_tangent(check):
         ("nn.LinearCrossEntropyLoss", check): (
             "torch.func's forward mode returns a zero tangent through the chunked "
             "torch_nn::_linear_cross_entropy_batch_chunked op (no forward formula), "
-            "torch_func_differences.md 33"
+            "torch_func_differences.md 37"
         )
     }
 
@@ -528,7 +528,7 @@ TORCH_FUNC_WRONG[("nn.CTCLoss", "vmap_dim1")] = TORCH_FUNC_WRONG[
     ("nn.CTCLoss", "per_sample_grad_dim1")
 ] = (
     "torch's ctc_loss kernel misreads non-contiguous 1-d targets (torch 2.13 and 2.15), and "
-    "torch.func's per-example fallback passes it the strided slices: torch_func_differences.md 33"
+    "torch.func's per-example fallback passes it the strided slices: torch_func_differences.md 37"
 )
 
 

@@ -124,7 +124,7 @@ def test_random_module_vmap_randomness(case_id):
 )
 def test_beyond_torch_by_finite_differences(module):
     """Where ours differentiates what torch refuses or gets wrong (torch_func_differences.md
-    33), finite differences agree, forward and reverse, to second order."""
+    37), finite differences agree, forward and reverse, to second order."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
     if isinstance(module, torch.nn.SoftMarginLoss):
