@@ -667,7 +667,7 @@ def binary_cross_entropy_backward_vjp_rule(ct, primals, kwargs, out, needs):
 #     torch_nn::_linear_cross_entropy_batch_chunked (mean / sum) returns (loss, grad_input,
 #     grad_weight, grad_bias), the gradients precomputed in its forward when the compute_*
 #     flags say so (torch's autograd scales them by the cotangent); the _no_reduction op
-#     returns per-row losses. Neither has a forward-mode formula in torch (torch.func.jvp
+#     returns per-row losses. Neither has a forward-mode formula in torch (functorch's jvp
 #     returns a zero tangent for the loss: torch_func_differences.md 37). Both rules use
 #     dL/dz = s_n (softmax(z_n) - onehot(t_n)) for the logits z = x W^T + b (Note [Batching
 #     linear_cross_entropy], batching/nn.py), in ordinary ops, so they compose; the
