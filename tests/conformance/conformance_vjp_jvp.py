@@ -235,7 +235,9 @@ def run_vjp_jvp(fs, key, primals, out0, gen, result: Result, what):
     if bad:
         result.fail(*bad)
         return
-    bad = compare((ours[0][1], tuple(ours[1])), (ref[0][1], tuple(ref[1])), f"{what}: vjp(jvp)")
+    bad = compare(ours[0][1], ref[0][1], f"{what}: vjp(jvp) output tangents") or compare(
+        tuple(ours[1]), tuple(ref[1]), f"{what}: vjp(jvp) cotangents"
+    )
     if bad is None:
         result.compared += 1
         return
