@@ -195,10 +195,11 @@ def _softplus_deriv(x, out, beta=1, threshold=20):
 
 
 def _relu_pullback(g, x, out):
-    # torch's threshold_backward(g, out, 0) as one select: exactly 0 where out <= 0, g
-    # elsewhere (a NaN output passes g), with no float copy of the mask (its transient was a
-    # conv activation's size: 2% of the per-sample-gradient CNN's peak memory)
-    return torch.where(out <= 0, 0.0, g)
+    # torch's kernel: exactly 0 where out <= 0, g elsewhere (a NaN output passes g), one pass
+    # with no copy of the mask (a float mask's transient was a conv activation's size: 2% of
+    # the per-sample-gradient CNN's peak memory); its own rules (def_mask_kernel) make the
+    # second derivative torch's explicit zeros
+    return aten.threshold_backward(g, out, 0)
 
 
 def _pow_scalar_deriv(x, out, p):
@@ -379,6 +380,40 @@ def_backward_kernel(
 def_backward_kernel(
     aten.logit_backward.default, lambda x, eps=None: _logit_deriv(x, None, eps), _logit_deriv2
 )
+
+
+def def_mask_kernel(op, spos=1):
+    """torch's backward kernels that pass ``g`` where a mask of ``s`` holds, else 0
+    (``threshold_backward(g, s, th)``): linear in g, piecewise constant in s. torch writes the
+    derivative in s as explicit zeros (derivatives.yaml: ``self: zeros_like(grad)``, forward
+    ``zeros_like(self_t) + op(grad_output_t, ...)``), so a second derivative through them is a
+    fresh tensor batched like the cotangent (tangent), which vmap(hessian) of relu returns
+    with torch's strides; a symbolic zero came back as a stride-0 expansion."""
+
+    def mask_kernel_jvp_rule(primals, tangents, kwargs):
+        out = op(*primals, **kwargs)
+        tg, ts = tangents[0], tangents[spos]
+        if tg is not None:
+            return out, op(tg, *primals[1:], **kwargs)  # broadcasts as out does
+        if ts is None:
+            return out, None
+        zero = torch.zeros_like(ts)
+        return out, zero if zero.shape == out.shape else _broadcast_tangent(zero, out.shape)
+
+    def mask_kernel_vjp_rule(ct, primals, kwargs, out, needs):
+        g, s = primals[0], primals[spos]
+        res = [None] * len(primals)
+        if needs[0]:
+            res[0] = unbroadcast(op(ct, *primals[1:], **kwargs), g.shape)
+        if needs[spos]:
+            res[spos] = unbroadcast(torch.zeros_like(ct), s.shape)
+        return tuple(res)
+
+    register_jvp_rule(op)(mask_kernel_jvp_rule)
+    register_vjp_rule(op)(mask_kernel_vjp_rule)
+
+
+def_mask_kernel(aten.threshold_backward.default)
 
 
 # log_sigmoid_forward -> (out, buffer), only out differentiable. Without these rules it ran

@@ -118,9 +118,16 @@ for _op, _pb in (
     def_unary(_op, pullback(_pb))
 
 
-def _unless_both_neg_inf(d, x, y):
+def _log_add_partial(g, x, y, log_base=1.0):
+    """d/dx log(b^x + b^y) = sigmoid((x - y) ln b), 0 at x = y = -inf (the output is a
+    constant there). As a sigmoid, not torch's 1 / (1 + exp(y - x)): its derivative in y is
+    exp(x - y) / (1 + exp(x - y))^2 = inf / inf at y = -inf (a masked-out input of
+    masked.logaddexp), sigmoid's is s (1 - s) = 0; and the gap is cleaned before the sigmoid,
+    since a where after it still sends nan into a second derivative."""
     dead = (x == -math.inf) & (y == -math.inf)
-    return torch.where(dead, torch.zeros_like(d), d)
+    gap = torch.where(dead, 0.0, x - y)
+    s = torch.sigmoid(gap if log_base == 1.0 else gap * log_base)
+    return torch.where(dead, 0.0, g * conj_if_complex(s))
 
 
 def _zero_partial(g, x, y, o):
@@ -129,18 +136,19 @@ def _zero_partial(g, x, y, o):
 
 for _op, _px, _py in (
     (aten.copysign.Tensor, lambda g, x, y, o: _copysign_pullback(g, x, o), _zero_partial),
-    # torch's formulas (its decomposition's jvp is finite at x = y = +inf, torch's nan), except
-    # at x = y = -inf, where the output is a constant -inf (masked.logaddexp's masked-out
-    # elements): 0, not torch's nan (issue 8, test_masked_logaddexp_jvp_is_finite)
+    # torch's derivatives, as sigmoids (_log_add_partial: its decomposition's jvp is finite at
+    # x = y = +inf, torch's nan), except at x = y = -inf, where the output is a constant -inf
+    # (masked.logaddexp's masked-out elements): 0, not torch's nan (issue 8,
+    # test_masked_logaddexp_jvp_is_finite)
     (
         aten.logaddexp.default,
-        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.exp(y - x)), x, y),
-        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.exp(x - y)), x, y),
+        lambda g, x, y, o: _log_add_partial(g, x, y),
+        lambda g, x, y, o: _log_add_partial(g, y, x),
     ),
     (
         aten.logaddexp2.default,
-        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.pow(2, y - x)), x, y),
-        lambda g, x, y, o: _unless_both_neg_inf(g / conj_if_complex(1 + torch.pow(2, x - y)), x, y),
+        lambda g, x, y, o: _log_add_partial(g, x, y, math.log(2.0)),
+        lambda g, x, y, o: _log_add_partial(g, y, x, math.log(2.0)),
     ),
     (
         aten.nextafter.default,

@@ -489,6 +489,10 @@ class VmapInterpreter(Interpreter):
             if any(d is None for d in bdims):
                 batched_bwd = _summed_over_unmapped(batched_bwd, args, bdims)
             batched.defvjp(vmap(fwd, in_dims=in_dims, randomness=r), batched_bwd)
+            # the residuals are this level's vmap of the original's, the flag with them: an
+            # autograd.Function after ctx.set_materialize_grads(False) gets None for an
+            # output without a cotangent at every level, as in functorch (not zeros)
+            batched.materialize_grads = custom_fn.materialize_grads
         if jvp_rule is not None:
             batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=r))
         # Note [Random draws in custom functions under vmap]: the vmapped pieces replace this

@@ -46,8 +46,9 @@ def _ad_kind(op, table):
 #     (the OpInfo flags no forward AD) and our jvp computes on its first float64 sample; its values
 #     are checked against finite differences by the family tests, not by the suite (which has
 #     no oracle for it).
-#     The compositions (vmap(vjp), jvp(vjp), vmap(jvp), vjp(vjp)) and vmap_dims (in_dims /
-#     out_dims other than 0, nested vmap) get a column each (Note [Conformance compositions]).
+#     The compositions (vmap(vjp), jvp(vjp), vmap(jvp), vjp(vjp), vjp(jvp)) and vmap_dims
+#     (in_dims / out_dims other than 0, nested vmap) get a column each (Note [Conformance
+#     compositions]; vjp(jvp): Note [vjp(jvp) against finite differences]).
 OPINFO_TRANSFORMS = (
     "vmap",
     "vjp",
@@ -56,6 +57,7 @@ OPINFO_TRANSFORMS = (
     "jvp(vjp)",
     "vmap(jvp)",
     "vjp(vjp)",
+    "vjp(jvp)",
     "vmap_dims",
 )
 

@@ -313,3 +313,37 @@ def test_custom_vjp_and_jvp_closing_over_a_batched_tensor():
     # the backward runs after the vmap returned (grad outside): the error names the fix
     with pytest.raises(ft.errors.EscapedTracerError, match="as an argument"):
         ft.grad(lambda a: ft.vmap(closing(scale))(a, ys).sum())(xs)
+
+
+# -- identically-zero second derivatives (docs/torch_func_differences.md, "Strides of results")
+_W = torch.randn(3, 3, dtype=D, generator=torch.Generator().manual_seed(3))
+_ZERO_SECOND = {
+    # through torch's explicit zeros (threshold_backward's derivative in its mask input,
+    # autodiff/elementwise.py def_mask_kernel): fresh batched tensors
+    "relu": lambda x: torch.relu(x).sum(),
+    "relu_linear": lambda x: torch.relu(x @ _W).sum(),
+    "relu_vector": lambda x: torch.relu(x) * 2,
+    # no path at all from x to the first derivative: functorch's zeros of the unbatched x
+    "linear": lambda x: (x @ _W).sum(),
+    "affine": lambda x: 2 * x.sum() + 1,
+}
+
+
+@pytest.mark.parametrize(
+    "name,second", list(itertools.product(_ZERO_SECOND, ["hessian", "jacrev2", "jacfwd_jacrev"]))
+)
+def test_vmap_identically_zero_second_derivative_layout_matches_torch_func(name, second):
+    f = _ZERO_SECOND[name]
+    xs = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(4))
+
+    def build(L):
+        if second == "hessian":
+            h = L.hessian(f)
+        elif second == "jacrev2":
+            h = L.jacrev(L.jacrev(f))
+        else:
+            h = L.jacfwd(L.jacrev(f))
+        return L.vmap(h)(xs)
+
+    out = _same_layout(build)
+    assert not out.abs().any()

@@ -491,8 +491,13 @@ def two_outputs(materialize, log):
         lambda L, F: L.grad(lambda x: F.apply(x)[0].sum())(X[0]),
         lambda L, F: L.vmap(L.grad(lambda x: F.apply(x)[0].sum()))(X),
         lambda L, F: L.jacrev(lambda x: F.apply(x)[0])(X[0]),
+        # the vmap inside: its batched Function keeps the flag (zeros were passed before)
+        lambda L, F: L.grad(lambda x: L.vmap(F.apply)(x)[0].sum())(X),
+        lambda L, F: L.vjp(lambda x: L.vmap(F.apply)(x)[1], X)[1](torch.ones_like(X)),
+        lambda L, F: L.jacrev(lambda x: L.vmap(F.apply)(x)[0])(X),
+        lambda L, F: L.grad(lambda x: L.vmap(L.vmap(F.apply))(x)[0].sum())(X[None]),
     ],
-    ids=["grad", "vmap(grad)", "jacrev"],
+    ids=["grad", "vmap(grad)", "jacrev", "grad(vmap)", "vjp(vmap)", "jacrev(vmap)", "grad(vmap2)"],
 )
 def test_set_materialize_grads_false(materialize, call):
     ours_log, ref_log = [], []

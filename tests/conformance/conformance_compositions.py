@@ -176,6 +176,10 @@ def run_composition(op, transform, kind) -> Result:
                     )
                 elif transform == "jvp(vjp)":
                     _jvp_vjp((f, ref_f), primals, out0, gen, result, what)
+                elif transform == "vjp(jvp)":
+                    from conformance_vjp_jvp import run_vjp_jvp
+
+                    run_vjp_jvp((f, ref_f), (name, kind), primals, out0, gen, result, what)
                 else:
                     _vjp_vjp((f, ref_f), primals, out0, gen, result, what)
     return result

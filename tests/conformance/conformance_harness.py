@@ -179,6 +179,7 @@ COMPOSITIONS = {
     "jvp(vjp)": "vjp",
     "vmap(jvp)": "jvp",
     "vjp(vjp)": "vjp",
+    "vjp(jvp)": "jvp",
     "vmap_dims": "vmap",
 }
 

@@ -33,6 +33,11 @@ def test_vjp_vjp(name, kind, expected):
     run_case("vjp(vjp)", name, kind, expected)
 
 
+@pytest.mark.parametrize("name,kind,expected", params("vjp(jvp)", EXPECTED))
+def test_vjp_jvp(name, kind, expected):
+    run_case("vjp(jvp)", name, kind, expected)
+
+
 @pytest.mark.parametrize("name,kind,expected", params("vmap_dims", EXPECTED))
 def test_vmap_dims(name, kind, expected):
     run_case("vmap_dims", name, kind, expected)
