@@ -106,12 +106,18 @@ def _random_op_kernel(op):
 
 @collector_paused  # Note [Long-lived setup without young collections]
 def _register_random_kernels():
+    # published whole, last, and checked again under the setup lock: another thread's first
+    # vmap took a half-filled ``_libs`` for done, and its random ops were let through (Note
+    # [One-time setup under one lock], functransforms/_gcpause.py)
+    if _libs:
+        return
+    libs = []
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(torch.library.fallthrough_kernel, _RANDOM_KEY)
-    _libs.append(everything)
+    libs.append(everything)
     for ns in ("aten",):
         lib = torch.library.Library(ns, "IMPL")
-        _libs.append(lib)
+        libs.append(lib)
         namespace = getattr(torch.ops, ns)
         for name in dir(namespace):
             packet = getattr(namespace, name, None)
@@ -132,6 +138,7 @@ def _register_random_kernels():
                 # with train=False), and is caught there
                 if not op.has_kernel_for_dispatch_key(_COMPOSITE):
                     lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
+    _libs.extend(libs)
 
 
 class no_random_ops:

@@ -136,10 +136,28 @@ def _install_entry():
     is defined (vmap's classes are defined by its first call: Note [Lazy parts of the
     package], functransforms/__init__.py)."""
     global _entry_pending
+    if not _entry_pending:  # another thread did it while this one waited for the lock
+        return
+    # cleared last (truthy meanwhile): another thread's first call waits for this one under
+    # the setup lock instead of running before the probe and the registrations (Note
+    # [One-time setup under one lock], _gcpause.py); a class defined meanwhile sets it True
+    _entry_pending = _INSTALLING
+    try:
+        _install_entry_locked()
+    except BaseException:
+        _entry_pending = True
+        raise
+    if _entry_pending is _INSTALLING:
+        _entry_pending = False
+
+
+_INSTALLING = "installing"
+
+
+def _install_entry_locked():
+    global _ABOVE_PYTHON
     from . import _compat, _composites, _ops
 
-    global _ABOVE_PYTHON
-    _entry_pending = False
     if _ABOVE_PYTHON is None:
         _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
         _composites.install()  # once, as the probe: Note [Composite kernels of ours]
