@@ -559,9 +559,12 @@ def _physical_pullback(rule, ct, node):
     """Note [Pointwise pullbacks on physical values]: the input cotangents, or None."""
     if not _batched:
         batching = sys.modules.get("functransforms.batching._tensor")
-        if batching is None:  # no vmap has run (it imports batching): ct is not batched
+        # no vmap has run (it imports batching): ct is not batched; the function, not the
+        # module: another thread's first vmap may be importing it (defined last of the two)
+        wrap = getattr(batching, "wrap_batched", None)
+        if wrap is None:
             return None
-        _batched.append((batching.BatchedTensor, batching.wrap_batched))
+        _batched.append((batching.BatchedTensor, wrap))
     cls, wrap = _batched[0]
     if type(ct) is not cls:
         return None

@@ -63,8 +63,8 @@ _dispatch_modes = _compat.len_torch_dispatch_stack
 
 def _jit_tracing():
     # jit loads on first use (Note [Lazy parts of the package]): not loaded, nothing traces
-    jit = sys.modules.get("functransforms._jit")
-    return jit is not None and jit._tracing.active
+    jit = sys.modules.get("functransforms._jit")  # half imported by another thread: no trace
+    return getattr(getattr(jit, "_tracing", None), "active", False)
 
 
 def _dropout_p_position(op):
