@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -556,7 +557,21 @@ class Jitted:
         # jitted f called while tracing runs as is (_tracing.active), so the lock never nests
         # across threads.
         with _TRACE_LOCK:
-            return self._trace_locked(key, tensors, rebuild)
+            mark = _compat.fx_source_mark()
+            try:
+                entry, result = self._trace_locked(key, tensors, rebuild)
+            except BaseException:
+                _compat.forget_fx_sources(_compat.fx_sources_since(mark))
+                raise
+            # Note [Sources of dropped graphs]: torch.fx keeps the source of each graph it
+            # compiles (two per trace) for good, so a signature evicted and traced again grew
+            # the process ~8 KB a time (2000 retraces: +8 MB). They go with the graph.
+            keys = _compat.fx_sources_since(mark)
+            if entry is _EAGER:
+                _compat.forget_fx_sources(keys)
+            elif keys:
+                weakref.finalize(entry.gm, _compat.forget_fx_sources, keys)
+            return entry, result
 
     def _trace_locked(self, key, tensors, rebuild):
         from torch.fx.experimental.proxy_tensor import make_fx

@@ -602,3 +602,36 @@ def test_a_long_tape():
 
     x = torch.ones(3, dtype=torch.float64)
     torch.testing.assert_close(ft.grad(chain)(x), torch.full_like(x, 1.0001**10_000))
+
+
+def test_a_retraced_jit_keeps_no_source_of_dropped_graphs():
+    # leak: torch.fx keeps the source of every graph it compiles (two per trace), so a
+    # signature evicted and traced again grew the process ~8 KB a time (Note [Sources of
+    # dropped graphs], _jit.py); now they go with the graph
+    step = ft.jit(ft.grad(_g), cache_size=2)
+    mark = _compat.fx_source_mark()
+    for i in range(12):
+        torch.testing.assert_close(step(_x(0, 2 + i % 6)), tf.grad(_g)(_x(0, 2 + i % 6)))
+    gc.collect()
+    assert len(_compat.fx_sources_since(mark)) <= 2 * 2  # the two live graphs' only
+    step.cache_clear()
+    gc.collect()
+    assert _compat.fx_sources_since(mark) == []
+
+
+def test_process_groups_registered_from_threads_keep_their_keys():
+    # SILENT: two threads' new groups could take the same key (pmap's collectives of one
+    # thread ran on the other's group)
+    from functransforms import _collective_ops
+
+    groups = [object() for _ in range(8)]
+    barrier = threading.Barrier(8, timeout=30)
+
+    def register(t):
+        barrier.wait()
+        return _collective_ops.group_key(groups[t])
+
+    keys = _run_threads(8, register)
+    assert [_collective_ops.GROUPS[k] for k in keys] == groups
+    for k in keys:
+        del _collective_ops.GROUPS[k]
