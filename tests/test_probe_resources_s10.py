@@ -635,3 +635,33 @@ def test_process_groups_registered_from_threads_keep_their_keys():
     assert [_collective_ops.GROUPS[k] for k in keys] == groups
     for k in keys:
         del _collective_ops.GROUPS[k]
+
+
+def test_deterministic_enable_and_disable_stay_on_their_thread():
+    # crash: enable(level="threads") kept its mode in a global list, so another thread's
+    # disable() popped it from its own (empty) mode stack, "trying to pop from empty mode
+    # stack", and the first thread's mode could never be turned off
+    enabled, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        ft.deterministic.enable("threads")
+        seen["a on"] = _compat.len_torch_dispatch_stack()
+        enabled.set()
+        assert done.wait(30)
+        seen["a still on"] = (_compat.len_torch_dispatch_stack(), ft.deterministic.is_enabled())
+        ft.deterministic.disable()
+        seen["a off"] = _compat.len_torch_dispatch_stack()
+
+    def b():
+        assert enabled.wait(30)
+        try:
+            ft.deterministic.disable()  # enabled nothing on this thread
+            seen["b"] = _compat.len_torch_dispatch_stack()
+        finally:
+            done.set()
+
+    with ThreadPoolExecutor(2) as ex:
+        for f in [ex.submit(a), ex.submit(b)]:
+            f.result()
+    assert seen == {"a on": 1, "b": 0, "a still on": (1, True), "a off": 0}
