@@ -240,8 +240,10 @@ def _import_batching():
         no_random_ops,
     )
 
-    _BATCHING = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
-    _BATCHING += (no_random_ops, error_guard_key)
+    # one store: another thread reads it without the lock (a 5-tuple seen between two stores
+    # failed its unpacking: Note [One-time setup under one lock], _gcpause.py)
+    batching = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
+    _BATCHING = batching + (no_random_ops, error_guard_key)
     return _BATCHING
 
 
