@@ -333,7 +333,18 @@ def _scaled(x):
 _scaled.defvjp(lambda x: (x * 1.0, x), lambda res, g: (g * res,))
 _jit_step = ft.jit(ft.grad(_g))
 
+
+def _kronecker_solve(x):
+    import functransforms.linalg as fl
+
+    A = x[:2, :2] @ x[:2, :2].T + torch.eye(2, dtype=x.dtype)
+    B = x[2:, 1:] @ x[2:, 1:].T + torch.eye(2, dtype=x.dtype)
+    return torch.linalg.solve(fl.KroneckerOperator(A, B), torch.ones(4, dtype=x.dtype)).sum()
+
+
 _MEMORY_CASES = {
+    # leak: a custom function made per structured solve closed over itself (linalg/_implicit.py)
+    "structured solve": lambda x: ft.grad(_kronecker_solve)(x),
     "grad": lambda x: ft.grad(_f)(x),
     "vmap(grad)": lambda x: ft.vmap(ft.grad(_f))(x),
     "vjp": lambda x: ft.vjp(_g, x)[1](torch.tensor(1.0, dtype=x.dtype)),
