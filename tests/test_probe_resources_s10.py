@@ -305,6 +305,34 @@ def test_closures_of_one_thread_called_in_another():
         torch.testing.assert_close(o, t)
 
 
+def test_one_pullback_called_from_threads_at_once():
+    # a vjp_fn and a linearize jvp_fn run again and again (the tape is kept): concurrent calls
+    # must not share any per-sweep state
+    x = _x(3, 5, 4)
+    f = lambda y: (y.sin() @ y.T).tanh().cumsum(0) * y.sum()  # noqa: E731
+    _, vjp_fn = ft.vjp(f, x)
+    _, jvp_fn = ft.linearize(f, x)
+    cts = [_x(10 + i, 5, 5) for i in range(6)]
+    tangents = [_x(20 + i, 5, 4) for i in range(6)]
+    _, tf_vjp = tf.vjp(f, x)
+    ref = [tf_vjp(c)[0] for c in cts]
+    ref_t = [tf.jvp(f, (x,), (t,))[1] for t in tangents]
+    barrier = threading.Barrier(6, timeout=30)
+
+    def work(i):
+        barrier.wait()
+        bad = 0
+        for _ in range(5):
+            bad += not torch.allclose(vjp_fn(cts[i])[0], ref[i])
+            bad += not torch.allclose(jvp_fn(tangents[i]), ref_t[i])
+            bad += not torch.allclose(
+                ft.vmap(vjp_fn)(torch.stack(cts[:3]))[0], torch.stack(ref[:3])
+            )
+        return bad
+
+    assert _run_threads(6, work) == [0] * 6
+
+
 def test_levels_of_other_threads_stay_out_of_the_stack():
     # each thread sees only its own interpreters while others are inside transforms
     seen = []
