@@ -259,7 +259,11 @@ class GradInterpreter(InplaceMixin, Interpreter):
         if stack and stack[-1].name == "vmap":  # Note [Torch functions at the grad level ...]
             self.wrapper_cls = GradTensorInVmap
         super().__enter__()
-        _compat.set_grad_enabled(True)
+        try:
+            _compat.set_grad_enabled(True)
+        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core.py)
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):

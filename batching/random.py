@@ -333,15 +333,31 @@ class different_randomness:
         global _DROPOUT_FUNCS
         if not _DROPOUT_FUNCS:
             _DROPOUT_FUNCS = _dropout_funcs()
-        self.modes = (DifferentRandomnessMode(), _DifferentDropoutInputs())
-        for m in self.modes:
-            m.__enter__()
+        modes = (DifferentRandomnessMode(), _DifferentDropoutInputs())
+        self.modes = ()
+        try:
+            for m in modes:
+                m.__enter__()
+                self.modes += (m,)
+        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core.py)
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
-        for m in reversed(self.modes):
-            m.__exit__(*exc)
+        modes, self.modes = self.modes, ()
+        _exit_all(list(reversed(modes)), exc)
         return False
+
+
+def _exit_all(modes, exc):
+    """``m.__exit__`` of each mode, in order, even if one raises (a KeyboardInterrupt inside the
+    first left the second on the stack: Note [Entering is all or nothing], _core.py)."""
+    if modes:
+        try:
+            modes[0].__exit__(*exc)
+        finally:
+            _exit_all(modes[1:], exc)
 
 
 def _raise_different_inplace(func):

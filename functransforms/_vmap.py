@@ -353,7 +353,8 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
                 _set_included(key, prev)
     finally:
         popped = stack.pop()
-        assert popped is interp, "interpreter stack corrupted"
+        if popped is not interp:  # Note [Entering is all or nothing] (_core.py)
+            _core.unwind_to(interp, popped)
         interp.alive = False
         if interp._on_exit:
             for fn in reversed(interp._on_exit):

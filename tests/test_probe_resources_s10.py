@@ -706,3 +706,43 @@ def test_deterministic_enable_and_disable_stay_on_their_thread():
         for f in [ex.submit(a), ex.submit(b)]:
             f.result()
     assert seen == {"a on": 1, "b": 0, "a still on": (1, True), "a off": 0}
+
+
+def _interrupt_once(monkeypatch, owner, name):
+    """``owner.name`` raises KeyboardInterrupt at its first call (as a Ctrl-C landing there)."""
+    original = getattr(owner, name)
+    fired = []
+
+    def interrupted(*args, **kwargs):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.parametrize("where", ["grad level", "different randomness", "jvp level exit"])
+def test_an_interrupt_while_entering_or_leaving_a_level_leaves_no_state(monkeypatch, where):
+    # a KeyboardInterrupt inside an __enter__ after it pushed the level (or a mode) left it
+    # pushed for good, and one inside an inner level's __exit__ before it popped made the
+    # outer exit fail "interpreter stack corrupted" (Note [Entering is all or nothing])
+    from functransforms.autodiff import forward
+    from functransforms.batching import random as batching_random
+
+    x = _x(11)
+    if where == "grad level":
+        _interrupt_once(monkeypatch, _compat, "set_grad_enabled")
+        call = lambda: ft.grad(lambda y: y.sin().sum())(x)  # noqa: E731
+    elif where == "different randomness":
+        _interrupt_once(monkeypatch, batching_random._DifferentDropoutInputs, "__enter__")
+        call = lambda: ft.vmap(lambda r: r * torch.rand(()), randomness="different")(x)  # noqa: E731
+    else:
+        _interrupt_once(monkeypatch, forward.JvpInterpreter, "__exit__")
+        call = lambda: ft.vmap(lambda r: ft.jvp(torch.sin, (r,), (r,))[1])(x)  # noqa: E731
+    before = _library_state()
+    with pytest.raises(KeyboardInterrupt):
+        call()
+    assert _library_state() == before
+    call()  # and the next call works
+    torch.testing.assert_close(ft.vmap(ft.grad(lambda y: y.sin().sum()))(x), x.cos())
