@@ -102,7 +102,11 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         # this level; the caller's setting does not, and is restored on exit.
         self.prev_fwd = _fwd_enabled()
         super().__enter__()
-        _set_fwd(True)
+        try:
+            _set_fwd(True)
+        except BaseException:  # Note [Entering is all or nothing] (_core.py)
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):

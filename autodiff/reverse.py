@@ -302,7 +302,11 @@ class GradInterpreter(InplaceMixin, Interpreter):
         if stack and stack[-1].name == "vmap":  # Note [Torch functions at the grad level ...]
             self.wrapper_cls = GradTensorInVmap
         super().__enter__()
-        _compat.set_grad_enabled(True)
+        try:
+            _compat.set_grad_enabled(True)
+        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core.py)
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -602,9 +606,12 @@ def _physical_pullback(rule, ct, node):
     """Note [Pointwise pullbacks on physical values]: the input cotangents, or None."""
     if not _batched:
         batching = sys.modules.get("functransforms.batching._tensor")
-        if batching is None:  # no vmap has run (it imports batching): ct is not batched
+        # no vmap has run (it imports batching): ct is not batched; the function, not the
+        # module: another thread's first vmap may be importing it (defined last of the two)
+        wrap = getattr(batching, "wrap_batched", None)
+        if wrap is None:
             return None
-        _batched.append((batching.BatchedTensor, batching.wrap_batched))
+        _batched.append((batching.BatchedTensor, wrap))
     cls, wrap = _batched[0]
     if type(ct) is not cls:
         return None

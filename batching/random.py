@@ -63,8 +63,8 @@ _dispatch_modes = _compat.len_torch_dispatch_stack
 
 def _jit_tracing():
     # jit loads on first use (Note [Lazy parts of the package]): not loaded, nothing traces
-    jit = sys.modules.get("functransforms._jit")
-    return jit is not None and jit._tracing.active
+    jit = sys.modules.get("functransforms._jit")  # half imported by another thread: no trace
+    return getattr(getattr(jit, "_tracing", None), "active", False)
 
 
 def _dropout_p_position(op):
@@ -106,12 +106,18 @@ def _random_op_kernel(op):
 
 @collector_paused  # Note [Long-lived setup without young collections]
 def _register_random_kernels():
+    # published whole, last, and checked again under the setup lock: another thread's first
+    # vmap took a half-filled ``_libs`` for done, and its random ops were let through (Note
+    # [One-time setup under one lock], functransforms/_gcpause.py)
+    if _libs:
+        return
+    libs = []
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(torch.library.fallthrough_kernel, _RANDOM_KEY)
-    _libs.append(everything)
+    libs.append(everything)
     for ns in ("aten",):
         lib = torch.library.Library(ns, "IMPL")
-        _libs.append(lib)
+        libs.append(lib)
         namespace = getattr(torch.ops, ns)
         for name in dir(namespace):
             packet = getattr(namespace, name, None)
@@ -132,6 +138,7 @@ def _register_random_kernels():
                 # with train=False), and is caught there
                 if not op.has_kernel_for_dispatch_key(_COMPOSITE):
                     lib.impl(op, _random_op_kernel(op), _RANDOM_KEY)
+    _libs.extend(libs)
 
 
 class no_random_ops:
@@ -326,15 +333,31 @@ class different_randomness:
         global _DROPOUT_FUNCS
         if not _DROPOUT_FUNCS:
             _DROPOUT_FUNCS = _dropout_funcs()
-        self.modes = (DifferentRandomnessMode(), _DifferentDropoutInputs())
-        for m in self.modes:
-            m.__enter__()
+        modes = (DifferentRandomnessMode(), _DifferentDropoutInputs())
+        self.modes = ()
+        try:
+            for m in modes:
+                m.__enter__()
+                self.modes += (m,)
+        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core.py)
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
-        for m in reversed(self.modes):
-            m.__exit__(*exc)
+        modes, self.modes = self.modes, ()
+        _exit_all(list(reversed(modes)), exc)
         return False
+
+
+def _exit_all(modes, exc):
+    """``m.__exit__`` of each mode, in order, even if one raises (a KeyboardInterrupt inside the
+    first left the second on the stack: Note [Entering is all or nothing], _core.py)."""
+    if modes:
+        try:
+            modes[0].__exit__(*exc)
+        finally:
+            _exit_all(modes[1:], exc)
 
 
 def _raise_different_inplace(func):

@@ -18,6 +18,7 @@ Note [autograd.Function under transforms]
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 
 import torch
@@ -123,11 +124,12 @@ def _apply_under_transforms(cls, args, kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         args = bound.args
-    _DIRTY.append([])
+    calls = _in_flight.dirty
+    calls.append([])
     try:
         out = _as_custom_function(cls)(*args)
     finally:
-        dirty = _DIRTY.pop()
+        dirty = calls.pop()
     return _dirty_outputs(args, out, dirty) if dirty else out
 
 
@@ -140,7 +142,15 @@ def _apply_under_transforms(cls, args, kwargs):
 #     output here; once the Function's call returns, the output's value is written into the
 #     input with an ordinary ``copy_`` (the levels' in-place rules rebind it, as for any
 #     in-place op), and the input itself is returned, as torch returns it.
-_DIRTY: list = []  # per Function call in flight: [(input position, output position)]
+class _InFlight(threading.local):
+    """Per thread, as the calls are: one thread's Function calls popped another's list (a
+    dirtied input not written back, silently)."""
+
+    def __init__(self):
+        self.dirty: list = []  # per Function call in flight: [(input position, output position)]
+
+
+_in_flight = _InFlight()
 
 
 def _dirty_outputs(args, out, dirty):
@@ -211,9 +221,10 @@ def _make_custom_function(cls):
             out = run(*args)
             cls.setup_context(ctx, args, out)
             dirty = ctx.__dict__.pop("dirty", ())
-            if dirty and _DIRTY:  # Note [mark_dirty under transforms]
+            calls = _in_flight.dirty
+            if dirty and calls:  # Note [mark_dirty under transforms]
                 flat_out = pt.tree_leaves(out)
-                _DIRTY[-1].extend(
+                calls[-1].extend(
                     (i, j)
                     for t in dirty
                     for i, a in enumerate(args)

@@ -26,9 +26,12 @@ from functransforms._core import TransformTensor
 def vmap_levels(x):
     """The vmap interpreters ``x`` is batched at, innermost (highest level) first."""
     batching = sys.modules.get("functransforms.batching._tensor")
-    if batching is None:  # no vmap has run: nothing is batched (and grad alone stays lean)
+    # no vmap has run: nothing is batched (and grad alone stays lean). The class, not the
+    # module: another thread's first vmap may be importing it (Note [One-time setup under one
+    # lock], _gcpause.py), and until the class exists no value can be batched
+    BatchedTensor = getattr(batching, "BatchedTensor", None)
+    if BatchedTensor is None:
         return []
-    BatchedTensor = batching.BatchedTensor
     levels = []
     while isinstance(x, TransformTensor):
         if isinstance(x, BatchedTensor):

@@ -19,6 +19,8 @@ Note [Collectives are ops]
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 # FRAGMENT, and each op defined only once: the doctest collector imports a second copy of this
@@ -101,13 +103,23 @@ _DIST_SCHEMAS = {
 GROUPS: dict = {}  # key -> process group, filled by pmap
 
 
+_GROUPS_LOCK = threading.Lock()
+
+
 def group_key(group):
     """The key of ``group`` in GROUPS (a process group object is not an op argument)."""
-    for key, g in GROUPS.items():
+    for key, g in tuple(GROUPS.items()):  # a snapshot: another thread may add one
         if g is group:
             return key
-    GROUPS[len(GROUPS)] = group
-    return len(GROUPS) - 1
+    # two threads' new groups took the same key (one thread's collectives ran on the other's
+    # group) and an insertion broke the other's loop: Note [One-time setup under one lock]
+    with _GROUPS_LOCK:
+        for key, g in GROUPS.items():
+            if g is group:
+                return key
+        key = len(GROUPS)
+        GROUPS[key] = group
+        return key
 
 
 # Note [The shard check overlaps the computation]

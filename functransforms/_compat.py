@@ -374,6 +374,40 @@ def compile_fx(gm, example_inputs):
     return compile_(gm, example_inputs)
 
 
+# torch.fx keeps the source of every GraphModule it compiles, for tracebacks, in a process-wide
+# loader (``torch.fx.graph_module._loader``: ``eval_cache`` by key ``<eval_with_key>.<id>``, ids
+# from ``next_id``) and a lazy ``linecache`` entry, and never drops them: a jit retracing
+# forever grew by ~8 KB per trace (Note [Sources of dropped graphs], _jit.py). Checked on 2.13.0,
+# 2.15.0.
+def fx_source_mark() -> int:
+    """The id torch.fx gives the next graph source it keeps."""
+    from torch.fx import graph_module
+
+    return graph_module._loader.next_id
+
+
+def fx_sources_since(mark: int) -> list:
+    """The keys of the graph sources torch.fx kept since ``fx_source_mark()`` was ``mark``."""
+    from torch.fx import graph_module
+
+    loader = graph_module._loader
+    ids = {f"<eval_with_key>.{i}" for i in range(mark, loader.next_id)}
+    # a key may go on with " from <file>:<line> in <name>"
+    return [k for k in list(loader.eval_cache) if k.partition(" ")[0] in ids]
+
+
+def forget_fx_sources(keys) -> None:
+    """Drop the sources of graphs that are gone (their code can no longer be in a traceback)."""
+    import linecache
+
+    from torch.fx import graph_module
+
+    cache = graph_module._loader.eval_cache
+    for key in keys:
+        cache.pop(key, None)
+        linecache.cache.pop(key, None)
+
+
 def fake_tensor_mode(**kwargs):
     """A ``torch._subclasses.fake_tensor.FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensorMode

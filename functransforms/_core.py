@@ -61,6 +61,14 @@ class Interpreter:
         across levels] (functransforms/_custom.py)."""
         raise NotImplementedError
 
+    # Note [Entering is all or nothing]
+    #     A ``with`` block's ``__exit__`` runs only if its ``__enter__`` returned. An exception
+    #     raised inside an ``__enter__`` after it changed state (a KeyboardInterrupt from a
+    #     signal handler lands at any call) left the level on this thread's stack, or a mode
+    #     on torch's, for good: jit then ran eagerly forever, every op went through the mode.
+    #     So each ``__enter__`` that does more than one step undoes what it did before
+    #     re-raising. (Whatever lands inside ``__exit__`` before its first step cannot be
+    #     caught there; functorch has the same windows, and fails an internal assert.)
     def __enter__(self):
         if _entry_pending:
             _install_entry()
@@ -78,7 +86,8 @@ class Interpreter:
 
     def __exit__(self, *exc):
         popped = _state.stack.pop()
-        assert popped is self, "interpreter stack corrupted"
+        if popped is not self:
+            unwind_to(self, popped)
         self.alive = False
         if self._on_exit:
             for fn in reversed(self._on_exit):
@@ -137,10 +146,28 @@ def _install_entry():
     is defined (vmap's classes are defined by its first call: Note [Lazy parts of the
     package], functransforms/__init__.py)."""
     global _entry_pending
+    if not _entry_pending:  # another thread did it while this one waited for the lock
+        return
+    # cleared last (truthy meanwhile): another thread's first call waits for this one under
+    # the setup lock instead of running before the probe and the registrations (Note
+    # [One-time setup under one lock], _gcpause.py); a class defined meanwhile sets it True
+    _entry_pending = _INSTALLING
+    try:
+        _install_entry_locked()
+    except BaseException:
+        _entry_pending = True
+        raise
+    if _entry_pending is _INSTALLING:
+        _entry_pending = False
+
+
+_INSTALLING = "installing"
+
+
+def _install_entry_locked():
+    global _ABOVE_PYTHON
     from . import _compat, _composites, _ops
 
-    global _ABOVE_PYTHON
-    _entry_pending = False
     if _ABOVE_PYTHON is None:
         _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
         _composites.install()  # once, as the probe: Note [Composite kernels of ours]
@@ -160,6 +187,20 @@ def _install_entry():
     _compat.register_subclass_dispatch_rules(
         classes, lambda c: c.__torch_dispatch__.__func__, packets, exact
     )
+
+
+def unwind_to(interp, popped):
+    """``interp`` is exiting but ``popped`` was on top of this thread's stack: an inner level
+    whose ``__exit__`` an asynchronous exception interrupted before it popped (Note [Entering
+    is all or nothing]). Its call is over: drop it and any other down to ``interp``."""
+    stack = _state.stack
+    while popped is not interp:
+        popped.alive = False
+        for fn in reversed(popped._on_exit or ()):
+            fn()
+        if not stack:
+            raise AssertionError(f"interpreter stack corrupted: {interp!r} is not on it")
+        popped = stack.pop()
 
 
 def interpreter_stack() -> tuple[Interpreter, ...]:

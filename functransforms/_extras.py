@@ -85,8 +85,8 @@ def checkpoint(func: Func) -> Func:
         # for the recomputation, inside fork_rng so the global state is not advanced twice.
         # One custom function per call: each call has its own state (a block called in a
         # loop), and it stays out of the residuals, which vmap batches as tensors.
-        jit = sys.modules.get("functransforms._jit")
-        if jit is not None and jit._tracing.active:
+        jit = sys.modules.get("functransforms._jit")  # half imported by another thread: no trace
+        if getattr(getattr(jit, "_tracing", None), "active", False):
             # jit records ATen ops, not generator states: a recomputation would replay as a
             # second, independent draw. The traced graph keeps the forward's values instead
             # (no rematerialization inside jit; the values are the same).
@@ -121,7 +121,9 @@ def _foreign_vmaps_hidden(inputs):
     from ._core import TransformTensor, interpreter_stack
 
     batching = sys.modules.get("functransforms.batching._tensor")
-    if batching is None:  # vmap never ran: no level to hide
+    # vmap never ran (or another thread's first vmap is importing it): no level to hide
+    VmapInterpreter = getattr(batching, "VmapInterpreter", None)
+    if VmapInterpreter is None:
         yield
         return
     seen = set()
@@ -136,7 +138,7 @@ def _foreign_vmaps_hidden(inputs):
     hidden = [
         i
         for i in interpreter_stack()
-        if isinstance(i, batching.VmapInterpreter) and i.alive and id(i) not in seen
+        if isinstance(i, VmapInterpreter) and i.alive and id(i) not in seen
     ]
     for i in hidden:
         i.alive = False

@@ -345,7 +345,11 @@ def _run(func, args, kwargs, call, copy_views):
 
     global _interpreter_class
     if _interpreter_class is None:
-        _interpreter_class = _make_interpreter()
+        from ._gcpause import paused_collector
+
+        with paused_collector():  # Note [One-time setup under one lock]: one class
+            if _interpreter_class is None:
+                _interpreter_class = _make_interpreter()
     interp = _interpreter_class(call, copy_views)
     flat, spec = pt.tree_flatten((args, kwargs))
     given = []  # (input, value, wrapper): Note [Writes to primals]

@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -107,6 +108,7 @@ class _Tracing(threading.local):
 
 
 _tracing = _Tracing()
+_TRACE_LOCK = threading.RLock()  # Note [One trace at a time]
 _EAGER = object()  # cache value of a signature that runs eagerly (Note [Jit fallbacks])
 
 
@@ -440,7 +442,10 @@ class Jitted:
                     else:
                         entry = None
                 if entry.__class__ is _Entry:  # a plain entry is never guarded (_store)
-                    self._cache.move_to_end(key)
+                    try:
+                        self._cache.move_to_end(key)
+                    except KeyError:  # another thread's _store evicted it since the get
+                        pass
                     self._hits += 1
                     out = entry.run(*tensors)
                     if entry.out_spec is None:
@@ -515,11 +520,14 @@ class Jitted:
 
     def _lookup(self, key, tensors):
         entry = self._cache.get(key)
-        if entry is None or entry is _EAGER:
-            if entry is not None:
-                self._cache.move_to_end(key)
+        if entry is None:
             return entry
-        self._cache.move_to_end(key)
+        try:
+            self._cache.move_to_end(key)
+        except KeyError:  # another thread's _store evicted it since the get: still valid
+            pass
+        if entry is _EAGER:
+            return entry
         if isinstance(entry, list):  # guarded graphs (shapes, module state, aliasing)
             for e in entry:
                 if (e.guard is None or e.guard(tensors)) and (e.check is None or e.check(tensors)):
@@ -542,10 +550,36 @@ class Jitted:
             self._cache[key] = entry
         self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            try:
+                self._cache.popitem(last=False)
+            except KeyError:  # emptied by another thread's cache_clear
+                break
 
     # -- tracing
     def _trace(self, key, tensors, rebuild):
+        # Note [One trace at a time]: torch's tracer (make_fx) keeps its patcher in a module
+        # global and patches nn.Module methods process-wide: two threads' first calls of
+        # jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Misses only; a
+        # jitted f called while tracing runs as is (_tracing.active), so the lock never nests
+        # across threads.
+        with _TRACE_LOCK:
+            mark = _compat.fx_source_mark()
+            try:
+                entry, result = self._trace_locked(key, tensors, rebuild)
+            except BaseException:
+                _compat.forget_fx_sources(_compat.fx_sources_since(mark))
+                raise
+            # Note [Sources of dropped graphs]: torch.fx keeps the source of each graph it
+            # compiles (two per trace) for good, so a signature evicted and traced again grew
+            # the process ~8 KB a time (2000 retraces: +8 MB). They go with the graph.
+            keys = _compat.fx_sources_since(mark)
+            if entry is _EAGER:
+                _compat.forget_fx_sources(keys)
+            elif keys:
+                weakref.finalize(entry.gm, _compat.forget_fx_sources, keys)
+            return entry, result
+
+    def _trace_locked(self, key, tensors, rebuild):
         from torch.fx.experimental.proxy_tensor import make_fx
 
         grad_mode = torch.is_grad_enabled()

@@ -147,16 +147,40 @@ _RULE_SLOTS = ("vmap_rule", "jvp_rule", "vjp_rule", "vjp_forward")
 _REGISTRIES: dict = {}  # record slot -> the Registry that fills it
 
 
+_FILLING: dict = {}  # records being filled, by the thread holding the setup lock
+
+
 def facts(func) -> OpFacts:
     f = _FACTS.get(func)
     if f is None:
-        f = _FACTS[func] = OpFacts(func)
-        # a snapshot: a lookup may load a rule family (Note [Rule families load on first use])
-        # that makes a registry, which refreshes every record itself (make_registry); the
-        # live view raised "dictionary changed size during iteration" (jvp(vjp) of matrix_exp,
-        # torch 2.15, when it was a worker's first op of that family)
-        for registry in tuple(_REGISTRIES.values()):
-            registry._refresh(func)
+        f = _new_facts(func)
+    return f
+
+
+def _new_facts(func) -> OpFacts:
+    """Make, fill and publish ``func``'s record. Published last, under the setup lock: another
+    thread read a record whose rules were not filled yet as "no rule" (a missing-rule error at
+    two threads' first ``grad``; Note [One-time setup under one lock], _gcpause.py). While it
+    is filled, this thread (a registry's derive, a family's registrations) finds it in
+    ``_FILLING``."""
+    from ._gcpause import paused_collector
+
+    with paused_collector():
+        f = _FACTS.get(func) or _FILLING.get(func)
+        if f is not None:
+            return f
+        f = _FILLING[func] = OpFacts(func)
+        try:
+            # a snapshot: a lookup may load a rule family (Note [Rule families load on first
+            # use]) that makes a registry, which refreshes every record itself
+            # (make_registry); the live view raised "dictionary changed size during
+            # iteration" (jvp(vjp) of matrix_exp, torch 2.15, when it was a worker's first
+            # op of that family)
+            for registry in tuple(_REGISTRIES.values()):
+                registry._refresh(func)
+            _FACTS[func] = f
+        finally:
+            del _FILLING[func]
     return f
 
 
@@ -374,12 +398,12 @@ class Registry(dict):
     def _refresh(self, op):
         """Put this registry's current rule of ``op`` into its record, if it has one (only the
         registry records read: see make_registry)."""
-        record = _FACTS.get(op)
+        record = _FACTS.get(op) or _FILLING.get(op)
         if record is not None and _REGISTRIES.get(self.slot) is self:
             setattr(record, self.slot, self.lookup(op))
 
     def _refresh_all(self):
-        for op in list(_FACTS):
+        for op in [*_FACTS, *_FILLING]:
             self._refresh(op)
 
 
@@ -427,7 +451,7 @@ def load_families(mask):
 
     with paused_collector():  # Note [Long-lived setup without young collections]
         for i, name in enumerate(FAMILIES):
-            if todo >> i & 1:
+            if todo >> i & 1 and not _LOADED[0] >> i & 1:  # loaded while this thread waited
                 # a family being imported (sys.modules holds it) comes back as it is
                 importlib.import_module("functransforms." + name)
                 _LOADED[0] |= 1 << i

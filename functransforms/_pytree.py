@@ -26,6 +26,15 @@ _copied = [0]
 
 
 def _copy_torch_registrations():
+    from ._gcpause import paused_collector
+
+    # two threads' first calls both copied, and the second registration raised "already
+    # registered" (Note [One-time setup under one lock], _gcpause.py)
+    with paused_collector():
+        _copy_locked()
+
+
+def _copy_locked():
     get = optree.register_pytree_node.get
     for cls, node in list(_torch_nodes.items()):
         # builtins, namedtuples and structseqs are nodes for optree already

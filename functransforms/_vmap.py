@@ -246,8 +246,10 @@ def _import_batching():
         no_random_ops,
     )
 
-    _BATCHING = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
-    _BATCHING += (no_random_ops, error_guard_key)
+    # one store: another thread reads it without the lock (a 5-tuple seen between two stores
+    # failed its unpacking: Note [One-time setup under one lock], _gcpause.py)
+    batching = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
+    _BATCHING = batching + (no_random_ops, error_guard_key)
     return _BATCHING
 
 
@@ -357,7 +359,8 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
                 _set_included(key, prev)
     finally:
         popped = stack.pop()
-        assert popped is interp, "interpreter stack corrupted"
+        if popped is not interp:  # Note [Entering is all or nothing] (_core.py)
+            _core.unwind_to(interp, popped)
         interp.alive = False
         if interp._on_exit:
             for fn in reversed(interp._on_exit):

@@ -62,8 +62,6 @@ __all__ = [
     "is_enabled",
 ]
 
-_global_modes = []  # the ThreadsMode pushed by enable(level="threads")
-
 
 def is_enabled() -> bool:
     """True when our rules use deterministic formulations (ours or torch's flag is on)."""
@@ -87,13 +85,13 @@ def enable(level: str = "default") -> None:
 
         m = ThreadsMode()
         m.__enter__()
-        _global_modes.append(m)
+        _flags.modes.append(m)
 
 
 def disable() -> None:
     """Turn off what ``enable`` turned on (torch's own flag is left as it is)."""
-    while _global_modes:
-        _global_modes.pop().__exit__(None, None, None)
+    while _flags.modes:
+        _flags.modes.pop().__exit__(None, None, None)
     _flags.level = None
 
 

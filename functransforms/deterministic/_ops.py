@@ -42,6 +42,10 @@ _BLOCK = 4096
 class _Flags(threading.local):
     def __init__(self):
         self.level = None  # None | "default" | "threads"
+        # the ThreadsMode enable(level="threads") pushed on this thread's mode stack: per
+        # thread, as the stack is (another thread's disable() popped it from its own empty
+        # stack, and this thread's mode could no longer be turned off)
+        self.modes: list = []
 
 
 _flags = _Flags()
