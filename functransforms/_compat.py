@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 __all__ = [
     "device_context_class",
     "dynamo_skip_paths",
+    "being_imported",
     "top_saved_tensors_hooks",
     "is_any_autocast_enabled",
     "neg_view",
@@ -171,6 +172,15 @@ def proxy_tracing() -> bool:
 # unpack)`` or None; the argument is ``ignore_is_tracing``. A grad level refuses the user's
 # (Note [Saved tensor hooks under grad], autodiff/reverse.py). Checked on 2.13.0, 2.15.0.
 top_saved_tensors_hooks = _C._autograd._top_saved_tensors_default_hooks
+
+
+def being_imported(name: str) -> bool:
+    """Is module ``name`` in ``sys.modules`` but still executing its import (in another
+    thread, or up this thread's stack)? Its attributes may be missing, and importing its
+    submodules from here can deadlock on the import locks."""
+    mod = sys.modules.get(name)
+    spec = getattr(mod, "__spec__", None) if mod is not None else None
+    return bool(getattr(spec, "_initializing", False))
 
 
 def dynamo_skip_paths(paths) -> None:

@@ -684,7 +684,10 @@ def keep_dynamo_out() -> None:
     them beside it), and the folders of ``batching`` and ``autodiff`` wherever they are."""
     if DYNAMO_KEPT_OUT:
         return
-    DYNAMO_KEPT_OUT.append(True)
+    if _compat.being_imported("torch._dynamo") or _compat.being_imported(
+        "torch._dynamo.trace_rules"
+    ):
+        return  # another thread is importing dynamo: importing its parts here could deadlock
     from importlib.util import find_spec  # finds the folders without importing (cold start)
 
     root = os.path.dirname(os.path.abspath(__file__))
@@ -699,6 +702,7 @@ def keep_dynamo_out() -> None:
         elif name not in ("linalg", "__pycache__") and os.path.isdir(path):
             paths.append(path + "/")
     _compat.dynamo_skip_paths(paths)
+    DYNAMO_KEPT_OUT.append(True)  # last: a thread that sees it sees the paths in place
 
 
 def eager_under_compile(fn):
