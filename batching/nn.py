@@ -229,8 +229,10 @@ def _lce_rows(interp, args, bdims, acc_dtype, ignore_index):
     if w is not None:
         wt = torch.where(keep, w.to(acc_dtype).gather(-1, safe_t), 0)
     z_t = z.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1)
-    onehot = torch.nn.functional.one_hot(safe_t, z.shape[-1]).to(z.dtype)
-    return (x, W, t, b), z, wt, wt.unsqueeze(-1) * onehot, wt * (torch.logsumexp(z, -1) - z_t)
+    # the row weight at the target class (scatter, not one_hot: one_hot checks the values on
+    # the host, which a batched target cannot answer)
+    p = torch.zeros_like(z).scatter(-1, safe_t.unsqueeze(-1), wt.unsqueeze(-1).to(z.dtype))
+    return (x, W, t, b), z, wt, p, wt * (torch.logsumexp(z, -1) - z_t)
 
 
 # torch defines the two ops when F.linear_cross_entropy first imports their module (~7 ms, ~750
