@@ -532,6 +532,11 @@ TORCH_FUNC_WRONG[("nn.CTCLoss", "vmap_dim1")] = TORCH_FUNC_WRONG[
 )
 
 
+def _all_empty(value) -> bool:
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return bool(leaves) and all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves)
+
+
 def compare(check, case):
     """Run ``check`` on ``case`` with ours and the oracles; raise AssertionError on a
     disagreement. Returns "both compute" / "both raise" / "loop proves ours" / "torch.func
@@ -563,6 +568,11 @@ def compare(check, case):
             f"{what}: the loop of autograd computes, ours raised "
             f"{type(ours.error).__name__}: {ours.error}"
         ) from ours.error
+    if loop.error is not None and _all_empty(ours.value):
+        # an empty input (module_db's *_empty cases): functorch and the loop stumble over the
+        # zero-size batch (`reshape(0, -1)`, `stack([])`); ours returns results with no
+        # elements, so no number can be wrong
+        return "ours computes an empty result"
     if loop.error is not None:
         raise AssertionError(
             f"{what}: torch.func raised ({func}) and so does a loop of plain autograd "
