@@ -271,3 +271,53 @@ def test_fuzz_stack_matches_torch_func(stack):
         run(stack)
     except Skip:
         pass
+
+
+# -- regressions found by the fuzzer, minimized ------------------------------------------------
+def _both(prog):
+    ours = prog(ft)
+    ref = prog(tf)
+    assert_same(ours, ref)
+
+
+def _rnd(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+def _mul_into_outer_value(x, y):
+    h = x.sin()  # a value of the outer level only: y is not part of it
+    return h.mul_(y)  # in place, with y: h now carries the inner level's derivatives
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [
+        lambda m, f, x, y: m.grad(lambda x, y: m.jacfwd(f, argnums=1)(x, y).sum())(x, y),
+        lambda m, f, x, y: m.grad(lambda x, y: m.grad(lambda x, y: f(x, y).sum(), 1)(x, y).sum())(
+            x, y
+        ),
+        lambda m, f, x, y: m.vmap(m.grad(lambda x, y: f(x, y).sum(), argnums=1), (0, None))(
+            torch.stack([x, x.cos()]), y
+        ),
+        lambda m, f, x, y: m.jvp(lambda x: m.vjp(lambda y: f(x, y), y)[1](x), (x,), (y,)),
+    ],
+    ids=["grad(jacfwd)", "grad(grad)", "vmap(grad)", "jvp(vjp)"],
+)
+def test_inplace_write_into_an_outer_levels_value(stack):
+    """Crash (InplaceError): writing a derivative-carrying value into an intermediate that
+    belongs to an outer level only; torch.func computes."""
+    x, y = _rnd(3, seed=1), _rnd(3, seed=2)
+    _both(lambda m: stack(m, _mul_into_outer_value, x, y))
+
+
+def test_inplace_write_into_a_view_of_an_outer_levels_value_raises():
+    """The write would not reach the aliased outer value: a clear error, never a wrong number."""
+
+    def f(x, y):
+        h = x.sin()
+        h.view(-1).mul_(y.repeat(3))
+        return h
+
+    g = ft.vmap(ft.grad(lambda x, y: f(x, y).square().sum(), argnums=1), in_dims=(0, None))
+    with pytest.raises(ft.errors.InplaceError, match="share its memory"):
+        g(_rnd(2, 3, 4), _rnd(4))

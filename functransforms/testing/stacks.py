@@ -357,7 +357,9 @@ def _step(draw, h, x, y):
         return Step(fam, (name, dim, k, idx, which, const))
     if fam == "reduce":
         name = draw(
-            st.sampled_from(["sum", "mean", "prod", "amax", "max", "std", "var", "norm", "logsumexp"])
+            st.sampled_from(
+                ["sum", "mean", "prod", "amax", "max", "std", "var", "norm", "logsumexp"]
+            )
         )
         if r >= 2 and name in ("sum", "mean", "norm", "logsumexp", "var") and draw(st.booleans()):
             dim = tuple(draw(st.permutations(dims[r:]))[:2])
@@ -624,4 +626,3 @@ def stacks(draw, min_depth=2, max_depth=4, kinds=KINDS):
 _JACS = ("jacrev", "jacfwd", "hessian")
 
 __all__ = ["Layer", "Program", "Stack", "Step", "probe", "programs", "scalarize", "stacks"]
-
