@@ -178,7 +178,7 @@ Ref = types.SimpleNamespace(
     grad=ref_grad,
     vjp=ref_vjp,
     jvp=ref_jvp,
-    jacrev=lambda f, argnums=0: _jac(f, argnums, forward=False),
+    jacrev=lambda f, argnums=0, chunk_size=None: _jac(f, argnums, forward=False),
     jacfwd=lambda f, argnums=0: _jac(f, argnums, forward=True),
     hessian=lambda f, argnums=0: _jac(_jac(f, argnums, False), argnums, True),
     linearize=ref_linearize,
@@ -321,3 +321,15 @@ def test_inplace_write_into_a_view_of_an_outer_levels_value_raises():
     g = ft.vmap(ft.grad(lambda x, y: f(x, y).square().sum(), argnums=1), in_dims=(0, None))
     with pytest.raises(ft.errors.InplaceError, match="share its memory"):
         g(_rnd(2, 3, 4), _rnd(4))
+
+
+def test_index_fill_of_a_diagonal_view_under_vmap_grad():
+    """Crash (MissingRuleError: prims.copy_strided): index_fill had no derivative rules and its
+    decomposition copies a strided input (a diagonal view) with copy_strided."""
+
+    def f(x, v):
+        return x.diagonal(0, -2, -1).index_fill(-1, torch.tensor([1, 1]), v).sin().sum()
+
+    v = torch.tensor(0.3, dtype=D)
+    _both(lambda m: m.vmap(m.grad(f, argnums=(0, 1)), in_dims=(0, None))(_rnd(3, 2, 2), v))
+    _both(lambda m: m.jacfwd(f, argnums=(0, 1))(_rnd(2, 2), v))

@@ -260,7 +260,95 @@ def _complex(h, x, y, name):
     raise AssertionError(name)
 
 
+def _extra(h, x, y, name, dim, k, const):
+    """Ops research code reaches for beyond the basic families."""
+    if name == "linear":
+        return F.linear(h, const.mT, const[0])
+    if name == "layer_norm":
+        return F.layer_norm(h, h.shape[-1:])
+    if name == "normalize":
+        return F.normalize(h, dim=dim)
+    if name == "tril":
+        return h.tril(k - 1)
+    if name == "roll":
+        return h.roll(k, dim)
+    if name == "repeat":
+        return h.repeat(*([1] * (h.dim() - 1)), 2) if h.dim() else h.repeat(2)
+    if name == "masked_fill":
+        return h.masked_fill(h < 0, 0.5)
+    if name == "lerp":
+        return torch.lerp(h, h.cos(), 0.3)
+    if name == "addcmul":
+        return torch.addcmul(h, h.sin(), h.cos(), value=0.5)
+    if name == "logcumsumexp":
+        return torch.logcumsumexp(h, dim)
+    if name == "cummax":
+        return h.cummax(dim).values
+    if name == "kthvalue":
+        return h.kthvalue(k + 1, dim).values
+    if name == "median":
+        return h.median(dim).values
+    if name == "var_mean":
+        v, m = torch.var_mean(h, dim, keepdim=True)
+        return v + m
+    if name == "diag_embed":
+        return torch.diag_embed(h)
+    if name == "trace":
+        return torch.trace(h)
+    if name == "outer":
+        return torch.outer(h, h.cos())
+    if name == "cdist":
+        return torch.cdist(h, h.cos() + 0.5)
+    if name == "cross_entropy":
+        return F.cross_entropy(h, torch.arange(h.shape[0]) % h.shape[-1])
+    if name == "index_fill":
+        return h.index_fill(dim, torch.tensor([k]), -1.0)
+    if name == "masked_fill_":
+        h2 = h.exp()
+        return h2.masked_fill_(h > 0.5, 2.0)
+    if name == "clamp_":
+        return (h * 2).clamp_(min=-1.0)
+    if name == "index_copy_":
+        h2 = h.clone()
+        return h2.index_copy_(dim, torch.tensor([k]), h.narrow(dim, 0, 1).sin())
+    if name == "scatter_":
+        h2 = h.clone()
+        return h2.scatter_(dim, torch.zeros_like(h, dtype=torch.long)[..., :1], h[..., :1].cos())
+    if name == "mask_setitem":
+        h2 = h.clone()
+        h2[h > 0] = 0.0
+        return h2 * h
+    if name == "slice_iadd":
+        h2 = h.clone()
+        h2[..., 1:] += h[..., :-1].sin()
+        return h2
+    if name == "unsqueeze_":
+        h2 = h.clone()
+        return h2.unsqueeze_(dim)
+    if name == "t_":
+        h2 = h * 1.0
+        return h2.t_()
+    if name == "as_strided":
+        return h.contiguous().as_strided((h.numel() - 1,), (1,))
+    if name == "unfold":
+        return h.unfold(dim, 2, 1)
+    if name == "movedim":
+        return h.movedim(dim, 0)
+    if name == "einsum_outer":
+        return torch.einsum("i,j->ij", h.reshape(-1), const[:, 0])
+    raise AssertionError(name)
+
+
+EXTRA = (
+    "linear layer_norm normalize tril roll repeat masked_fill lerp addcmul logcumsumexp cummax "
+    "kthvalue median var_mean diag_embed trace outer cdist cross_entropy index_fill masked_fill_ "
+    "clamp_ index_copy_ scatter_ mask_setitem slice_iadd unsqueeze_ t_ as_strided unfold movedim "
+    "einsum_outer"
+).split()
+
+
 APPLY = {
+    "extra": _extra,
     "unary": lambda h, x, y, name: UNARY[name](h),
     "binary": _binary,
     "where": _where,
@@ -324,10 +412,16 @@ def _step(draw, h, x, y):
     fam = draw(
         st.sampled_from(
             ["unary", "binary", "binary", "where", "reduce", "full_reduce", "along", "along"]
-            + ["matmul", "view", "index", "inplace", "inplace", "complex"]
+            + ["matmul", "view", "index", "inplace", "inplace", "complex", "extra", "extra"]
         )
     )
     seed = draw(st.integers(0, 2**16))
+    if fam == "extra":
+        dim = draw(st.sampled_from(dims))
+        size = s[dim] if r else 1
+        k = draw(st.integers(0, size - 1))
+        const = _rand((s[-1] if r else 1, draw(st.integers(1, 3))), seed)
+        return Step(fam, (draw(st.sampled_from(EXTRA)), dim, k, const))
     if fam == "unary":
         return Step(fam, (draw(st.sampled_from(sorted(UNARY))),))
     if fam in ("binary", "where", "inplace"):
@@ -483,6 +577,8 @@ class Layer:
                     has_aux=True,
                 )
             return lib.grad(lambda *a: scalarize(f(*a)), argnums=o["argnums"])
+        if k == "jacrev" and o.get("chunk"):
+            return lib.jacrev(f, argnums=o["argnums"], chunk_size=o["chunk"])
         if k in ("jacrev", "jacfwd"):
             return getattr(lib, k)(f, argnums=o["argnums"])
         if k == "hessian":
@@ -555,7 +651,9 @@ class Stack:
     def __repr__(self):
         stack = "(".join(map(repr, self.layers))
         shapes = _tree_map(lambda t: tuple(t.shape), self.base_args)
-        return f"{stack}({'module ' if self.module else ''}[{self.program!r}]){')' * (len(self.layers) - 1)} on {shapes}"
+        closing = ")" * (len(self.layers) - 1)
+        mod = "module " if self.module else ""
+        return f"{stack}({mod}[{self.program!r}]){closing} on {shapes}"
 
 
 KINDS = ("vmap", "vmap", "grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian", "linearize")
@@ -615,6 +713,8 @@ def stacks(draw, min_depth=2, max_depth=4, kinds=KINDS):
             opts = dict(argnums=draw(st.sampled_from([0, 1, (0, 1), (1,), -1])))
             if kind == "grad":
                 opts["has_aux"] = draw(st.booleans())
+            if kind == "jacrev":
+                opts["chunk"] = draw(st.sampled_from([None, None, 1, 2]))
         else:
             opts = dict(derived=draw(st.booleans()))
             if kind == "vjp":
