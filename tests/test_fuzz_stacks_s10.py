@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 import torch.func as tf
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import given, note, settings
 from torch.utils._pytree import tree_flatten, tree_map
 
 import functransforms as ft
@@ -244,23 +244,11 @@ def run(stack):
     return "loop" if ref_err else "loop, torch.func wrong"
 
 
-N_LONG = int(os.environ.get("FT_FUZZ_EXAMPLES", "0"))
-if N_LONG:
-    _fuzz_settings = settings(
-        max_examples=N_LONG,
-        deadline=None,
-        derandomize=False,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-else:
-    _fuzz_settings = settings(
-        max_examples=60,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+# profiles "fuzz_ci" (60 derandomized examples) and "fuzz_long" (FT_FUZZ_EXAMPLES random ones),
+# registered in tests/conftest.py
+_fuzz_settings = settings(
+    settings.get_profile("fuzz_long" if os.environ.get("FT_FUZZ_EXAMPLES") else "fuzz_ci")
+)
 
 
 @_fuzz_settings
