@@ -330,3 +330,21 @@ def test_vmap_out_dims_past_the_rank_of_an_unmapped_output_raises():
     f = ft.vmap(lambda a, b: (a * 2).sum().clamp_(min=-1.0), in_dims=(None, 0), out_dims=1)
     with pytest.raises(IndexError, match="out_dim=1 is out of range"):
         ft.jvp(f, (x, ys), (x, ys))
+
+
+def test_grad_of_jvp_through_layer_norm_of_two_elements_matches_finite_differences():
+    """Not ours: over two elements layer_norm is +-1 up to eps, and torch's second derivative
+    (torch.func's and plain autograd's alike) is off by O(1); ours matches finite differences."""
+
+    def f(x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:])
+
+    def s(x):
+        return ft.jvp(f, (x,), (x.cos(),))[1].sin().sum()
+
+    x = torch.tensor([[0.3, -1.2]], dtype=D)
+    eps = 1e-6
+    fd = torch.stack([(s(x + eps * e) - s(x - eps * e)) / (2 * eps) for e in torch.eye(2)])
+    ours = ft.grad(s)(x)
+    torch.testing.assert_close(ours.flatten(), fd.to(D), rtol=1e-4, atol=1e-7)
+    # torch.func's is [-0.53, -0.53] here (torch 2.13); finite differences give ~1e-5

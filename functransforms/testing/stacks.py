@@ -265,6 +265,10 @@ def _extra(h, x, y, name, dim, k, const):
     if name == "linear":
         return F.linear(h, const.mT, const[0])
     if name == "layer_norm":
+        if h.dim() == 0 or h.shape[-1] < 3:
+            # over 1-2 elements the output is +-1 up to eps: torch's own second derivatives
+            # are off by O(1) there (tests/test_fuzz_stacks_s10.py), no oracle to compare with
+            raise ValueError("layer_norm over fewer than 3 elements")
         return F.layer_norm(h, h.shape[-1:])
     if name == "normalize":
         return F.normalize(h, dim=dim)
