@@ -355,3 +355,30 @@ def test_grad_of_jvp_through_layer_norm_of_two_elements_matches_finite_differenc
     ours = ft.grad(s)(x)
     torch.testing.assert_close(ours.flatten(), fd.to(D), rtol=1e-4, atol=1e-7)
     # torch.func's is [-0.53, -0.53] here (torch 2.13); finite differences give ~1e-5
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=IndexError,
+    reason="open (crash): flip(-1) of a 0-d value (an amax) reached by jacfwd's batched "
+    "tangent through where(y > 0, ...) raises 'Dimension out of range' in our flip batching "
+    "rule, where torch.func computes; the two-op versions raise in both libraries, so the "
+    "path that torch.func takes (its flip rule on an unbatched 0-d value?) is not yet known",
+)
+def test_jacfwd_of_grad_through_flip_of_a_0d_value():
+    from functransforms.testing.stacks import Program, Step
+
+    c = torch.tensor(0.3, dtype=D)
+    program = Program(
+        [
+            Step("extra", ("var_mean", -2, 1, _rnd(2, 3))),
+            Step("matmul", ("bmm", None)),
+            Step("full_reduce", ("amax",)),
+            Step("along", ("flip", -1, 0)),
+            Step("where", ("y", c)),
+            Step("inplace", ("mul_", 0, 0, torch.tensor([0, 0]), "self", c)),
+            Step("where", ("const", c)),
+        ]
+    )
+    x, y = _rnd(1, 2, 2, seed=3), torch.tensor(0.7, dtype=D)
+    _both(lambda m: m.jacfwd(m.grad(program, argnums=0), argnums=-1)(x, y))
