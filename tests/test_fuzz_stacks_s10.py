@@ -357,15 +357,9 @@ def test_grad_of_jvp_through_layer_norm_of_two_elements_matches_finite_differenc
     # torch.func's is [-0.53, -0.53] here (torch 2.13); finite differences give ~1e-5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="open (crash): flip(-1) of a 0-d value (an amax) reached by jacfwd's batched "
-    "tangent through where(y > 0, ...) raises 'Dimension out of range' in our flip batching "
-    "rule, where torch.func computes; the two-op versions raise in both libraries, so the "
-    "path that torch.func takes (its flip rule on an unbatched 0-d value?) is not yet known",
-)
 def test_jacfwd_of_grad_through_flip_of_a_0d_value():
+    """Crash (IndexError): vmap's flip rule wrapped dim -1 of a 0-d example as dim 0 and
+    flipped the batch dim's neighbour, out of range; eager flips a 0-d tensor as a copy."""
     from functransforms.testing.stacks import Program, Step
 
     c = torch.tensor(0.3, dtype=D)
@@ -382,3 +376,11 @@ def test_jacfwd_of_grad_through_flip_of_a_0d_value():
     )
     x, y = _rnd(1, 2, 2, seed=3), torch.tensor(0.7, dtype=D)
     _both(lambda m: m.jacfwd(m.grad(program, argnums=0), argnums=-1)(x, y))
+
+
+def test_flip_of_0d_examples_under_vmap_is_a_copy_as_in_eager():
+    xs = _rnd(3)
+    for d in (0, -1):
+        torch.testing.assert_close(ft.vmap(lambda a, d=d: a.flip(d))(xs), xs)
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        ft.vmap(lambda a: a.flip(1))(xs)
