@@ -384,3 +384,23 @@ def test_flip_of_0d_examples_under_vmap_is_a_copy_as_in_eager():
         torch.testing.assert_close(ft.vmap(lambda a, d=d: a.flip(d))(xs), xs)
     with pytest.raises(IndexError, match="Dimension out of range"):
         ft.vmap(lambda a: a.flip(1))(xs)
+
+
+def test_second_order_forward_through_layer_norm_matches_finite_differences():
+    """Not ours: jvp(jvp) through layer_norm over 3 elements; torch.func's (and plain
+    autograd's double backward) differ from finite differences, ours match them."""
+
+    def f(x, y):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:]) * y
+
+    x, y = torch.tensor([0.3, -1.1, 0.8], dtype=D), torch.tensor(0.7, dtype=D)
+    tx, ty = stacks.probe(x, 0.2), stacks.probe(y, 0.2)
+
+    def inner(x, y):
+        return ft.jvp(f, (x, y), (x.cos(), y.cos()))[1]
+
+    ours = ft.jvp(inner, (x, y), (tx, ty))[1]
+    e = 1e-5
+    fd = (inner(x + e * tx, y + e * ty) - inner(x - e * tx, y - e * ty)) / (2 * e)
+    torch.testing.assert_close(ours, fd, rtol=1e-5, atol=1e-7)
+    # torch.func's is [-0.21, 0.28, -0.40] (torch 2.13); finite differences [-0.10, 0.38, -0.28]

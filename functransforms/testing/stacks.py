@@ -265,10 +265,6 @@ def _extra(h, x, y, name, dim, k, const):
     if name == "linear":
         return F.linear(h, const.mT, const[0])
     if name == "layer_norm":
-        if h.dim() == 0 or h.shape[-1] < 3:
-            # over 1-2 elements the output is +-1 up to eps: torch's own second derivatives
-            # are off by O(1) there (tests/test_fuzz_stacks_s10.py), no oracle to compare with
-            raise ValueError("layer_norm over fewer than 3 elements")
         return F.layer_norm(h, h.shape[-1:])
     if name == "normalize":
         return F.normalize(h, dim=dim)
@@ -343,8 +339,11 @@ def _extra(h, x, y, name, dim, k, const):
     raise AssertionError(name)
 
 
+# not drawn: "layer_norm" (torch's own second derivatives of it are wrong, in torch.func and
+# plain autograd alike, so neither oracle can judge a stack holding it; ours match finite
+# differences: tests/test_fuzz_stacks_s10.py)
 EXTRA = (
-    "linear layer_norm normalize tril roll repeat masked_fill lerp addcmul logcumsumexp cummax "
+    "linear normalize tril roll repeat masked_fill lerp addcmul logcumsumexp cummax "
     "kthvalue median var_mean diag_embed trace outer cdist cross_entropy index_fill masked_fill_ "
     "clamp_ index_copy_ scatter_ mask_setitem slice_iadd unsqueeze_ t_ as_strided unfold movedim "
     "einsum_outer"
