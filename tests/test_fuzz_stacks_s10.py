@@ -404,3 +404,19 @@ def test_second_order_forward_through_layer_norm_matches_finite_differences():
     fd = (inner(x + e * tx, y + e * ty) - inner(x - e * tx, y - e * ty)) / (2 * e)
     torch.testing.assert_close(ours, fd, rtol=1e-5, atol=1e-7)
     # torch.func's is [-0.21, 0.28, -0.40] (torch 2.13); finite differences [-0.10, 0.38, -0.28]
+
+
+@pytest.mark.parametrize("shape,dim", [((4,), -1), ((3, 4), -1), ((4, 3), -2), ((2,), -1)])
+def test_unfold_with_a_negative_dim_gradient(shape, dim):
+    """SILENT: unfold's transpose read the window count at ``ct.shape[dim]``, but the cotangent
+    has the window dim appended, so dim=-1 named the window dim: x.unfold(-1, 2, 2) gave the
+    gradient [1, 3, 2, 4] for [1, 2, 3, 4] (a crash, "start + length exceeds", for other sizes)."""
+    w = torch.tensor([1.0, 2.0], dtype=D)
+    x = _rnd(*shape)
+
+    def f(x):
+        u = x.unfold(dim, 2, 2 if x.shape[dim] % 2 == 0 else 1)
+        return (u * torch.arange(1.0, u.shape[-2] * 2 + 1, dtype=D).reshape(-1, 2) * w).sin().sum()
+
+    _both(lambda m: m.grad(f)(x))
+    _both(lambda m: m.vjp(lambda x: m.vjp(f, x)[1](torch.tensor(1.0, dtype=D))[0], x)[1](x.cos()))
