@@ -290,6 +290,19 @@ _MULTI_SCATTER = {
 }
 
 
+# Note [Writing into an outer transform's value]
+#     ``vmap(grad(f))`` with ``h = x.sin(); h.mul_(y)`` in f, differentiating y only: h is a
+#     value of the outer level (vmap's, or an outer grad's), a constant of this one, and the
+#     write gives it derivatives at this level. functorch wraps every value at every level, so
+#     the write just works there; we promote h as a plain buffer is (Note [Writing into a plain
+#     tensor]): h becomes a wrapper of this level holding a clone of its old value, and at exit
+#     it becomes its final value, still a value of the outer level. There is no user memory to
+#     write back into, and the old value is dead (its holder redirects to h). Refused when
+#     something aliases h (a view of, or viewed by, another outer value): the write would not
+#     reach the alias.
+_OUTER = "outer"
+
+
 class _Redirect(torch.Tensor):
     """The holder of a promoted tensor's old impl: any use goes to the promoted tensor
     (Note [Writing into a plain tensor])."""
@@ -477,10 +490,12 @@ class InplaceMixin:
     def _promote(self, func, target):
         why = None
         if isinstance(target, TransformTensor):
-            why = (
-                f"the target belongs to another transform ({target._interp.name}), captured "
-                "from outside this one"
-            )
+            why = self._why_not_wrapper(target)
+            if why is None:  # Note [Writing into an outer transform's value]
+                if self._promoted is None:
+                    self._promoted = []
+                self._promote_one(target, target.clone(), None, kind=_OUTER)
+                return
         elif type(target) is not torch.Tensor:
             why = f"the target is a {type(target).__name__}, not a plain tensor"
         elif target.requires_grad:
@@ -533,7 +548,28 @@ class InplaceMixin:
             step = _IndexStep(positions)
             self._promote_one(target, step.replay(root._primal), (root, step))
 
-    def _promote_one(self, obj, value, view_of):
+    def _why_not_wrapper(self, target):
+        """Why a lower level's wrapper cannot be promoted (None: it can): only a value that
+        nothing else aliases, since the write reaches it alone."""
+        if target._interp.level > self.level or not target._interp.alive:
+            return f"the target belongs to another transform ({target._interp.name})"
+        t = target
+        while isinstance(t, TransformTensor):
+            if t._inner_requires_grad():
+                return "the target requires grad (a torch.autograd leaf)"
+            if getattr(t, "_base", None) is not None or any(
+                r() is not None for r in getattr(t, "_views", None) or ()
+            ):
+                return "the target is a view, or has live views, of a value of an outer transform"
+            inner = getattr(t, "_value", None)  # vmap: in place on the physical value
+            if inner is None:
+                return None  # jvp/grad: functional inside, nothing else sees the write
+            t = inner
+        if t._base is not None or _compat.storage_use_count(t.untyped_storage()._cdata) != 2:
+            return "other tensors share its memory (a view of an outer transform's value)"
+        return None
+
+    def _promote_one(self, obj, value, view_of, kind=None):
         holder = self._constant(value)
         _swap(obj, holder)  # obj: the wrapper; holder: the old impl
         holder.__class__ = _Redirect
@@ -541,7 +577,7 @@ class InplaceMixin:
         if view_of is not None:
             root, step = view_of
             self._add_view(root, obj, (step,))
-        self._promoted.append((obj, holder, view_of is None))
+        self._promoted.append((obj, holder, view_of is None if kind is None else kind))
 
     def __exit__(self, *exc):
         try:
@@ -556,6 +592,9 @@ class InplaceMixin:
         promoted, self._promoted = self._promoted, None
         for obj, holder, is_root in promoted:
             final = obj._primal
+            if is_root is _OUTER:  # the old value is dead: obj becomes the final one
+                _swap(obj, torch.ops.aten.alias.default(final))
+                continue
             holder.__class__ = torch.Tensor
             del holder.__dict__["_target"]
             plain = type(final) is torch.Tensor

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from functransforms._core import dtype_of
 from functransforms.deterministic import _ops as _det
 
 from ._registry import register_jvp_rule, register_vjp_rule
@@ -444,6 +445,44 @@ def masked_fill_jvp_rule(primals, tangents, kwargs):
 @register_vjp_rule(aten.masked_fill.Scalar)
 def masked_fill_vjp_rule(ct, primals, kwargs, out, needs):
     return unbroadcast(ct.masked_fill(primals[1], 0), primals[0].shape), None, None
+
+
+# index_fill(x, dim, index, v): x with the places at ``index`` along ``dim`` set to v; linear in
+# (x, v) jointly. Without these rules it decomposes, and a strided x (a diagonal view) reaches
+# prims.copy_strided, which has no rule (found by the stack fuzzer).
+@register_jvp_rule(aten.index_fill.int_Scalar)
+def index_fill_jvp_rule(primals, tangents, kwargs):
+    out = aten.index_fill.int_Scalar(*primals)
+    t = tangents[0]
+    return out, None if t is None else aten.index_fill.int_Scalar(t, *primals[1:3], 0)
+
+
+@register_vjp_rule(aten.index_fill.int_Scalar)
+def index_fill_vjp_rule(ct, primals, kwargs, out, needs):
+    return aten.index_fill.int_Scalar(ct, *primals[1:3], 0), None, None, None
+
+
+@register_jvp_rule(aten.index_fill.int_Tensor)
+def index_fill_tensor_jvp_rule(primals, tangents, kwargs):
+    x, dim, index, value = primals
+    out = aten.index_fill.int_Tensor(x, dim, index, value)
+    tx, tv = tangents[0], tangents[3]
+    if tx is None and tv is None:
+        return out, None
+    tx = torch.zeros_like(out) if tx is None else tx
+    tv = torch.zeros_like(value) if tv is None else tv.to(dtype_of(tx))
+    return out, aten.index_fill.int_Tensor(tx, dim, index, tv)
+
+
+@register_vjp_rule(aten.index_fill.int_Tensor)
+def index_fill_tensor_vjp_rule(ct, primals, kwargs, out, needs):
+    x, dim, index, value = primals
+    kept = aten.index_fill.int_Scalar(ct, dim, index, 0)
+    gv = None
+    if needs[3]:
+        gv = (ct - kept).sum()  # the filled places, each once even for a repeated index
+        gv = gv.to(dtype_of(value)) if gv.is_complex() == value.is_complex() else gv.real
+    return kept, None, None, gv
 
 
 # scatter-style ops: linear in (base, src) jointly; the src cotangent is the matching view

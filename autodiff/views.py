@@ -213,6 +213,7 @@ def _repeat_transpose(ct, x, reps):
 def _unfold_transpose(ct, x, dim, size, step):
     if x.dim() == 0:  # a 0-d x unfolds to shape (1,)
         return ct.reshape(())
+    dim = dim % x.dim()  # ct has one dim more (the window's, last): -1 is not x's -1 there
     out = zeros_shaped(x, ct)
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):

@@ -352,7 +352,9 @@ def copy__vmap_rule(interp, args, bdims, kwargs):
 def flip_vmap_rule(interp, args, bdims, kwargs):
     x = to_front(args[0], bdims[0])
     n = x.dim() - 1
-    return aten.flip.default(x, [wrap_dim(d, n) + 1 for d in args[1]]), 0
+    dims = [wrap_dim(d, n) + 1 for d in args[1]]  # checked as eager checks them
+    # a 0-d example: eager's flip over dim 0 or -1 is a copy; the batch dim is not flipped
+    return aten.flip.default(x, dims if n else []), 0
 
 
 # Note [Many views at once]
