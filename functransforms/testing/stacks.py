@@ -339,7 +339,7 @@ def _extra(h, x, y, name, dim, k, const):
     raise AssertionError(name)
 
 
-# not drawn: "layer_norm" (torch's own second derivatives of it are wrong, in torch.func and
+# not drawn: "layer_norm" (torch's own second derivatives of it are wrong, in functorch and
 # plain autograd alike, so neither oracle can judge a stack holding it; ours match finite
 # differences: tests/test_fuzz_stacks_s10.py)
 EXTRA = (
