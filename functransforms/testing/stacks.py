@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+from .. import _compat
+
 D = torch.float64
 
 
@@ -550,15 +552,11 @@ def programs(draw, x, y, min_steps=3, max_steps=8, max_numel=24):
 
 # -- stacks of transforms ----------------------------------------------------------------------
 def _leaves(tree):
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(tree)
+    return _compat.torch_pytree.tree_leaves(tree)
 
 
 def _tree_map(fn, tree):
-    from torch.utils._pytree import tree_map
-
-    return tree_map(fn, tree)
+    return _compat.torch_pytree.tree_map(fn, tree)
 
 
 def scalarize(out):
