@@ -220,17 +220,12 @@ def with_output_buffers(gm, roots, any_requires_grad: bool):
     new_out = next(n for n in graph.nodes if n.op == "output")
     kept = [a for i, a in enumerate(new_out.args[0]) if i not in taken]
     new_out.args = (kept,)
+    from ._jit_passes import _impure  # here: _jit_passes imports this module
+
     graph.eliminate_dead_code(is_impure_node=_impure)
     graph.lint()
     plan = ([b.meta["large_layout"] for b in bases], taken, len(outs))
     return torch.fx.GraphModule(gm, graph), plan
-
-
-def _impure(node) -> bool:
-    t = node.target
-    if isinstance(t, _compat.OpOverload):
-        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags
-    return node.is_impure()
 
 
 def call_with_buffers(compiled, plan, spares, graph):
