@@ -321,6 +321,11 @@ _BACKEND_ONLY = re.compile(
 set_grad_enabled = _C._set_grad_enabled
 # PyTorch's (functorch's) innermost active transform, None outside them (checked on 2.13.0, 2.15.0)
 functorch_interpreter = _C._functorch.peek_interpreter_stack
+# Whether a tensor is one of functorch's wrappers, a batched one, and its wrapped value: read
+# by linalg to see whether a torch.func level differentiates a tensor (2.13.0, 2.15.0).
+functorch_wrapped = _C._functorch.is_functorch_wrapped_tensor
+functorch_batched = _C._functorch.is_batchedtensor
+functorch_unwrapped = _C._functorch.get_unwrapped
 is_fwd_grad_enabled = _C._is_fwd_grad_enabled
 set_fwd_grad_enabled = _C._set_fwd_grad_enabled
 
