@@ -6,7 +6,7 @@ factorizations (the factors' eigendecompositions). Differentiating those op by o
 exact arithmetic but unstable: near-equal eigenvalues of a factor make its eigenvector tangents
 explode, and forward mode through ``K1 ⊗ K2 + 0.01 I`` on a 64x64 RBF grid gave 23898 where the
 answer is 6292.5. We differentiate the solve as a whole instead, in every mode and under every
-autodiff system (ours, ``torch.autograd``, ``torch.func``, torch's forward AD), with one
+autodiff system (ours, torch's autograd, torch's own transforms and forward AD), with one
 construction that needs no autodiff of its own:
 
     X = Xc + S(B - A(leaves) @ Xc; leaves),    Xc = A^{-1} B on constant copies (no graph)
@@ -17,18 +17,30 @@ by this same construction (so they are differentiable again), and no derivative 
 the leaves. The residual ``B - A(leaves) @ Xc`` is ordinary torch code (A's own structured
 matmul), differentiated by whichever system is active. Then ``dX = A^{-1}(dB - dA Xc)`` and
 ``B_bar = A^{-H} X_bar``, ``A_bar = -B_bar Xc^H`` on A's tensors, never a derivative of the
-factorization. It is exact at every order: as a function of the leaves, ``Xc + A^{-1}(B - A Xc)``
-*is* ``A^{-1} B`` for the fixed ``Xc``, and S's missing leaf derivative ``-A^{-1} dA A^{-1} R``
-(and every higher one) is a multiple of the residual R = 0, while the mixed ones come from
-differentiating S's rules, which are solves of A(leaves) again.
+factorization. As a function of the leaves, ``Xc + A^{-1}(B - A Xc)`` *is* ``A^{-1} B`` for the
+fixed ``Xc``, and S's missing leaf derivative ``-A^{-1} dA A^{-1} R`` is a multiple of the
+residual R = 0: exact to first order, and to second with the correction of Note [Second-order
+exactness of the implicit solve].
 
 Because S is a ``torch.autograd.Function`` with ``setup_context``, ``jvp`` and
-``generate_vmap_rule``, torch's autograd and torch.func use it as they use any Function, and our
+``generate_vmap_rule``, torch's autograd and torch's transforms use it as any Function, and our
 transforms run the same staticmethods (Note [autograd.Function under transforms]). Iterative
 solves use the same S with the iterative method in its rules (``method``): the forward result
 ``Xc`` then comes from CG on constants and the derivatives are exact to the solver's tolerance.
 When nothing can differentiate (plain tensors that do not require grad, no transform active)
 the solve runs directly.
+
+# Note [Second-order exactness of the implicit solve]
+S has no derivative with respect to A's tensors, but the true one, ``-A^{-1} dA A^{-1} R``, has
+a nonzero derivative in R: with one correction the second derivative misses
+``-A^{-1} A' X'``. A second correction ``X = Xc + E1 + S(B - A(Xc + E1))``, ``E1 = S(B - A Xc)``,
+is exact to second order (each correction gains one order, as a Newton step with a frozen
+inverse). The price: two solves per derivative instead of one. In reverse mode the cotangent
+reaching the first correction is ``G - A^H A^{-H} G = 0`` and in forward mode the tangent
+reaching the second is ``-dA E1 = 0``, but skipping them is wrong under a second
+differentiation that reaches the corrections through saved values (reverse over reverse),
+which the rule cannot see. Third derivatives (rules of a rule's solve) raise
+NotImplementedError: never a wrong number.
 
 Inverses too: when A's tensors can be differentiated, ``inv(A)`` of a structured A is an
 `InverseOperator`, whose matmul is this implicit solve, so ``inv(K) @ v`` has the derivatives of
@@ -49,27 +61,17 @@ from ._rules import inv, slogdet, solve
 
 def differentiable(tensors) -> bool:
     """Whether an autodiff system differentiates one of ``tensors``: one of our grad/jvp
-    levels wraps it, a torch.func grad/jvp level wraps it, torch's autograd tracks it, or it
-    carries a tangent of torch's forward AD (batching levels alone do not count)."""
+    levels wraps it, or one of torch's (its transforms' grad/jvp levels, autograd, forward AD)
+    does. Batching levels alone do not count."""
     return any(_differentiated(t) for t in tensors)
 
 
 def _differentiated(t) -> bool:
-    while True:
-        if isinstance(t, TransformTensor):
-            if not hasattr(t, "_bdim"):  # a grad or jvp level of ours
-                return True
-            t = t._value
-        elif _compat.functorch_wrapped(t):
-            if not _compat.functorch_batched(t):  # a grad or jvp level of torch.func
-                return True
-            t = _compat.functorch_unwrapped(t)
-        else:
-            break
-    if t.requires_grad and torch.is_grad_enabled():
-        return True
-    level = _compat.forward_ad_state._current_level
-    return level >= 0 and _compat.unpack_dual(t, level)[1] is not None
+    while isinstance(t, TransformTensor):
+        if not hasattr(t, "_bdim"):  # a grad or jvp level of ours
+            return True
+        t = t._value
+    return _compat.torch_differentiates(t)
 
 
 def can_differentiate(A: LinearOperator) -> bool:
@@ -99,12 +101,12 @@ def implicit_solve(A, B: torch.Tensor, method=None, order: int = 1) -> torch.Ten
         return _forward_solve(A, B, method)
     Ac = _op(spec, [_constant(t) for t in leaves])
     Xc = _forward_solve(Ac, B.detach(), method)
-    # Two corrections: exact to second order (Note [Implicit differentiation of structured
-    # solves]).
+    # Two corrections: exact to second order (Note [Second-order exactness of the implicit
+    # solve]).
     R = B - A._matmul(Xc)
-    E = ImplicitSolve.apply(R, spec, method, order, *leaves)
+    E = ImplicitSolve.apply(R, spec, method, 2 * order, *leaves)
     R = B - A._matmul(Xc + E)
-    return Xc + (E + ImplicitSolve.apply(R, spec, method, order, *leaves))
+    return Xc + (E + ImplicitSolve.apply(R, spec, method, 2 * order + 1, *leaves))
 
 
 MAX_ORDER = 2
@@ -113,16 +115,17 @@ MAX_ORDER = 2
 def _forward_solve(A, B, method):
     if method is None:
         return solve(A, B)
+    # a function-local import: _iterative imports this module (import cycle)
     from ._iterative import run_method
 
     return run_method(A, B, *method)
 
 
 def _check_order(ctx):
-    if ctx.order > MAX_ORDER:
+    if ctx.order // 2 > MAX_ORDER:
         A = _op(ctx.spec, ctx.saved_tensors)
         raise NotImplementedError(
-            f"a derivative of order {ctx.order} of torch.linalg.solve({A!r}, B): structured "
+            f"a derivative of order {ctx.order // 2} of torch.linalg.solve({A!r}, B): structured "
             f"solves are differentiated exactly up to order {MAX_ORDER} (grad, jvp, vjp, "
             "hessian, double backward). Expected: at most second derivatives; for higher ones, "
             "solve with A.to_dense()."
@@ -131,7 +134,8 @@ def _check_order(ctx):
 
 class ImplicitSolve(torch.autograd.Function):
     """``S(R; A)`` of Note [Implicit differentiation of structured solves]: the value zero,
-    derivatives ``A^{-1} R_dot`` (jvp) and ``A^{-H} G`` (vjp), none for A's tensors."""
+    derivatives ``A^{-1} R_dot`` (jvp) and ``A^{-H} G`` (vjp), none for A's tensors.
+    ``order``: 2 x (the derivative order its rules serve) + (which correction, 0 or 1)."""
 
     generate_vmap_rule = True
 
@@ -147,17 +151,18 @@ class ImplicitSolve(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, G):
-        _check_order(ctx)
         leaves = ctx.saved_tensors
+        none = (None, None, None, None) + (None,) * len(leaves)
+        _check_order(ctx)
         A = _op(ctx.spec, leaves)
         AH = A if A.symmetric and not A.is_complex else A._adjoint()
-        X = implicit_solve(AH, G, ctx.method, ctx.order + 1)
-        return (X, None, None, None) + (None,) * len(leaves)
+        return (implicit_solve(AH, G, ctx.method, ctx.order // 2 + 1),) + none[1:]
 
     @staticmethod
     def jvp(ctx, R_dot, *_):
         _check_order(ctx)
-        return implicit_solve(_op(ctx.spec, ctx.saved_tensors), R_dot, ctx.method, ctx.order + 1)
+        A = _op(ctx.spec, ctx.saved_tensors)
+        return implicit_solve(A, R_dot, ctx.method, ctx.order // 2 + 1)
 
 
 class InverseOperator(LinearOperator):
