@@ -94,7 +94,7 @@ def _constant(t):
 def implicit_solve(A, B: torch.Tensor, method=None, order: int = 1) -> torch.Tensor:
     """``A^{-1} B`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note [Implicit
     differentiation of structured solves]). ``method``: None (exact, A's structure rule) or
-    ``(name, options)`` of an iterative method, whose info is recorded. ``order``: the
+    an iterative method ``(A, B) -> X`` (run on constants; it records its info). ``order``: the
     derivative order the result is built for (1 from users, one more in S's rules)."""
     leaves, spec = tree_flatten(A)
     if not differentiable([B, *_tensors(leaves)]):
@@ -113,12 +113,7 @@ MAX_ORDER = 2
 
 
 def _forward_solve(A, B, method):
-    if method is None:
-        return solve(A, B)
-    # a function-local import: _iterative imports this module (import cycle)
-    from ._iterative import run_method
-
-    return run_method(A, B, *method)
+    return solve(A, B) if method is None else method(A, B)
 
 
 def _check_order(ctx):

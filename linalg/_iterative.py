@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from functransforms._pytree import tree_map
 
 from ._base import LinearOperator, _try_bool
+from ._implicit import implicit_solve
 from ._rules import diagonal, solve
 
 _CONFIG: contextvars.ContextVar = contextvars.ContextVar(
@@ -234,10 +236,9 @@ def _constant(A: LinearOperator) -> LinearOperator:
 
 
 # ------------------------------------------------------------------ implicitly differentiated
-def run_method(A: LinearOperator, B: torch.Tensor, name: str, options: dict) -> torch.Tensor:
-    """The forward solve of an iterative method on constants, its info recorded (the
-    derivatives are the implicit ones of Note [Implicit differentiation of structured solves],
-    whose rules call this again)."""
+def run_cg(A: LinearOperator, B: torch.Tensor, **options) -> torch.Tensor:
+    """CG's solve on constants, its info recorded (the derivatives are the implicit ones of
+    Note [Implicit differentiation of structured solves], whose rules call this again)."""
     X, info = cg(A, B, **options)
     _record(info)
     return X
@@ -245,8 +246,6 @@ def run_method(A: LinearOperator, B: torch.Tensor, name: str, options: dict) -> 
 
 def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) -> torch.Tensor:
     """``A^{-1} B`` by ``method`` with implicit derivatives (see the Note above)."""
-    from ._implicit import implicit_solve
-
     allowed = {"tol", "atol", "maxiter", "preconditioner"}
     bad = set(options) - allowed - {"num_probes", "lanczos_steps", "generator"}
     if bad:
@@ -255,7 +254,7 @@ def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) 
             f"allowed {sorted(allowed)}."
         )
     opts = {k: v for k, v in options.items() if k in allowed}
-    return implicit_solve(A, B, (method, opts))
+    return implicit_solve(A, B, functools.partial(run_cg, **opts))
 
 
 # ------------------------------------------------------------------ Lanczos and SLQ
