@@ -321,6 +321,31 @@ _BACKEND_ONLY = re.compile(
 set_grad_enabled = _C._set_grad_enabled
 # PyTorch's (functorch's) innermost active transform, None outside them (checked on 2.13.0, 2.15.0)
 functorch_interpreter = _C._functorch.peek_interpreter_stack
+_functorch_wrapped = _C._functorch.is_functorch_wrapped_tensor
+_functorch_batched = _C._functorch.is_batchedtensor
+_functorch_unwrapped = _C._functorch.get_unwrapped
+
+
+def torch_differentiates(t: torch.Tensor) -> bool:
+    """Whether one of torch's autodiff systems differentiates ``t``: a torch.func grad/jvp level
+    wraps it (batching levels are looked through), torch.autograd tracks it (grad mode on), or
+    it carries a tangent of torch's forward AD. Read only to decide whether linalg builds its
+    implicitly differentiated solve (checked on 2.13.0, 2.15.0)."""
+    while _functorch_wrapped(t):
+        if not _functorch_batched(t):
+            return True
+        t = _functorch_unwrapped(t)
+    if t.requires_grad and torch.is_grad_enabled():
+        return True
+    level = forward_ad_state._current_level
+    return level >= 0 and unpack_dual(t, level)[1] is not None
+
+
+def is_torch_transform_wrapper(t: torch.Tensor) -> bool:
+    """A torch.func wrapper (grad, jvp or vmap level) around ``t``'s value."""
+    return _functorch_wrapped(t)
+
+
 is_fwd_grad_enabled = _C._is_fwd_grad_enabled
 set_fwd_grad_enabled = _C._set_fwd_grad_enabled
 

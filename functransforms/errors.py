@@ -35,6 +35,11 @@ class FallbackWarning(UserWarning):
     """vmap ran an op through the per-example loop because it has no batching rule."""
 
 
+class DenseFallbackWarning(UserWarning):
+    """A structured operator had no structured algorithm for a function (solve, logdet,
+    cholesky, ...): it was materialized and solved densely, in O(n^3)."""
+
+
 class JitFallbackWarning(UserWarning):
     """jit runs a call signature eagerly because its trace would not replay faithfully."""
 

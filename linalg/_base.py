@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+import pathlib
+import sys
 import warnings
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch
 
 from functransforms._core import TransformTensor
 from functransforms._pytree import register_pytree_node
+from functransforms.errors import DenseFallbackWarning
 
 from . import _rules
 
@@ -377,7 +380,12 @@ class LinearOperator:
         if rule is not _rules.slogdet.dispatch(LinearOperator):  # a structured slogdet
             out = rule(self)[1]
             return out if scale == 1 else scale * out
+        warn_dense_algorithm("logdet", self)
         return self._dense_logdet_pd(scale)
+
+    def _stores_dense(self) -> bool:
+        """Whether ``to_dense()`` only reads stored entries (no dense fallback warning)."""
+        return False
 
     def _dense_logdet_pd(self, scale=1) -> torch.Tensor:
         d = dense_cholesky(self._to_dense(), self).diagonal(dim1=-2, dim2=-1)
@@ -418,6 +426,43 @@ def _warn_once(func_name: str, op_names: str) -> None:
         f"{func_name} has no structured rule for {op_names}: computing it on the dense "
         f"matrix (to_dense()). Every later call does the same, silently.",
         stacklevel=4,
+    )
+
+
+_DENSE_WARNED: set = set()
+_OUR_DIRS = (
+    str(pathlib.Path(torch.__file__).parent),
+    str(pathlib.Path(sys.modules["functransforms"].__file__).parent),
+    str(pathlib.Path(__file__).parent),
+    functools.__file__,  # singledispatch's frame
+)
+
+
+def warn_dense_algorithm(rule: str, A) -> None:
+    """Warn once per operator class, function and call site that ``rule`` (solve, logdet, ...)
+    of the structured operator ``A`` runs densely (a `DenseFallbackWarning` naming the
+    operator and its size), unless A stores a dense matrix anyway."""
+    if A._stores_dense():
+        return
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OUR_DIRS):
+        frame = frame.f_back
+    site = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("?", 0)
+    key = (type(A).__name__, rule, site)
+    if key in _DENSE_WARNED:
+        return
+    _DENSE_WARNED.add(key)
+    n = A._shape[-1]
+    batch = f" (batch {tuple(A._shape[:-2])})" if len(A._shape) > 2 else ""
+    warnings.warn_explicit(
+        f"{rule} of {A!r}: no structured algorithm for this operator, so it runs on the dense "
+        f"{n} x {n} matrix{batch}: O(n^3) time, O(n^2) memory. Register one "
+        f"(functransforms.linalg.{rule}.register({type(A).__name__})) or build an operator that "
+        "has one (a Kronecker product plus a scaled identity, say). Warned once per operator "
+        "class and call site.",
+        DenseFallbackWarning,
+        site[0],
+        site[1],
     )
 
 

@@ -95,6 +95,9 @@ class TransposeOperator(LinearOperator):
             base.shape[:-2] + (base.shape[-1], base.shape[-2]), base.dtype, base.device, **props
         )
 
+    def _stores_dense(self):
+        return self.base._stores_dense()
+
     def _repr_extra(self):
         return repr(self.base)
 

@@ -7,7 +7,13 @@ import torch
 
 from functransforms._custom import custom_vjp
 
-from ._base import LinearOperator, _sign_prod, broadcast_batch, dense_cholesky
+from ._base import (
+    LinearOperator,
+    _sign_prod,
+    broadcast_batch,
+    dense_cholesky,
+    warn_dense_algorithm,
+)
 from ._rules import (
     add,
     cholesky,
@@ -50,6 +56,9 @@ class _StoredMatrix:
 
     def _to_dense(self):
         return self.A
+
+    def _stores_dense(self):
+        return True
 
     def _transpose(self):
         return type(self)(self.A.mT, **_transposed_props(self))
@@ -605,6 +614,7 @@ def _perm_sign(p) -> float:
 # properties (Note [Properties are promises]).
 @solve.register(LinearOperator)
 def dense_solve(A, B):
+    warn_dense_algorithm("solve", A)
     M = A._to_dense()
     if A.positive_definite:
         return torch.cholesky_solve(B, dense_cholesky(M, A))
@@ -619,6 +629,7 @@ def dense_solve(A, B):
 def dense_inv(A):
     if A.unitary:  # A^{-1} = A^H
         return A._adjoint()
+    warn_dense_algorithm("inv", A)
     eye = torch.eye(A._shape[-1], dtype=A._dtype, device=A._device)
     if A.lower or A.upper:  # the inverse of a triangular matrix is triangular of the same kind
         return TriangularOperator(solve(A, eye), upper=A.upper)
@@ -628,27 +639,32 @@ def dense_inv(A):
 @slogdet.register(LinearOperator)
 def dense_slogdet(A):
     if A.positive_definite:
+        warn_dense_algorithm("logdet", A)
         logabs = A._dense_logdet_pd()
         return torch.ones_like(logabs), logabs
     if A.lower or A.upper:  # det of a triangular matrix = product of its diagonal
         d = diagonal(A)
         return _sign_prod(d), d.abs().log().sum(-1)
+    warn_dense_algorithm("slogdet", A)
     return torch.linalg.slogdet(A._to_dense())
 
 
 @cholesky.register(LinearOperator)
 def dense_cholesky_operator(A):
+    warn_dense_algorithm("cholesky", A)
     return TriangularOperator(dense_cholesky(A._to_dense(), A), upper=False)
 
 
 @eigh.register(LinearOperator)
 def dense_eigh(A):
+    warn_dense_algorithm("eigh", A)
     evals, evecs = torch.linalg.eigh(A._to_dense())
     return evals, DenseOperator(evecs, unitary=True)
 
 
 @svd.register(LinearOperator)
 def dense_svd(A):
+    warn_dense_algorithm("svd", A)
     U, S, Vh = torch.linalg.svd(A._to_dense(), full_matrices=False)
     return DenseOperator(U), S, DenseOperator(Vh)
 

@@ -22,7 +22,7 @@ from . import _rules
 from ._base import LinearOperator, read_through
 from ._composite import add, matmul
 from ._dense import DenseOperator
-from ._implicit import InverseOperator, implicit_solve, under_our_transforms
+from ._implicit import InverseOperator, can_differentiate, implicit_solve
 from ._iterative import (
     hutchinson_trace,
     hutchpp_trace,
@@ -201,7 +201,7 @@ def inv(A) -> LinearOperator:
     """
     A = _require_operator(A, "inv(A)")
     _require_square(A, "inv(A)")
-    if _IMPLICIT_SOLVE(A) and under_our_transforms(A):
+    if _IMPLICIT_SOLVE(A) and can_differentiate(A):
         # Applied by implicitly differentiated solves (Note [Implicit differentiation of
         # structured solves]): inv(A) @ X is solve(A, X) in every mode.
         return InverseOperator(A)

@@ -1,64 +1,169 @@
-"""Implicit derivatives of exact structured solves.
+"""Implicit derivatives of structured solves, exact or iterative.
 
 # Note [Implicit differentiation of structured solves]
 ``X = A^{-1} B`` for a structured A (a Kronecker product plus noise, say) is computed through A's
 factorizations (the factors' eigendecompositions). Differentiating those op by op is right in
 exact arithmetic but unstable: near-equal eigenvalues of a factor make its eigenvector tangents
 explode, and forward mode through ``K1 ⊗ K2 + 0.01 I`` on a 64x64 RBF grid gave 23898 where the
-answer is 6292.5 (issue 8). We differentiate the solve as a whole instead, in every mode:
+answer is 6292.5. We differentiate the solve as a whole instead, in every mode and under every
+autodiff system (ours, torch's autograd, torch's own transforms and forward AD), with one
+construction that needs no autodiff of its own:
 
-* jvp: ``dX = A^{-1} (dB - dA X)``, where ``dA X`` is the jvp of ``leaves -> A(leaves) @ X``: dA
-  is applied as a structured operator (the tangents of A's tensors through A's own matmul), never
-  formed densely;
-* vjp: ``B_bar = A^{-H} X_bar`` and ``A_bar`` = the pullback of ``leaves -> A(leaves) @ X`` at
-  ``-B_bar`` (that is ``-B_bar X^H`` expressed on A's tensors), torch's convention for solve.
+    X = Xc + S(B - A(leaves) @ Xc; leaves),    Xc = A^{-1} B on constant copies (no graph)
 
-Both rules call the same custom function again for their solves (with A's tensors as they come,
-possibly wrapped by enclosing transforms), so higher orders (hessian, jvp of grad) differentiate
-the rule again and never the factorizations. The rule is used only when one of our transforms
-is active (plain calls, and torch's own transforms used as test oracles, run the `solve` rule
-directly).
+``S(R; leaves)`` is one ``torch.autograd.Function`` (`ImplicitSolve`) whose value is zero and
+whose rules are solves: jvp ``S'(R_dot) = A^{-1} R_dot``, vjp ``S^T(G) = A^{-H} G``, each computed
+by this same construction (so they are differentiable again), and no derivative with respect to
+the leaves. The residual ``B - A(leaves) @ Xc`` is ordinary torch code (A's own structured
+matmul), differentiated by whichever system is active. Then ``dX = A^{-1}(dB - dA Xc)`` and
+``B_bar = A^{-H} X_bar``, ``A_bar = -B_bar Xc^H`` on A's tensors, never a derivative of the
+factorization. As a function of the leaves, ``Xc + A^{-1}(B - A Xc)`` *is* ``A^{-1} B`` for the
+fixed ``Xc``, and S's missing leaf derivative ``-A^{-1} dA A^{-1} R`` is a multiple of the
+residual R = 0: exact to first order, and to second with the correction of Note [Second-order
+exactness of the implicit solve].
 
-Inverses too: under our transforms, ``inv(A)`` of a structured A is an `InverseOperator`, whose
-matmul is this implicit solve, so ``inv(K) @ v`` has the derivatives of ``solve(K, v)`` (outside
-our transforms ``inv`` returns the structured inverse, a Kronecker of inverses, say).
+Because S is a ``torch.autograd.Function`` with ``setup_context``, ``jvp`` and
+``generate_vmap_rule``, torch's autograd and torch's transforms use it as any Function, and our
+transforms run the same staticmethods (Note [autograd.Function under transforms]). Iterative
+solves use the same S with the iterative method in its rules (``method``): the forward result
+``Xc`` then comes from CG on constants and the derivatives are exact to the solver's tolerance.
+When nothing can differentiate (plain tensors that do not require grad, no transform active)
+the solve runs directly.
+
+# Note [Second-order exactness of the implicit solve]
+S has no derivative with respect to A's tensors, but the true one, ``-A^{-1} dA A^{-1} R``, has
+a nonzero derivative in R: with one correction the second derivative misses
+``-A^{-1} A' X'``. A second correction ``X = Xc + E1 + S(B - A(Xc + E1))``, ``E1 = S(B - A Xc)``,
+is exact to second order (each correction gains one order, as a Newton step with a frozen
+inverse). The price: two solves per derivative instead of one. In reverse mode the cotangent
+reaching the first correction is ``G - A^H A^{-H} G = 0`` and in forward mode the tangent
+reaching the second is ``-dA E1 = 0``, but skipping them is wrong under a second
+differentiation that reaches the corrections through saved values (reverse over reverse),
+which the rule cannot see. Third derivatives (rules of a rule's solve) raise
+NotImplementedError: never a wrong number.
+
+Inverses too: when A's tensors can be differentiated, ``inv(A)`` of a structured A is an
+`InverseOperator`, whose matmul is this implicit solve, so ``inv(K) @ v`` has the derivatives of
+``solve(K, v)`` (otherwise ``inv`` returns the structured inverse, a Kronecker of inverses, say).
 """
 
 from __future__ import annotations
 
 import torch
 
-from functransforms._ad import jvp as _jvp
-from functransforms._ad import vjp as _vjp
-from functransforms._core import TransformTensor, is_floating
-from functransforms._custom import custom_vjp
+from functransforms import _compat
+from functransforms._core import TransformTensor
 from functransforms._pytree import tree_flatten, tree_unflatten
 
 from ._base import LinearOperator
 from ._rules import inv, slogdet, solve
 
 
-def _under_our_transforms(tensors) -> bool:
-    return any(isinstance(t, TransformTensor) for t in tensors)
+def differentiable(tensors) -> bool:
+    """Whether an autodiff system differentiates one of ``tensors``: one of our grad/jvp
+    levels wraps it, or one of torch's (its transforms' grad/jvp levels, autograd, forward AD)
+    does. Batching levels alone do not count."""
+    return any(_differentiated(t) for t in tensors)
 
 
-def under_our_transforms(A: LinearOperator) -> bool:
-    """Whether one of A's tensors takes part in one of our transforms."""
-    return _under_our_transforms(tree_flatten(A)[0])
+def _differentiated(t) -> bool:
+    while isinstance(t, TransformTensor):
+        if not hasattr(t, "_bdim"):  # a grad or jvp level of ours
+            return True
+        t = t._value
+    return _compat.torch_differentiates(t)
 
 
-def implicit_solve(A, B: torch.Tensor) -> torch.Tensor:
-    """``solve(A, B)`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note
-    [Implicit differentiation of structured solves])."""
+def can_differentiate(A: LinearOperator) -> bool:
+    """Whether A's tensors can be differentiated (by our transforms or by torch's)."""
+    return differentiable(_tensors(tree_flatten(A)[0]))
+
+
+def _tensors(leaves):
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _op(spec, leaves):
+    return tree_unflatten(spec, list(leaves))
+
+
+def _constant(t):
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def implicit_solve(A, B: torch.Tensor, method=None, order: int = 1) -> torch.Tensor:
+    """``A^{-1} B`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note [Implicit
+    differentiation of structured solves]). ``method``: None (exact, A's structure rule) or
+    an iterative method ``(A, B) -> X`` (run on constants; it records its info). ``order``: the
+    derivative order the result is built for (1 from users, one more in S's rules)."""
     leaves, spec = tree_flatten(A)
-    if not _under_our_transforms([B, *leaves]):
-        return solve(A, B)
-    return _solve_leaves(spec, B, *leaves)
+    if not differentiable([B, *_tensors(leaves)]):
+        return _forward_solve(A, B, method)
+    Ac = _op(spec, [_constant(t) for t in leaves])
+    Xc = _forward_solve(Ac, B.detach(), method)
+    # Two corrections: exact to second order (Note [Second-order exactness of the implicit
+    # solve]).
+    R = B - A._matmul(Xc)
+    E = ImplicitSolve.apply(R, spec, method, 2 * order, *leaves)
+    R = B - A._matmul(Xc + E)
+    return Xc + (E + ImplicitSolve.apply(R, spec, method, 2 * order + 1, *leaves))
+
+
+MAX_ORDER = 2
+
+
+def _forward_solve(A, B, method):
+    return solve(A, B) if method is None else method(A, B)
+
+
+def _check_order(ctx):
+    if ctx.order // 2 > MAX_ORDER:
+        A = _op(ctx.spec, ctx.saved_tensors)
+        raise NotImplementedError(
+            f"a derivative of order {ctx.order // 2} of torch.linalg.solve({A!r}, B): structured "
+            f"solves are differentiated exactly up to order {MAX_ORDER} (grad, jvp, vjp, "
+            "hessian, double backward). Expected: at most second derivatives; for higher ones, "
+            "solve with A.to_dense()."
+        )
+
+
+class ImplicitSolve(torch.autograd.Function):
+    """``S(R; A)`` of Note [Implicit differentiation of structured solves]: the value zero,
+    derivatives ``A^{-1} R_dot`` (jvp) and ``A^{-H} G`` (vjp), none for A's tensors.
+    ``order``: 2 x (the derivative order its rules serve) + (which correction, 0 or 1)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(R, spec, method, order, *leaves):
+        return torch.zeros_like(R)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.spec, ctx.method, ctx.order, *leaves = inputs
+        ctx.save_for_backward(*leaves)
+        ctx.save_for_forward(*leaves)
+
+    @staticmethod
+    def backward(ctx, G):
+        leaves = ctx.saved_tensors
+        none = (None, None, None, None) + (None,) * len(leaves)
+        _check_order(ctx)
+        A = _op(ctx.spec, leaves)
+        AH = A if A.symmetric and not A.is_complex else A._adjoint()
+        return (implicit_solve(AH, G, ctx.method, ctx.order // 2 + 1),) + none[1:]
+
+    @staticmethod
+    def jvp(ctx, R_dot, *_):
+        _check_order(ctx)
+        A = _op(ctx.spec, ctx.saved_tensors)
+        return implicit_solve(A, R_dot, ctx.method, ctx.order // 2 + 1)
 
 
 class InverseOperator(LinearOperator):
     """``A^{-1}`` applied by implicitly differentiated solves (what `inv` returns for a
-    structured A under our transforms; Note [Implicit differentiation of structured solves]).
+    structured A whose tensors can be differentiated; Note [Implicit differentiation of
+    structured solves]).
 
     Example:
         >>> import torch
@@ -119,82 +224,3 @@ def _slogdet_inverse(A):
     # det(A^{-1}) = 1 / det(A): the sign (of modulus 1) conjugated, the log negated
     sign, logabs = slogdet(A.base)
     return sign.conj(), -logabs
-
-
-def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
-    # B broadcasts against A's batch: its cotangent sums over the broadcast batch dimensions
-    if g.shape == shape:
-        return g
-    lead = g.dim() - len(shape)
-    g = g.sum(tuple(range(lead))) if lead else g
-    dims = tuple(i for i, (a, b) in enumerate(zip(g.shape, shape)) if b == 1 and a != 1)
-    return g.sum(dims, keepdim=True) if dims else g
-
-
-# One custom function for every spec, the spec a non-differentiable argument: a custom
-# function made per call closed over itself (fwd and the jvp rule call it), a reference cycle
-# that only a full collection freed, with the operator's static fields (tests/
-# test_probe_resources_s10.py)
-def _op(spec, leaves):
-    return tree_unflatten(spec, list(leaves))
-
-
-def _apply_fn(spec, leaves, X, float_idx):
-    # leaves[i] for i in float_idx -> A(leaves) @ X: linear in A, so its jvp is dA X
-    def f(*fl):
-        full = list(leaves)
-        for i, t in zip(float_idx, fl):
-            full[i] = t
-        return _op(spec, full)._matmul(X)
-
-    return f
-
-
-def _floats(leaves):
-    return [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and is_floating(t)]
-
-
-@custom_vjp(nondiff_argnums=(0,))
-def _solve_leaves(spec, B, *leaves):
-    """``(B, *leaves) -> A(leaves)^{-1} B`` for the operator ``A`` of ``spec``."""
-    return solve(_op(spec, leaves), B)
-
-
-def _solve_fwd(spec, B, *leaves):
-    X = _solve_leaves(spec, B, *leaves)  # enclosing levels see the custom rule too
-    return X, (leaves, X, B)  # B only for its shape (a Size is no vmap output)
-
-
-def _solve_bwd(spec, res, ct):
-    leaves, X, B = res
-    A = _op(spec, leaves)
-    AH = A if A.symmetric and not A.is_complex else A._adjoint()
-    gX = implicit_solve(AH, ct)
-    gB = _sum_to(gX, B.shape)
-    idx = _floats(leaves)
-    cts = [None] * len(leaves)
-    if idx:
-        _, pull = _vjp(_apply_fn(spec, leaves, X, idx), *[leaves[i] for i in idx])
-        for i, g in zip(idx, pull(-gX)):
-            cts[i] = g
-    return (gB, *cts)
-
-
-def _solve_jvp(spec, primals, tangents):
-    B, leaves = primals[0], primals[1:]
-    dB, dleaves = tangents[0], tangents[1:]
-    X = _solve_leaves(spec, B, *leaves)
-    idx = _floats(leaves)
-    rhs = dB
-    if idx:
-        _, dAX = _jvp(
-            _apply_fn(spec, leaves, X, idx),
-            tuple(leaves[i] for i in idx),
-            tuple(dleaves[i] for i in idx),
-        )
-        rhs = rhs - dAX
-    return X, _solve_leaves(spec, rhs, *leaves)
-
-
-_solve_leaves.defvjp(_solve_fwd, _solve_bwd)
-_solve_leaves.defjvp(_solve_jvp)

@@ -2,14 +2,10 @@
 
 # Note [Implicit differentiation of iterative solves]
 ``X = A^{-1} B`` is computed by CG on *constant* copies of A's tensors (nothing is recorded
-through the iterations). The result is returned as ``X* + S(B - A X*)`` where the residual
-``R = B - A X*`` is ~0 and ``S`` is a linear primitive whose forward value is zero and whose
-derivative rules are solves: jvp ``S'(R_dot) = A^{-1} R_dot`` (one extra solve), vjp
-``S^T(G) = A^{-H} G`` (one extra solve). Differentiating ``A(θ) X*`` by ordinary rules then gives
-exactly ``dX = A^{-1}(dB - dA X)`` and ``B_bar = A^{-H} X_bar``, ``A_bar = -B_bar X^H``: the
-implicit function theorem, to the solver's tolerance, never by unrolling. ``S`` is registered with
-`functransforms.custom_vjp` + ``defjvp`` when our transforms are active, else (torch's own
-transforms, the test oracle, or plain autograd) with an autograd Function carrying a vmap rule.
+through the iterations) and differentiated as the exact solves are (Note [Implicit
+differentiation of structured solves] in ``_implicit.py``): ``X* + S(B - A X*)`` with S's rules
+solving by the same method, so ``dX = A^{-1}(dB - dA X)`` and ``B_bar = A^{-H} X_bar``: the
+implicit function theorem, to the solver's tolerance, never by unrolling.
 
 # Note [Data-dependent stopping under vmap]
 Convergence tests read a tensor value. Inside a vmap the value cannot be read; the loop then
@@ -20,15 +16,15 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import warnings
 
 import torch
 
-from functransforms._core import TransformTensor
-from functransforms._custom import custom_vjp
-from functransforms._pytree import tree_flatten, tree_map, tree_unflatten
+from functransforms._pytree import tree_map
 
 from ._base import LinearOperator, _try_bool
+from ._implicit import implicit_solve
 from ._rules import diagonal, solve
 
 _CONFIG: contextvars.ContextVar = contextvars.ContextVar(
@@ -239,83 +235,13 @@ def _constant(A: LinearOperator) -> LinearOperator:
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, A)
 
 
-# ------------------------------------------------------------------ implicit solve primitive
-def implicit_solve_fwd(R, A, options):
-    """Forward of S (Note [Implicit differentiation of iterative solves]): zero."""
-    return torch.zeros_like(R)
-
-
-def implicit_solve_jvp(A, R_dot, options):
-    """jvp of S: ``A^{-1} R_dot`` (one solve)."""
-    return cg(A, R_dot, **options)[0]
-
-
-def implicit_solve_vjp(A, G, options):
-    """vjp of S: ``A^{-H} G`` (one solve)."""
-    AH = A if A.symmetric else A._adjoint()
-    return cg(AH, G, **options)[0]
-
-
-class _ImplicitSolveFunction(torch.autograd.Function):
-    """S as an autograd.Function (the path for torch's own transforms); the operator's
-    tensors are inputs, so that vmap sees them."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(R, spec, options, *leaves):
-        return implicit_solve_fwd(R, None, options)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, spec, options, *leaves = inputs
-        ctx.spec, ctx.options = spec, options
-        ctx.save_for_backward(*leaves)
-        ctx.save_for_forward(*leaves)
-
-    @staticmethod
-    def backward(ctx, G):
-        A = tree_unflatten(ctx.spec, list(ctx.saved_tensors))
-        return (implicit_solve_vjp(A, G, ctx.options), None, None) + (None,) * len(
-            ctx.saved_tensors
-        )
-
-    @staticmethod
-    def jvp(ctx, R_dot, *_):
-        A = tree_unflatten(ctx.spec, list(ctx.saved_tensors))
-        return implicit_solve_jvp(A, R_dot, ctx.options)
-
-
-def _implicit_zero(R, A_const, options):
-    """S(R) (value 0, derivatives solves): the core's custom rules when our transforms are
-    active, else an autograd Function (torch's own transforms, plain autograd)."""
-    leaves, spec = tree_flatten(A_const)
-    if _under_our_transforms([R, *leaves]):
-        return _core_implicit_zero(R, A_const, options)
-    return _ImplicitSolveFunction.apply(R, spec, options, *leaves)
-
-
-def _under_our_transforms(tensors) -> bool:
-    return any(isinstance(t, TransformTensor) for t in tensors)
-
-
-def _core_implicit_zero(R, A_const, options):
-    # The operator travels as a flat tuple of its tensors (transforms see plain tensors).
-    leaves, spec = tree_flatten(A_const)
-
-    def op(leaves):
-        return tree_unflatten(spec, list(leaves))
-
-    def S(R, leaves):
-        return torch.zeros_like(R)
-
-    S = custom_vjp(S)
-    S.defvjp(
-        lambda R, leaves: (torch.zeros_like(R), leaves),
-        lambda leaves, G: (implicit_solve_vjp(op(leaves), G, options), None),
-    )
-    S.defjvp(lambda p, t: (torch.zeros_like(p[0]), implicit_solve_jvp(op(p[1]), t[0], options)))
-    return S(R, tuple(leaves))
+# ------------------------------------------------------------------ implicitly differentiated
+def run_cg(A: LinearOperator, B: torch.Tensor, **options) -> torch.Tensor:
+    """CG's solve on constants, its info recorded (the derivatives are the implicit ones of
+    Note [Implicit differentiation of structured solves], whose rules call this again)."""
+    X, info = cg(A, B, **options)
+    _record(info)
+    return X
 
 
 def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) -> torch.Tensor:
@@ -328,11 +254,7 @@ def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) 
             f"allowed {sorted(allowed)}."
         )
     opts = {k: v for k, v in options.items() if k in allowed}
-    A_const = _constant(A)
-    X_star, info = cg(A_const, B.detach(), **opts)
-    _record(info)
-    R = B - A._matmul(X_star)
-    return X_star + _implicit_zero(R, A_const, opts)
+    return implicit_solve(A, B, functools.partial(run_cg, **opts))
 
 
 # ------------------------------------------------------------------ Lanczos and SLQ
