@@ -23,6 +23,7 @@ from ._util import (
     InplaceMixin,
     any_floating,
     composite_implicit,
+    keep_torch_history,
     restride,
     unwrap_level,
 )
@@ -215,7 +216,9 @@ def _keep_history(below, value, in_place):
     lost the derivative). The primal is written in place, as functorch does; the tangent into a
     copy (recorded with grad on), since a rule may have handed the same tangent to another
     output."""
-    if not isinstance(below, TransformTensor) or getattr(value, "_interp", 0) is below._interp:
+    if not isinstance(below, TransformTensor):
+        return keep_torch_history(below, value)
+    if getattr(value, "_interp", 0) is below._interp:
         return value
     if below.shape != value.shape:
         return value

@@ -55,6 +55,7 @@ from ._util import (
     InplaceMixin,
     any_floating,
     composite_implicit,
+    keep_torch_history,
     match_dtype,
     resolve_lazy,
     restride,
@@ -431,6 +432,8 @@ class GradInterpreter(InplaceMixin, Interpreter):
                 below._interp
             ):
                 below.copy_(value)
+            elif self.prev_grad:
+                w._primal = keep_torch_history(below, value)
             else:
                 w._primal = value
         else:  # the new value no longer depends on this level (e.g. x.zero_())
