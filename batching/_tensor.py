@@ -355,7 +355,36 @@ class VmapInterpreter(Interpreter):
             return args[0]
         if f.inplace_view:
             return _set_view_inplace(args[0], out, out_bdim)
+        if not below_torch_autograd():
+            out, out_bdim = self._batched_where_torch_records(out, out_bdim)
         return self._as_batched(out, out_bdim)
+
+    # Note [Unbatched outputs under torch's autograd]
+    #     An op's output that the rule leaves unbatched (``bdim`` None: lstsq's empty residuals,
+    #     an output that does not depend on the batched inputs) goes back as the plain tensor.
+    #     When torch's autograd records the op (a plain input requires grad: Note [Torch
+    #     autograd through our transforms], functransforms/_core.py), torch's Autograd kernel
+    #     above this call then gives that plain tensor the history it recorded on the wrappers
+    #     (saving them), replacing the real one: ``torch.autograd.grad`` through
+    #     ``ft.vmap(lstsq, in_dims=(0, None))`` reached a dead wrapper (EscapedTracerError).
+    #     There, such an output is returned batched (a view expanded over the batch: the value
+    #     vmap returns for it anyway), so torch's history lands on a wrapper, as for the others.
+    def _batched_where_torch_records(self, out, out_bdim):
+        def expand(o, b):
+            if (
+                b is None
+                and isinstance(o, torch.Tensor)
+                and (o.is_floating_point() or o.is_complex())
+            ):
+                return o.unsqueeze(0).expand(self.batch_size, *o.shape), 0
+            return o, b
+
+        if isinstance(out, torch.Tensor):
+            return expand(out, out_bdim)
+        if type(out_bdim) is tuple and None in out_bdim and type(out) in (tuple, list):
+            pairs = [expand(o, b) for o, b in zip(out, out_bdim)]
+            return type(out)(o for o, _ in pairs), tuple(b for _, b in pairs)
+        return out, out_bdim
 
     def _elementwise(self, func, args):
         """Note [Pointwise ops reaching the interpreter]: the op on the values when every tensor
@@ -436,6 +465,8 @@ class VmapInterpreter(Interpreter):
                 "new tensor) instead."
             )
         B = self.batch_size
+        if not below_torch_autograd():  # torch's autograd records the examples' ops
+            func = _TORCH_DIFFERENTIABLE_TWIN.get(func, func)
         results = []
         # 'same': every example draws from the same generator state, so the draws agree
         rng = (torch.random.get_rng_state(), _cuda_rng()) if same_draw else None
@@ -591,6 +622,14 @@ _DYNAMIC_SHAPE = frozenset(
     getattr(torch.ops.aten, n).default
     for n in ("nonzero", "_unique", "_unique2", "unique_consecutive", "unique_dim")
 )
+# Ops torch's autograd refuses to differentiate, and the op computing the same values that it
+# differentiates. A composite op chooses the first when its argument does not require grad, and
+# a wrapper does not, though the value inside may: ``F.embedding_bag`` under vmap reached the
+# loop as ``_embedding_bag_forward_only`` ("Autograd not support dtype: Long" from
+# ``torch.autograd.grad`` through ``ft.vmap``). The loop runs the twin when torch records.
+_TORCH_DIFFERENTIABLE_TWIN = {
+    torch.ops.aten._embedding_bag_forward_only.default: torch.ops.aten._embedding_bag.default,
+}
 # Note [Conjugate views under vmap] (views.py): bumped before every op that writes a tensor
 WRITES = [0]
 
