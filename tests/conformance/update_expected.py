@@ -255,6 +255,8 @@ def merge_table(rows: dict, transforms: list[str]) -> int:
     entry = re.compile(r'^    \(("(?:[^"\\]|\\.)*"), "([^"]+)"\): ("[^"]*"),$')
     lines = TABLE.read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("EXPECTED"))
+    if lines[start].endswith("= {}"):  # an empty table, as ruff formats it
+        lines[start : start + 1] = [lines[start][:-1], "}"]
     end = lines.index("}", start)
     table, comments, pending = {}, {}, []
     for ln in lines[start + 1 : end]:
