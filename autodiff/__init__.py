@@ -5,13 +5,19 @@ import sys as _sys
 
 # Note [A clone shadowing the package]: Python started in the folder that *contains* a clone
 # named functransforms/ imports that folder (no __init__.py) as a namespace package ahead of an
-# editable install's finder; then this subpackage loads without the real functransforms.
+# editable install's finder; then this subpackage loads without the real functransforms. (From
+# the repository root, `import autodiff` loads this folder under its own name: said apart.)
+if __name__ != "functransforms.autodiff":
+    raise ImportError(
+        f"{__name__}: this folder is functransforms.autodiff, found here as a top-level module "
+        "because Python was started in the repository root. Do: `import functransforms.autodiff`."
+    )
 if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
     raise ImportError(
-        "functransforms: the folder functransforms/ in the current directory (a clone of the "
-        "repository) shadows the installed package. Do: start Python from another directory, or "
-        "reinstall with `pip install -e <clone> --config-settings editable_mode=compat` (the "
-        "clone's root goes on sys.path and the real package wins), or `pip install <clone>`."
+        f"functransforms: the folder {_sys.modules['functransforms'].__path__[0]} (a clone of "
+        "the repository) shadows the installed package as an empty namespace package. Do: start "
+        "Python from another directory, or install with the README's command (`pip install -e "
+        "<clone> --config-settings editable_mode=strict`), which imports from any directory."
     )
 
 # The rule families load on first use (Note [Rule families load on first use],

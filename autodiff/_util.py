@@ -120,40 +120,6 @@ def any_floating(out):
     return False
 
 
-class _ValueWithHistory(torch.autograd.Function):
-    """``value``'s numbers with ``below``'s torch history: the derivative is the identity."""
-
-    @staticmethod
-    def forward(ctx, below, value):
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, ct):
-        return ct, None
-
-
-def keep_torch_history(below, value):
-    """Note [Grad mode] (reverse.py) at torch's own autograd below a level: an in-place op
-    written under no_grad (``var.clamp_(min=eps)`` in gaussian_nll_loss, ``clamp_min_`` of the
-    norms in cosine_similarity) changes the value and not its history. The level computed the
-    new value as a constant; when the old one is a plain tensor torch's autograd tracks, the
-    new one keeps its graph (as torch's in-place on the tensor itself would), out of place so
-    that values saved for backward earlier stay as they were. Replacing it cut torch's graph:
-    ``torch.autograd.grad`` of ``ft.vjp``'s cotangents missed the path through the clamped
-    value (conformance autograd(vjp), autograd(jvp))."""
-    if (
-        type(below) is torch.Tensor
-        and type(value) is torch.Tensor
-        and below.requires_grad
-        and not value.requires_grad
-        and below.shape == value.shape
-        and below.dtype == value.dtype
-    ):
-        with torch.enable_grad():
-            return _ValueWithHistory.apply(below, value)
-    return value
-
-
 def restride(w):
     """Make wrapper ``w``'s metadata (shape, strides) match its rebound primal's, as wrappers are
     created with their primal's strides (so torch's view-or-copy decisions are right)."""

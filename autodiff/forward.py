@@ -19,11 +19,11 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
 from ._registry import decompose, missing_rule
+from ._torch_graph import written_under_no_grad
 from ._util import (
     InplaceMixin,
     any_floating,
     composite_implicit,
-    keep_torch_history,
     restride,
     unwrap_level,
 )
@@ -217,9 +217,7 @@ def _keep_history(below, value, in_place):
     copy (recorded with grad on), since a rule may have handed the same tangent to another
     output."""
     if not isinstance(below, TransformTensor):
-        return keep_torch_history(below, value)
-    if getattr(value, "_interp", 0) is below._interp:
-        return value
+        return written_under_no_grad(below, value)
     if below.shape != value.shape:
         return value
     if not in_place:

@@ -176,12 +176,12 @@ def def_fold_both(op):
 def_fold_both(aten.grid_sampler_3d.default)
 
 
-# softmax along one dim: (op, position of dim). _safe_softmax (zeros in rows of -inf) has its
-# own rule rather than torch's decomposition (softmax, then where): torch's autograd through
-# the decomposition is NaN in those rows (softmax's NaN times where's zero), the op's own 0.
+# softmax along one dim: (op, position of dim)
 for _op, _pos in (
     (aten._softmax.default, 1),
     (aten._log_softmax.default, 1),
+    # its own kernel, not torch's decomposition: the decomposition's where() over a row of
+    # -inf gives torch's autograd nan gradients through the vmapped result
     (aten._safe_softmax.default, 1),
 ):
     def_dim(_op, _pos)

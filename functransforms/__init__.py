@@ -47,13 +47,16 @@ with _paused_collector():
 # machinery is imported by its first trace anyway), ``distributed`` (process launching), the
 # collectives and pmap (their custom ops), rearrange, the nn.Module helpers and the extras, and
 # the ``batching`` package (vmap's interpreter, wrapper classes and rules: ``vmap``'s first call
-# imports it; a first ``grad`` does not need it).
+# imports it; a first ``grad`` does not need it), and the ``linalg`` and ``testing`` packages
+# (``ft.linalg.KroneckerOperator`` works without ``import functransforms.linalg``).
 # After the first access the name is a plain module attribute. (The rule families load on
 # first use too: Note [Rule families load on first use], _ops.py.)
 _LAZY = {
     "jit": "._jit",
     "distributed": ".distributed",
     "batching": ".batching",  # vmap's interpreter and rules: imported by vmap's first call
+    "linalg": ".linalg",  # structured operators (also `import functransforms.linalg`)
+    "testing": ".testing",  # check_grads, check_vmap, hypothesis strategies
     "pmap": "._pmap",
     "rearrange": "._rearrange",
     **dict.fromkeys(
@@ -77,6 +80,13 @@ _LAZY = {
     **dict.fromkeys(("checkpoint", "debug_unwrap", "linear_transpose"), "._extras"),
 }
 
+_SUBPACKAGES = (
+    "batching",
+    "distributed",
+    "linalg",
+    "testing",
+)  # the module itself, not a name in it
+
 
 def __getattr__(name):
     module = _LAZY.get(name)
@@ -86,7 +96,7 @@ def __getattr__(name):
 
     with _paused_collector():  # Note [Long-lived setup without young collections]
         mod = importlib.import_module(module, __name__)
-    value = mod if name in ("distributed", "batching") else getattr(mod, name)
+    value = mod if name in _SUBPACKAGES else getattr(mod, name)
     globals()[name] = value
     return value
 

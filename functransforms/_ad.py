@@ -137,6 +137,7 @@ def _as_tensor(x):
 def _vjp(func, primals, has_aux, call):
     """vjp, with ``call`` (the public call: grad, jacrev, ...) named in errors."""
     flat_out, out_spec, spec, pull, aux = _vjp_flat(func, primals, has_aux, call)
+    name = _name(func)  # the pullback keeps the name, not func (Note [What a pullback keeps])
 
     def vjp_fn(*cotangents, retain_graph=True, create_graph=None):
         # functorch's keywords: retain_graph is moot (our pullback can always run again);
@@ -146,7 +147,7 @@ def _vjp(func, primals, has_aux, call):
         flat_ct, ct_spec = pt.tree_flatten(cts)
         if not pt.same_structure(ct_spec, out_spec):
             raise RuntimeError(
-                f"vjp_fn(cotangents) of {_name(func)}: expected cotangents with the structure of "
+                f"vjp_fn(cotangents) of {name}: expected cotangents with the structure of "
                 f"the output, {out_spec}; got {ct_spec}."
             )
         flat_in = pull(flat_ct)
@@ -219,27 +220,34 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
     for o in primals_out:
         shape, _, dtype, _ = metadata(o)
         out_meta.append((shape, dtype, dtype.is_floating_point or dtype.is_complex))
+    name = _name(func)
 
+    # Note [What a pullback keeps]
+    #     ``vjp_fn`` (and linearize's ``jvp_fn``) close over the tape's roots and leaves, the
+    #     outputs' metadata and the primals, never over ``func``, the interpreter or the wrappers:
+    #     a module or closure passed as ``func`` is freed with its last user reference, and
+    #     dropping the results frees every saved tensor by reference counting alone, with no
+    #     cycle for the collector to find (tests/test_memory_release.py).
     def pull(flat_ct, release=False):
         root_cts = []
         for r, c, (shape, dtype, floating) in zip(roots, flat_ct, out_meta):
             if not isinstance(c, torch.Tensor):
                 raise TypeError(
-                    f"vjp_fn(cotangents) of {_name(func)}: expected tensor cotangents; got a "
+                    f"vjp_fn(cotangents) of {name}: expected tensor cotangents; got a "
                     f"{type(c).__name__} ({c!r}). Pass torch.tensor(...) shaped like the output."
                 )
             c_shape, _, c_dtype, _ = metadata(c)
             if c_dtype != dtype and floating:
                 if c_dtype.is_complex != dtype.is_complex:
                     raise RuntimeError(
-                        f"vjp_fn(cotangents) of {_name(func)}: a cotangent has dtype {c_dtype} "
+                        f"vjp_fn(cotangents) of {name}: a cotangent has dtype {c_dtype} "
                         f"but the matching output has dtype {dtype}; a complex output needs a "
                         "complex cotangent and a real output a real one (as torch.autograd)."
                     )
                 c = c.to(dtype)
             if c_shape != shape:
                 raise RuntimeError(
-                    f"vjp_fn(cotangents) of {_name(func)}: a cotangent has shape "
+                    f"vjp_fn(cotangents) of {name}: a cotangent has shape "
                     f"{tuple(c_shape)} but the matching output has shape {tuple(shape)}; "
                     "expected equal shapes."
                 )

@@ -321,3 +321,27 @@ def test_a_first_op_that_loads_a_registry_making_family():
         "print(tuple(ft.jvp(f, (x,), (x,))[1].shape))\n"
     )
     assert _run(code)[0] == "(5, 5)"
+
+
+def test_subpackages_are_attributes_loaded_at_first_use():
+    # `import functransforms as ft; ft.linalg.KroneckerOperator(...)` works without importing
+    # the subpackage by name, and `import functransforms` loads none of them
+    subpackages = ("linalg", "testing", "distributed", "batching")
+    code = (
+        "import functransforms as ft\n"
+        f"print(*[f'functransforms.{{n}}' in sys.modules for n in {subpackages!r}])\n"
+        f"print(*[getattr(ft, n).__name__ for n in {subpackages!r}])\n"
+        "import functransforms.linalg as fl\n"
+        "print(fl is ft.linalg, all(n in dir(ft) for n in "
+        f"{subpackages!r}), ft.autodiff.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert out[0].split() == ["False"] * len(subpackages)
+    assert out[1].split() == [f"functransforms.{n}" for n in subpackages]
+    assert out[2].split() == ["True", "True", "functransforms.autodiff"]

@@ -1,6 +1,7 @@
 """Every docstring example in the core runs (Example sections are doctests), and so does every
-```python block of README.md and docs/*.md."""
+```python block of README.md and of the pages under docs/, as in a plain install."""
 
+import ast
 import doctest
 import importlib
 import pkgutil
@@ -47,14 +48,17 @@ def test_public_api_matches_torch_func_names():
         assert callable(getattr(functransforms, name))
 
 
-# -- every ```python block of README.md and docs/*.md ------------------------------------------
+# -- every ```python block of README.md and docs/ (any depth) ----------------------------------
 # A page's blocks run in order in one namespace (a later block may use an earlier one's names).
 # Blocks written as an interactive session (">>>") run as doctests, so their printed outputs are
 # checked too. A block that cannot run (a signature, a fragment that needs the reader's own data)
-# is fenced ```python no-run; docs/design.md ("Documentation examples") says when to use it.
+# is fenced ```python no-run: <why>; docs/design.md ("Documentation examples") says when to use
+# it. The blocks must run in a plain install: none imports a test extra (pytest, hypothesis, ...).
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", flags=re.S | re.M)
+_NO_RUN = re.compile(r"no-run: \S.*")  # the reason is part of the fence
+_TEST_EXTRAS = {"pytest", "hypothesis", "expecttest", "xdist"}
 
 
 # What a page's examples must have computed, beyond running.
@@ -96,9 +100,10 @@ def test_markdown_python_blocks_run(page, restore_torch_globals):
     )
     for line, info, code in _blocks(page):
         where = f"{page.relative_to(ROOT)}:{line}"
-        if info == "no-run":
+        if info.startswith("no-run"):
+            assert _NO_RUN.fullmatch(info), f"{where}: write why it cannot run: 'no-run: <why>'"
             continue
-        assert info == "", f"{where}: unknown fence info {info!r} (only 'no-run' is known)"
+        assert info == "", f"{where}: unknown fence info {info!r} (only 'no-run: <why>')"
         if code.lstrip().startswith(">>>"):
             test = parser.get_doctest(code, namespace, where, str(page), line)
             result = runner.run(test, clear_globs=False)
@@ -114,4 +119,36 @@ def test_markdown_python_blocks_run(page, restore_torch_globals):
 def test_no_run_blocks_are_rare():
     """``no-run`` is for signatures and fragments only: most examples must run."""
     infos = [info for p in PAGES for _, info, _ in _blocks(p)]
-    assert infos.count("no-run") <= max(3, len(infos) // 10), infos
+    no_run = [info for info in infos if info.startswith("no-run")]
+    assert len(no_run) <= max(3, len(infos) // 10), no_run
+
+
+def _imported(code):
+    """The top-level names a block imports (``import a.b`` -> ``a``)."""
+    if code.lstrip().startswith(">>>"):
+        code = "\n".join(e.source for e in doctest.DocTestParser().get_examples(code))
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_markdown_blocks_run_in_a_plain_install():
+    """A reader runs the examples after ``pip install functransforms``, without the test extras
+    (pytest, hypothesis, ...): no block imports one (write ``try``/``except`` with an assert on
+    the message where a test would use ``pytest.raises``)."""
+    needing = [
+        f"{p.relative_to(ROOT)}:{line} imports {sorted(_imported(code) & _TEST_EXTRAS)}"
+        for p in PAGES
+        for line, info, code in _blocks(p)
+        if not info.startswith("no-run") and _imported(code) & _TEST_EXTRAS
+    ]
+    assert not needing, needing
+    assert _imported("import pytest, torch.nn as nn\nfrom hypothesis import given") == {
+        "pytest",
+        "torch",
+        "hypothesis",
+    }

@@ -930,7 +930,7 @@ def _run_beside_clone(tmp_path, code, pythonpath=None):
 def test_clone_shadowing_the_package_is_detected(tmp_path):
     r = _run_beside_clone(tmp_path, "import functransforms.batching")
     assert r.returncode != 0
-    assert "shadows the installed package" in r.stderr and "editable_mode=compat" in r.stderr
+    assert "shadows the installed package" in r.stderr and "editable_mode=strict" in r.stderr
 
 
 def test_clone_root_on_sys_path_imports_the_real_package(tmp_path):
