@@ -8,6 +8,7 @@ import torch
 
 from functransforms import _compat
 from functransforms._core import TransformTensor, dtype_of, dtypes_of
+from functransforms._core import below_torch_autograd as _below_torch_autograd
 from functransforms._ops import op_name, positional_with_defaults
 from functransforms.errors import (
     missing_rule,
@@ -233,11 +234,50 @@ def _expanded(b, v, *a, **k):
 
 
 _aten = torch.ops.aten
+
+
+# Note [Complex scatters torch's autograd refuses]
+#     torch's autograd refuses complex outputs of ``slice_scatter`` and ``select_scatter`` ("does
+#     not support automatic differentiation for outputs with complex dtype"), though it
+#     differentiates a write into a slice of a clone. Our rules run these ops for the transpose
+#     of slicing and indexing views and for writes into views: with a plain complex tensor that
+#     requires grad and torch recording (Note [Torch autograd through our transforms]),
+#     ``torch.autograd.grad`` over ``ft.vjp`` of ``x[1:3]``, ``narrow``, ``split``, the FFTs
+#     with ``s=`` (padding), ``trapezoid`` raised. There, the same values are computed as a
+#     clone written through the view.
+def _torch_refuses_complex(b, v):
+    return (
+        (b.is_complex() or v.is_complex())
+        and torch.is_grad_enabled()
+        and not isinstance(b, TransformTensor)
+        and not isinstance(v, TransformTensor)
+        and (b.requires_grad or v.requires_grad)
+        and not _below_torch_autograd()
+    )
+
+
+def slice_scatter(b, v, dim=0, start=None, end=None, step=1):
+    """``aten.slice_scatter``, differentiable by torch for complex values too (Note [Complex
+    scatters torch's autograd refuses])."""
+    if _torch_refuses_complex(b, v):
+        out = b.clone()
+        _aten.slice.Tensor(out, dim, start, end, step).copy_(v)
+        return out
+    return _aten.slice_scatter.default(b, v, dim, start, end, step)
+
+
+def select_scatter(b, v, dim, index):
+    """``aten.select_scatter``, as ``slice_scatter`` above."""
+    if _torch_refuses_complex(b, v):
+        out = b.clone()
+        _aten.select.int(out, dim, index).copy_(v)
+        return out
+    return _aten.select_scatter.default(b, v, dim, index)
+
+
 _SCATTER = {
-    _aten.select.int: lambda b, v, dim, index: _aten.select_scatter.default(b, v, dim, index),
-    _aten.slice.Tensor: lambda b, v, dim=0, start=None, end=None, step=1: (
-        _aten.slice_scatter.default(b, v, dim, start, end, step)
-    ),
+    _aten.select.int: select_scatter,
+    _aten.slice.Tensor: slice_scatter,
     _aten.diagonal.default: lambda b, v, offset=0, dim1=0, dim2=1: _aten.diagonal_scatter.default(
         b, v, offset, dim1, dim2
     ),
@@ -275,18 +315,18 @@ for _op in (
 
 def _split_scatter(b, v, i, split_size, dim=0):
     start = i * split_size
-    return _aten.slice_scatter.default(b, v, dim, start, start + v.shape[dim])
+    return slice_scatter(b, v, dim, start, start + v.shape[dim])
 
 
 def _split_sizes_scatter(b, v, i, sizes, dim=0):
     start = sum(sizes[:i])
-    return _aten.slice_scatter.default(b, v, dim, start, start + sizes[i])
+    return slice_scatter(b, v, dim, start, start + sizes[i])
 
 
 _MULTI_SCATTER = {
     _aten.split.Tensor: _split_scatter,
     _aten.split_with_sizes.default: _split_sizes_scatter,
-    _aten.unbind.int: lambda b, v, i, dim=0: _aten.select_scatter.default(b, v, dim, i),
+    _aten.unbind.int: lambda b, v, i, dim=0: select_scatter(b, v, dim, i),
 }
 
 

@@ -13,7 +13,7 @@ from functransforms._core import dtype_of
 from functransforms.deterministic import _ops as _det
 
 from ._registry import register_jvp_rule, register_vjp_rule
-from ._util import conj_if_complex, unbroadcast, zeros_shaped
+from ._util import conj_if_complex, select_scatter, slice_scatter, unbroadcast, zeros_shaped
 from .elementwise import _conj_scalar
 from .views import def_linear
 
@@ -487,20 +487,26 @@ def index_fill_tensor_vjp_rule(ct, primals, kwargs, out, needs):
 
 # scatter-style ops: linear in (base, src) jointly; the src cotangent is the matching view
 def def_scatter(op, view):
+    # Note [Complex scatters torch's autograd refuses] (_util.py)
+    run = {
+        aten.slice_scatter.default: slice_scatter,
+        aten.select_scatter.default: select_scatter,
+    }.get(op, op)
+
     def scatter_jvp_rule(primals, tangents, kwargs):
         base, src = primals[0], primals[1]
-        out = op(*primals, **kwargs)
+        out = run(*primals, **kwargs)
         tb, ts = tangents[0], tangents[1]
         if tb is None and ts is None:
             return out, None
         tb = tb if tb is not None else torch.zeros_like(base)
         ts = ts if ts is not None else torch.zeros_like(src)
-        return out, op(tb, ts, *primals[2:], **kwargs)
+        return out, run(tb, ts, *primals[2:], **kwargs)
 
     def scatter_vjp_rule(ct, primals, kwargs, out, needs):
         src = primals[1]
         gb = (
-            op(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs)
+            run(ct, torch.zeros_like(src, dtype=ct.dtype), *primals[2:], **kwargs)
             if needs[0]
             else None
         )

@@ -10,7 +10,7 @@ import torch
 from functransforms._core import copy_as_torch_records
 
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
-from ._util import unbroadcast, zeros_shaped
+from ._util import select_scatter, slice_scatter, unbroadcast, zeros_shaped
 
 aten = torch.ops.aten
 
@@ -88,11 +88,11 @@ for _op, _tr in (
     (aten._to_copy.default, lambda ct, x, **k: ct),
     (
         aten.select.int,
-        lambda ct, x, dim, i: aten.select_scatter.default(zeros_shaped(x, ct), ct, dim, i),
+        lambda ct, x, dim, i: select_scatter(zeros_shaped(x, ct), ct, dim, i),
     ),
     (
         aten.slice.Tensor,
-        lambda ct, x, dim=0, start=None, end=None, step=1: aten.slice_scatter.default(
+        lambda ct, x, dim=0, start=None, end=None, step=1: slice_scatter(
             zeros_shaped(x, ct), ct, dim, start, end, step
         ),
     ),
@@ -220,8 +220,8 @@ def _unfold_transpose(ct, x, dim, size, step):
     n = ct.shape[dim] if ct.dim() > 0 else 1
     for i in range(n):
         piece = ct.select(dim, i).movedim(-1, dim)
-        out = out.slice_scatter(
-            out.narrow(dim, i * step, size) + piece, dim, i * step, i * step + size
+        out = slice_scatter(
+            out, out.narrow(dim, i * step, size) + piece, dim, i * step, i * step + size
         )
     return out
 

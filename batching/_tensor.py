@@ -357,7 +357,36 @@ class VmapInterpreter(Interpreter):
             return args[0]
         if f.inplace_view:
             return _set_view_inplace(args[0], out, out_bdim)
+        if not below_torch_autograd():
+            out, out_bdim = self._batched_where_torch_records(out, out_bdim)
         return self._as_batched(out, out_bdim)
+
+    # Note [Unbatched outputs under torch's autograd]
+    #     An op's output that the rule leaves unbatched (``bdim`` None: lstsq's empty residuals,
+    #     an output that does not depend on the batched inputs) goes back as the plain tensor.
+    #     When torch's autograd records the op (a plain input requires grad: Note [Torch
+    #     autograd through our transforms], functransforms/_core.py), torch's Autograd kernel
+    #     above this call then gives that plain tensor the history it recorded on the wrappers
+    #     (saving them), replacing the real one: ``torch.autograd.grad`` through
+    #     ``ft.vmap(lstsq, in_dims=(0, None))`` reached a dead wrapper (EscapedTracerError).
+    #     There, such an output is returned batched (a view expanded over the batch: the value
+    #     vmap returns for it anyway), so torch's history lands on a wrapper, as for the others.
+    def _batched_where_torch_records(self, out, out_bdim):
+        def expand(o, b):
+            if (
+                b is None
+                and isinstance(o, torch.Tensor)
+                and (o.is_floating_point() or o.is_complex())
+            ):
+                return o.unsqueeze(0).expand(self.batch_size, *o.shape), 0
+            return o, b
+
+        if isinstance(out, torch.Tensor):
+            return expand(out, out_bdim)
+        if type(out_bdim) is tuple and None in out_bdim and type(out) in (tuple, list):
+            pairs = [expand(o, b) for o, b in zip(out, out_bdim)]
+            return type(out)(o for o, _ in pairs), tuple(b for _, b in pairs)
+        return out, out_bdim
 
     def _elementwise(self, func, args):
         """Note [Pointwise ops reaching the interpreter]: the op on the values when every tensor

@@ -48,7 +48,9 @@ def _ad_kind(op, table):
 #     no oracle for it).
 #     The compositions (vmap(vjp), jvp(vjp), vmap(jvp), vjp(vjp), vjp(jvp)) and vmap_dims
 #     (in_dims / out_dims other than 0, nested vmap) get a column each (Note [Conformance
-#     compositions]; vjp(jvp): Note [vjp(jvp) against finite differences]).
+#     compositions]; vjp(jvp): Note [vjp(jvp) against finite differences]), and so does
+#     torch's own autograd over ours: autograd(vjp), autograd(vmap), autograd(jvp) (Note
+#     [Conformance of torch autograd over our transforms]).
 OPINFO_TRANSFORMS = (
     "vmap",
     "vjp",
@@ -59,6 +61,9 @@ OPINFO_TRANSFORMS = (
     "vjp(vjp)",
     "vjp(jvp)",
     "vmap_dims",
+    "autograd(vjp)",
+    "autograd(vmap)",
+    "autograd(jvp)",
 )
 
 
@@ -170,6 +175,8 @@ def render() -> str:
         "tests/conformance/expected_failures.py; *skip*: skipped by the suite (random or "
         "uninitialized output); *—*: the OpInfo says torch does not support the transform; "
         "*vmap_dims*: vmap with in_dims / out_dims other than 0 and vmap of vmap; "
+        "*autograd(vjp)*, *autograd(vmap)*, *autograd(jvp)*: torch.autograd.grad over what our "
+        "vjp, vmap and jvp return (double backward, backward through vmap, over jvp); "
         "**ours only**: torch has no forward-mode formula and our jvp computes (Note [Coverage "
         "over the OpInfo database] in functransforms/coverage.py).\n\n"
         f"{op_summary}\n\n"

@@ -128,7 +128,7 @@ def run_composition(op, transform, kind) -> Result:
     name = full_name(op)
     result = Result(name, transform_key(transform, kind))
     for dtype in grad_dtypes(op, COMPOSITIONS[transform], kind):
-        draws = B if transform.startswith("vmap") else 1
+        draws = B if transform.startswith("vmap") or transform == "autograd(vmap)" else 1
         gens = [
             take_samples(op, dtype, (name, transform, str(dtype), g), requires_grad=True)
             for g in range(draws)
@@ -176,6 +176,9 @@ def run_composition(op, transform, kind) -> Result:
                     )
                 elif transform == "jvp(vjp)":
                     _jvp_vjp((f, ref_f), primals, out0, gen, result, what)
+                elif transform.startswith("autograd("):
+                    _autograd_over(transform, (f, ref_f), (name, kind), primals, out0, gen, j,
+                                   result, what, (diff, (leaves, spec), gens))  # fmt: skip
                 elif transform == "vjp(jvp)":
                     from conformance_vjp_jvp import run_vjp_jvp
 
@@ -183,6 +186,21 @@ def run_composition(op, transform, kind) -> Result:
                 else:
                     _vjp_vjp((f, ref_f), primals, out0, gen, result, what)
     return result
+
+
+def _autograd_over(transform, fs, key, primals, out0, gen, j, result, what, layout):
+    """Note [Conformance of torch autograd over our transforms] (conformance_autograd.py)."""
+    import conformance_autograd as ag
+
+    if transform == "autograd(vjp)":
+        ag.autograd_vjp(fs, key, primals, out0, gen, result, what)
+    elif transform == "autograd(jvp)":
+        ag.autograd_jvp(fs, key, primals, out0, gen, result, what)
+    else:
+        diff, (leaves, spec), gens = layout
+        others = [gens[g][j] if j < len(gens[g]) else None for g in range(1, B)]
+        examples = _examples(primals, diff, (leaves, spec), others, gen)
+        ag.autograd_vmap(fs, primals, out0, examples, gen, j, result, what)
 
 
 def _examples(primals, diff, layout, others, gen):

@@ -181,6 +181,10 @@ COMPOSITIONS = {
     "vjp(vjp)": "vjp",
     "vjp(jvp)": "jvp",
     "vmap_dims": "vmap",
+    # torch.autograd over ours (Note [Conformance of torch autograd over our transforms])
+    "autograd(vjp)": "vjp",
+    "autograd(vmap)": "vjp",
+    "autograd(jvp)": "jvp",
 }
 
 

@@ -156,10 +156,15 @@ def _symmetric_side(ref_f, primals, tangents, cts, us, ws):
     return _inner(c_out, ju) + _inner(d_pullback, tangents) + _inner(c_tan, jw)
 
 
-def fd_verdict(fs, primals, tangents, cts, claims, gen, shape):
+def fd_verdict(fs, primals, tangents, cts, claims, gen, shape, vary_tangents=True):
     """Note [vjp(jvp) against finite differences]: (how, the identity's right side, the left
     side of each claim in ``claims`` (cotangents, output tangents), each claim's verdict: both
-    parts agree with the differences), or a str saying why there is none."""
+    parts agree with the differences), or a str saying why there is none.
+
+    ``vary_tangents=False``: the directions ``w`` of the tangents are zero, so the identity
+    checks the primals' cotangents alone (torch autograd over our vjp, where ``t`` is the
+    outer cotangent of the pullback and the output tangent is the cotangent's own, J t:
+    Note [Conformance of torch autograd over our transforms], conformance_autograd.py)."""
     import functransforms as ft
 
     f, ref_f = fs
@@ -181,6 +186,8 @@ def fd_verdict(fs, primals, tangents, cts, claims, gen, shape):
         return f"our jvp is not the finite difference of f along t ({along_t})"
     us = [p(_randn_like(x, gen)) for p, x in zip(shape, primals)]
     ws = [p(_randn_like(t, gen)) for p, t in zip(shape, tangents)]
+    if not vary_tangents:
+        ws = [torch.zeros_like(w) for w in ws]
 
     def rhs_at(s):
         return (

@@ -41,3 +41,18 @@ def test_vjp_jvp(name, kind, expected):
 @pytest.mark.parametrize("name,kind,expected", params("vmap_dims", EXPECTED))
 def test_vmap_dims(name, kind, expected):
     run_case("vmap_dims", name, kind, expected)
+
+
+@pytest.mark.parametrize("name,kind,expected", params("autograd(vjp)", EXPECTED))
+def test_autograd_vjp(name, kind, expected):
+    run_case("autograd(vjp)", name, kind, expected)
+
+
+@pytest.mark.parametrize("name,kind,expected", params("autograd(vmap)", EXPECTED))
+def test_autograd_vmap(name, kind, expected):
+    run_case("autograd(vmap)", name, kind, expected)
+
+
+@pytest.mark.parametrize("name,kind,expected", params("autograd(jvp)", EXPECTED))
+def test_autograd_jvp(name, kind, expected):
+    run_case("autograd(jvp)", name, kind, expected)

@@ -78,12 +78,30 @@ suite] in `tests/conformance/conformance_harness.py`; the compositions (vmap(vjp
 vmap(jvp), vjp(vjp), vjp(jvp)) and vmap_dims (in_dims / out_dims other than 0, vmap of vmap):
 Note [Conformance compositions] in `tests/conformance/conformance_compositions.py`; vjp(jvp),
 decided by finite differences where torch.func is wrong: Note [vjp(jvp) against finite
-differences] in `tests/conformance/conformance_vjp_jvp.py`. This page is the to-do list for
-rule authors: **wrong** categories are silent wrong results, fix them first.
+differences] in `tests/conformance/conformance_vjp_jvp.py`; torch's own autograd over ours
+(autograd(vjp): double backward through `ft.vjp`, autograd(vmap): `torch.autograd.grad` through
+`ft.vmap`, autograd(jvp): through `ft.jvp`), against plain autograd, torch.func and finite
+differences: Note [Conformance of torch autograd over our transforms] in
+`tests/conformance/conformance_autograd.py`. This page is the to-do list for rule authors:
+**wrong** categories are silent wrong results, fix them first.
 
 Outcome per op: *pass* (every compared sample agrees with the oracle), *fallback* (vmap agrees
 but ran some op through its per-example loop), *fail: category*, *skip* (nothing comparable:
 random op, or torch.func itself rejects every sample).
+
+## torch's autograd over our transforms
+
+Three compositions run torch's own autograd over what our transforms return, the pattern of
+MAML, learned optimizers and implicit layers (inputs are plain tensors that require grad):
+*autograd(vjp)* differentiates `(out, g)` of `out, pullback = ft.vjp(f, *x); g = pullback(c)`
+with respect to `x` and `c` (double backward), against plain autograd with
+`create_graph=True`; *autograd(vmap)* runs `torch.autograd.grad` through `ft.vmap(f)` (all
+inputs batched, and for the first sample the first batched and the others shared), against
+torch.func.vmap; *autograd(jvp)* differentiates `ft.jvp(f, x, t)` with respect to `x` and `t`,
+against the same over torch.func.jvp. Where the reference disagrees with ours, finite
+differences (autograd(vjp), autograd(jvp)) or the per-example loop (autograd(vmap)) decide; a
+sample where ours agrees with them and the reference does not is counted as "reference wrong"
+below, never failed.
 """
 TRANSFORMS = [
     "vmap",
@@ -104,6 +122,12 @@ TRANSFORMS = [
     "vjp(jvp)[complex]",
     "vmap_dims",
     "vmap_dims[complex]",
+    "autograd(vjp)",
+    "autograd(vjp)[complex]",
+    "autograd(vmap)",
+    "autograd(vmap)[complex]",
+    "autograd(jvp)",
+    "autograd(jvp)[complex]",
 ]
 COMPOSED_MARK = "    # compositions: Note [Conformance compositions] (conformance_compositions.py)"
 
@@ -231,6 +255,8 @@ def merge_table(rows: dict, transforms: list[str]) -> int:
     entry = re.compile(r'^    \(("(?:[^"\\]|\\.)*"), "([^"]+)"\): ("[^"]*"),$')
     lines = TABLE.read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("EXPECTED"))
+    if lines[start].endswith("= {}"):  # an empty table, as ruff formats it
+        lines[start : start + 1] = [lines[start][:-1], "}"]
     end = lines.index("}", start)
     table, comments, pending = {}, {}, []
     for ln in lines[start + 1 : end]:
