@@ -133,3 +133,19 @@ def test_complex_grad_and_jvp_match_torch_func():
     h = 1e-6
     fd = (det(S + h * t) - det(S - h * t)) / (2 * h)
     torch.testing.assert_close(ft.jvp(det, (S,), (t,))[1], fd)
+
+
+def test_empty_matrix_and_empty_product():
+    """det of a 0 x 0 matrix is an empty product (of the LU's pivots): its derivative rules,
+    and prod's, weigh no element (prod's vjp narrowed a size-0 dim and raised)."""
+    A = torch.zeros(2, 0, 0, dtype=torch.float64)
+    f = lambda A: ft.jvp(det, (A,), (A,))[1]  # noqa: E731
+    g = lambda A: tf.jvp(det, (A,), (A,))[1]  # noqa: E731
+    ct = torch.ones(2, dtype=torch.float64)
+    torch.testing.assert_close(ft.vjp(f, A)[1](ct), tf.vjp(g, A)[1](ct))
+    x = torch.randn(3, 0, dtype=torch.float64)
+    torch.testing.assert_close(
+        ft.grad(lambda x: x.prod(-1).sum())(x), torch.zeros(3, 0, dtype=torch.float64)
+    )
+    expected = (torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(ft.jvp(lambda x: x.prod(-1), (x,), (x,)), expected)
