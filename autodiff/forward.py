@@ -19,6 +19,7 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
 from ._registry import decompose, missing_rule
+from ._torch_graph import written_under_no_grad
 from ._util import (
     InplaceMixin,
     any_floating,
@@ -215,8 +216,8 @@ def _keep_history(below, value, in_place):
     lost the derivative). The primal is written in place, as functorch does; the tangent into a
     copy (recorded with grad on), since a rule may have handed the same tangent to another
     output."""
-    if not isinstance(below, TransformTensor) or getattr(value, "_interp", 0) is below._interp:
-        return value
+    if not isinstance(below, TransformTensor):
+        return written_under_no_grad(below, value)
     if below.shape != value.shape:
         return value
     if not in_place:

@@ -27,6 +27,7 @@ import math
 import torch
 
 from ._registry import register_jvp_rule, register_vjp_rule
+from ._torch_graph import torch_differentiates
 
 aten = torch.ops.aten
 
@@ -129,8 +130,13 @@ def _batch_norm_kernel_vjp(ct, primals, out, needs, g):
     x, w, b = primals[0], primals[1], primals[2]
     rm, rv = (primals[3], primals[4]) if len(primals) > 6 else (None, None)
     mask = [bool(needs[0]), w is not None and bool(needs[1]), b is not None and bool(needs[2])]
+    # torch's double-backward formula of the kernel takes the saved statistics for constants
+    # and accounts for their dependence on x itself: plain ones go in detached (torch would
+    # refuse to differentiate them), and those of our levels stay (our decomposition of the
+    # kernel differentiates through them)
+    mean, rstd = (s.detach() if type(s) is torch.Tensor else s for s in out[1:3])
     gx, gw, gb = aten.native_batch_norm_backward.default(
-        ct, x, w, rm, rv, out[1], out[2], g.train, primals[-1], mask
+        ct, x, w, rm, rv, mean, rstd, g.train, primals[-1], mask
     )
     return (gx, gw, gb) + (None,) * (len(primals) - 3)
 
@@ -188,6 +194,9 @@ def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
             and ct is not None
             and (ct_mean is None or not ct_mean.numel())
             and (ct_rstd is None or not ct_rstd.numel())
+            # a lower level's statistics that torch differentiates would reach the kernel
+            # undetached: Note [Outputs torch leaves without a graph]
+            and not any(type(s) is not torch.Tensor and torch_differentiates(s) for s in out[1:3])
         ):
             return kernel_vjp(ct, primals, out, needs, g)
         xhat = (g.to_r(x) - g.mean) * g.rstd

@@ -51,6 +51,7 @@ from functransforms._decomp import decomposition
 from functransforms._ops import facts
 
 from ._registry import decompose, missing_rule
+from ._torch_graph import written_under_no_grad
 from ._util import (
     InplaceMixin,
     any_floating,
@@ -427,12 +428,10 @@ class GradInterpreter(InplaceMixin, Interpreter):
             # the wrapper by ``value`` cut it: grad(grad(f)) of gaussian_nll_loss, whose
             # `var.clamp_(min=eps)` runs under no_grad, was zero (conformance vjp(vjp))
             below = w._primal
-            if isinstance(below, TransformTensor) and getattr(value, "_interp", 0) is not (
-                below._interp
-            ):
+            if isinstance(below, TransformTensor):
                 below.copy_(value)
             else:
-                w._primal = value
+                w._primal = written_under_no_grad(below, value)
         else:  # the new value no longer depends on this level (e.g. x.zero_())
             w._primal, w._node, w._idx = value, Leaf(), 0
         restride(w)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from functransforms._core import copy_as_torch_records
+
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
 from ._util import unbroadcast, zeros_shaped
 
@@ -299,7 +301,7 @@ def stack_vjp_rule(ct, primals, kwargs, out, needs):
 def copy_jvp_rule(primals, tangents, kwargs):
     """copy(self, src): the value of src, broadcast to self's shape and dtype."""
     x, src = primals[0], primals[1]
-    out = aten.copy.default(x, src, *primals[2:])
+    out = copy_as_torch_records(x, src, *primals[2:])
     t = tangents[1]
     return out, None if t is None else t.to(out.dtype).expand(out.shape)
 

@@ -350,6 +350,8 @@ class VmapInterpreter(Interpreter):
         rule = f.vmap_rule
         if rule is None:
             return self._without_rule(func, f, args, kwargs)
+        if f.inplace and not below_torch_autograd() and torch.is_grad_enabled():
+            vals = _tracked_destination(self, args, vals)
         out, out_bdim = rule(self, vals, bdims, kwargs)
         if f.inplace:
             return args[0]
@@ -648,6 +650,34 @@ def _select(a, interp, i):
     if type(a) is list or type(a) is tuple:
         return type(a)(_select(b, interp, i) for b in a)
     return a
+
+
+def _tracked_destination(interp, args, vals):
+    """Note [Writes into views that torch records]: the physical destination of an in-place
+    op, as a view torch's autograd knows of its base's physical value."""
+    base = args[0]._base
+    if type(base) is not BatchedTensor or base._interp is not interp:
+        return vals
+    bv, dv = base._value, vals[0]
+    if type(bv) is not _Tensor or type(dv) is not _Tensor or dv is bv or dv._base is not None:
+        return vals
+    if dv.untyped_storage().data_ptr() != bv.untyped_storage().data_ptr():
+        return vals
+    vals = list(vals)
+    vals[0] = bv.as_strided(dv.size(), dv.stride(), dv.storage_offset())
+    return vals
+
+
+# Note [Writes into views that torch records]
+#     Rules make their physical views below torch's autograd, so torch does not know a
+#     physical slice as a view of its base: a write of a value that requires grad into it
+#     (``buf[:, 1:3].copy_(x)``, as the decompositions of circular padding do) gave the slice
+#     a history and left the base without one, so ``loss.backward()`` through ``vmap`` of
+#     ``F.pad(..., mode="circular")`` raised, and a base that had a history kept only it.
+#     When torch records the write (a value requiring grad takes part), a destination whose
+#     wrapper is a view of a wrapper of this level is written through a view of the base's
+#     physical value made with torch's autograd on (``as_strided`` over the same memory), so
+#     torch rebases the base's history as in eager code.
 
 
 def _set_view_inplace(self_wrapper, new_value, bdim):

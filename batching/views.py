@@ -15,6 +15,7 @@ from functransforms._core import (
     _tls_exclude,
     _tls_include,
     below_torch_autograd,
+    copy_as_torch_records,
     metadata,
 )
 from functransforms.errors import InplaceError
@@ -335,7 +336,7 @@ def copy_vmap_rule(interp, args, bdims, kwargs):
     n = max(self_.dim() - (bdims[0] is not None), src.dim() - (bdims[1] is not None))
     dst = pad_to(expand_front(self_, bdims[0], interp.batch_size), n)
     s = src if bdims[1] is None else pad_to(to_front(src, bdims[1]), n)
-    return aten.copy.default(dst, s, *args[2:], **kwargs), 0
+    return copy_as_torch_records(dst, s, *args[2:], **kwargs), 0
 
 
 @register_vmap_rule(aten.copy_.default)

@@ -384,8 +384,20 @@ def _route(interp, func, args, kwargs):
     else:
         if not kwargs or not _torch_autograd_wanted(interp, tuple(kwargs.values()), None):
             return interp.process(func, args, kwargs)
-    with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS):
+    mode = _graph_mode[0] if _graph_mode else _load_graph_mode()
+    with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS), mode:
         return interp.process(func, args, kwargs)
+
+
+_graph_mode: list = []  # Note [Outputs torch leaves without a graph] (autodiff/_torch_graph.py)
+
+
+def _load_graph_mode():
+    from functransforms.autodiff._torch_graph import TorchGraphMode
+
+    if not _graph_mode:
+        _graph_mode.append(TorchGraphMode())
+    return _graph_mode[0]
 
 
 # Note [Direct route to the inner level]
@@ -517,6 +529,20 @@ def redispatch(func, args, kwargs):
 def below_torch_autograd() -> bool:
     """True inside a dispatch handler (or a rule) where torch's autograd does not record."""
     return _excluded(_ADINPLACE)
+
+
+def copy_as_torch_records(dst, src, *rest):
+    """``aten.copy(dst, src)`` (the functional ``dst.copy_(src)``, which rules run on unwrapped
+    values). torch registers no derivative for ``aten.copy``, so where torch's autograd records
+    (Note [Torch autograd through our transforms]) it is an in-place copy into a fresh tensor
+    laid out as ``dst``: the same values and layout, and a derivative."""
+    if (
+        _grad_enabled()
+        and not below_torch_autograd()
+        and (getattr(src, "requires_grad", False) or dst.requires_grad)
+    ):
+        return torch.empty_like(dst).copy_(src, *rest)
+    return torch.ops.aten.copy.default(dst, src, *rest)
 
 
 def _torch_autograd_wanted(interp, args, kwargs) -> bool:

@@ -16,6 +16,7 @@ INFRASTRUCTURE = {
     "_tensor",
     "_fastpath",
     "_nested",
+    "_torch_graph",
     "forward",
     "reverse",
 }

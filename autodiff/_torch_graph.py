@@ -1,0 +1,186 @@
+"""Outputs that torch's autograd leaves without a graph, given one by our vjp rule.
+
+Note [Outputs torch leaves without a graph]
+    When torch's autograd records an op inside one of our rules (Note [Torch autograd through
+    our transforms], functransforms/_core.py), some floating outputs come back without a graph
+    even though their inputs require grad: torch's derivative formula declares them
+    non-differentiable. ``native_layer_norm``'s ``mean`` and ``rstd``, the batch-norm kernels'
+    saved statistics, ``_linalg_det``'s ``LU``: torch's own backward formulas read them as
+    saved values and their double-backward formulas account for how they depend on the input
+    (``layer_norm_double_backward`` recomputes it). Our rules read them too, as outputs with a
+    derivative of their own: the layer-norm vjp builds ``xhat = (x - mean) * rstd`` from them,
+    its jvp the tangents of all three outputs. torch's autograd, differentiating those ops,
+    took ``mean`` and ``rstd`` for constants: ``torch.autograd.grad`` of ``ft.grad``'s result
+    (MAML's meta-gradient through a LayerNorm) was 15-20% off, silently.
+
+    The fix is one mechanism, not a rule per op: while torch records the ops of a rule, a
+    ``TorchFunctionMode`` sees each ATen op the rule runs. When an op returns several outputs
+    and a floating one came back without a graph while a plain input requires grad, the
+    outputs are handed to torch again through one ``autograd.Function`` node whose backward is
+    our vjp rule of that op, which gives every output its cotangent (the same rule our own
+    reverse mode uses, so ``vjp(vjp)`` in the conformance suite already checks it). The
+    backward runs ordinary ops on the saved inputs and outputs, so torch differentiates it
+    again (double backward, MAML), and at every level, since each level's rules run under the
+    same guard (vmap's rules on physical values, jvp's on primals, grad's forward).
+
+    Cost: nothing unless torch's autograd records inside a rule (a plain tensor that requires
+    grad reaches a transform); then one Python call per op the rule runs. Outputs that torch
+    declares non-differentiable become differentiable through our rule: more than eager torch
+    allows on those outputs (docs/torch_func_differences.md), never a different value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from functransforms import _compat
+from functransforms._core import TransformTensor
+from functransforms._ops import facts
+
+from ._util import match_dtype
+
+_OpOverload = _compat.OpOverload
+
+
+def _floating(t) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _lacks_graph(out, flat_args) -> bool:
+    """Does a plain floating output lack a graph while a plain input requires grad?"""
+    missing = False
+    for o in out:
+        if isinstance(o, TransformTensor):
+            return False  # the op ran on a lower level's wrappers: that level decides
+        if isinstance(o, torch.Tensor) and not o.requires_grad and _floating(o):
+            missing = True
+    if not missing:
+        return False
+    return any(
+        isinstance(a, torch.Tensor) and not isinstance(a, TransformTensor) and a.requires_grad
+        for a in flat_args
+    )
+
+
+class TorchGraphMode(TorchFunctionMode):
+    """Note [Outputs torch leaves without a graph]: active while torch records a rule's ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if type(func) is not _OpOverload or type(out) is not tuple or not torch.is_grad_enabled():
+            return out
+        flat = _flatten(args)
+        if not _lacks_graph(out, flat) or _lacks_graph(out, kwargs.values()):
+            return out  # (a keyword tensor that requires grad: no ATen op has one to differentiate)
+        rule = facts(func).vjp_rule
+        if rule is None or not callable(rule):  # no rule, or NONDIFFERENTIABLE
+            return out
+        diff = [i for i, a in enumerate(flat) if _is_input(a)]
+        return tuple(_RuleNode.apply((rule, args, kwargs, out, diff), *(flat[i] for i in diff)))
+
+
+def _flatten(args):
+    """The positional arguments with list arguments spliced in (one level, as ATen's schemas)."""
+    flat = []
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
+
+
+def _unflatten(args, flat):
+    it = iter(flat)
+    return [type(a)(next(it) for _ in a) if type(a) in (list, tuple) else next(it) for a in args]
+
+
+def _is_input(a) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and not isinstance(a, TransformTensor)
+        and a.requires_grad
+        and _floating(a)
+    )
+
+
+class _RuleNode(torch.autograd.Function):
+    """One torch node over the outputs of an op, differentiated by our vjp rule."""
+
+    @staticmethod
+    def forward(ctx, info, *inputs):
+        ctx.info = info
+        ctx.set_materialize_grads(False)
+        outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in info[3])
+        nondiff = [o for o in outs if isinstance(o, torch.Tensor) and not _floating(o)]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        ctx.n_inputs = len(inputs)
+        ctx.save_for_backward(*inputs, *(o for o in outs if isinstance(o, torch.Tensor)))
+        return outs
+
+    @staticmethod
+    def backward(ctx, *cts):
+        rule, args, kwargs, out, diff = ctx.info
+        saved = ctx.saved_tensors
+        inputs, saved_out = saved[: ctx.n_inputs], iter(saved[ctx.n_inputs :])
+        flat = _flatten(args)
+        for i, t in zip(diff, inputs):
+            flat[i] = t
+        primals = _unflatten(args, flat)
+        out = tuple(next(saved_out) if isinstance(o, torch.Tensor) else o for o in out)
+        # needs[k]: the k-th positional argument holds an input torch wants a gradient for
+        wanted = {i for i, n in zip(diff, ctx.needs_input_grad[1:]) if n}
+        needs, k = [], 0
+        for a in args:
+            n = len(a) if type(a) in (list, tuple) else 1
+            needs.append(any(j in wanted for j in range(k, k + n)))
+            k += n
+        arg_cts = rule(cts, primals, kwargs, out, needs)
+        flat_cts = []
+        for a, c in zip(args, arg_cts):
+            if type(a) in (list, tuple):
+                flat_cts.extend([None] * len(a) if c is None else c)
+            else:
+                flat_cts.append(c)
+        return (None,) + tuple(
+            None if flat_cts[i] is None else match_dtype(flat_cts[i], flat[i]) for i in diff
+        )
+
+
+def torch_differentiates(t) -> bool:
+    """Does torch's autograd differentiate ``t``'s value: the plain tensor inside every wrapper
+    requires grad and grad mode is on. Rules that hand one of our outputs to a torch kernel
+    whose derivative formula treats that input as a constant (the batch-norm backward kernel's
+    saved statistics) ask this first."""
+    while isinstance(t, TransformTensor):
+        t = t._value if hasattr(t, "_value") else t._primal
+    return isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled()
+
+
+class _NewValueSameHistory(torch.autograd.Function):
+    """``value``'s numbers with ``below``'s torch history: the derivative is the identity."""
+
+    @staticmethod
+    def forward(ctx, below, holder):
+        return holder[0].detach()
+
+    @staticmethod
+    def backward(ctx, ct):
+        return ct, None
+
+
+def written_under_no_grad(below, value):
+    """Note [Grad mode] (reverse.py) for torch's autograd: an in-place write under no_grad
+    changes a tensor's value and keeps its history. Our levels write functionally (the wrapper
+    takes ``value``, computed as a constant), so a plain ``below`` that torch differentiates
+    hands its history to the new value: torch's ``cosine_similarity`` clamps its norms in place
+    under no_grad, and ``torch.autograd.grad`` of ``ft.grad`` of it lost the norms' graph."""
+    if type(below) is not torch.Tensor or not below.requires_grad or value.requires_grad:
+        return value
+    if below.shape != value.shape or below.dtype != value.dtype:
+        return value
+    with torch.enable_grad():
+        return _NewValueSameHistory.apply(below, (value,))
