@@ -180,6 +180,9 @@ def_fold_both(aten.grid_sampler_3d.default)
 for _op, _pos in (
     (aten._softmax.default, 1),
     (aten._log_softmax.default, 1),
+    # its own kernel, not torch's decomposition: the decomposition's where() over a row of
+    # -inf gives torch's autograd nan gradients through the vmapped result
+    (aten._safe_softmax.default, 1),
 ):
     def_dim(_op, _pos)
 

@@ -385,8 +385,17 @@ def _route(interp, func, args, kwargs):
         if not kwargs or not _torch_autograd_wanted(interp, tuple(kwargs.values()), None):
             return interp.process(func, args, kwargs)
     mode = _graph_mode[0] if _graph_mode else _load_graph_mode()
+    func = _RECORDED_FORM.get(func, func)
     with _ForceKeys(_tls_include(), _tls_exclude() - _AUTOGRAD_KEYS), mode:
         return interp.process(func, args, kwargs)
+
+
+# Ops torch chooses when nothing requires grad at the call (our wrappers do not, in torch's
+# sense), for their recorded twin with the same schema: torch's autograd refuses to record the
+# forward-only kernel (its integer outputs), as eager torch never asks it to.
+_RECORDED_FORM = {
+    torch.ops.aten._embedding_bag_forward_only.default: torch.ops.aten._embedding_bag.default,
+}
 
 
 _graph_mode: list = []  # Note [Outputs torch leaves without a graph] (autodiff/_torch_graph.py)

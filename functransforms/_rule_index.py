@@ -356,7 +356,7 @@ INDEX = {
         'aten::_log_softmax_backward_data': 2, 'aten::_native_batch_norm_legit': 64,
         'aten::_native_batch_norm_legit.no_stats': 64,
         'aten::_native_batch_norm_legit_no_training': 64, 'aten::_neg_view': 0,
-        'aten::_prelu_kernel': 0, 'aten::_prelu_kernel_backward': 0,
+        'aten::_prelu_kernel': 0, 'aten::_prelu_kernel_backward': 0, 'aten::_safe_softmax': 2,
         'aten::_scaled_dot_product_flash_attention_for_cpu': 2, 'aten::_softmax': 2,
         'aten::_softmax_backward_data': 2, 'aten::_standard_gamma_grad': 0, 'aten::_to_copy': 0,
         'aten::_unsafe_view': 0, 'aten::_upsample_bicubic2d_aa': 128,

@@ -214,3 +214,29 @@ def test_nothing_outside_requires_grad_adds_no_torch_node():
     x = torch.randn(3, 4, dtype=DT)
     out, pull = ft.vjp(_ln_affine, x)
     assert out.grad_fn is None and pull(torch.ones_like(out))[0].grad_fn is None
+
+
+def _through_vmap_equals_loop(f, xs0):
+    ct = torch.randn(torch.func.vmap(f)(xs0).shape, generator=torch.Generator().manual_seed(1))
+    ct = ct.to(xs0.dtype)
+    xs = xs0.clone().requires_grad_()
+    (ours,) = torch.autograd.grad(ft.vmap(f)(xs), xs, ct)
+    xs = xs0.clone().requires_grad_()
+    (loop,) = torch.autograd.grad(torch.stack([f(x) for x in xs]), xs, ct)
+    _close(ours, loop)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_backward_through_vmap_of_embedding_bag(mode):
+    """torch picks its forward-only kernel when the (wrapped) weight does not require grad;
+    torch's autograd refuses to record that one: the recorded twin runs instead."""
+    ii, off = torch.tensor([1, 2, 4, 5, 8]), torch.tensor([0, 2])
+    ws = torch.randn(2, 10, 4, dtype=DT)
+    _through_vmap_equals_loop(lambda w: F.embedding_bag(ii, w, off, mode=mode), ws)
+
+
+def test_backward_through_vmap_of_safe_softmax_with_a_masked_row():
+    """A row of -inf: torch's decomposition of _safe_softmax gave nan gradients."""
+    xs = torch.randn(2, 3, 4, dtype=DT)
+    xs[0, 1] = float("-inf")
+    _through_vmap_equals_loop(lambda x: torch.ops.aten._safe_softmax(x, -1), xs)
