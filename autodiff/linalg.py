@@ -440,14 +440,22 @@ def _det_vjp(bars, out, needs, A):
 
 
 def _det_jvp(out, dots, A):
-    """torch's linalg_det_jvp: det tr(A^-1 dA) through an LU whose zero pivots are replaced
-    by eps (det is C^1: at a singular matrix this is torch's value, not a failed solve)."""
+    """d det = tr(adj(A) dA), computed as det(A') tr(A'^-1 dA) from one LU, P L U', whose zero
+    pivots are replaced by eps (as torch's linalg_det_jvp; det is C^1, adj(A') = adj(A) +
+    O(eps)). Both factors come from that LU: at a singular A the pivot LAPACK leaves may be 0
+    or a rounding-level residue, depending on the LAPACK path, and det(A) tr(A'^-1 dA) with
+    det(A) from another factorization (``out``) is then 0 or off by the ratio of two residues."""
     LU, pivots, _ = torch.linalg.lu_factor_ex(A)  # no error at a zero pivot
     diag = LU.diagonal(0, -2, -1)
     eps = torch.finfo(diag.real.dtype if diag.is_complex() else diag.dtype).eps
-    LU = LU + torch.diag_embed(torch.where(diag == 0, torch.full_like(diag, eps), 0 * diag))
+    bump = torch.where(diag == 0, torch.full_like(diag, eps), 0 * diag)
+    LU = LU + torch.diag_embed(bump)
+    rows = torch.arange(1, pivots.shape[-1] + 1, device=pivots.device, dtype=pivots.dtype)
+    swaps = (pivots != rows).sum(-1)
+    sign = 1 - 2 * (swaps % 2).to(diag.real.dtype if diag.is_complex() else diag.dtype)
+    det = sign * (diag + bump).prod(-1)
     tau = torch.linalg.lu_solve(LU, pivots, dots[0]).diagonal(0, -2, -1).sum(-1)
-    return (tau * out[0],)
+    return (tau * det,)
 
 
 def_linalg(aten._linalg_det.default, _det_jvp, _det_vjp)

@@ -115,7 +115,7 @@ def _logsumexp_weight(x, o, dim, primals, kwargs):
 def _prod_weight(x, o, dim, primals, kwargs):
     # d prod / dx_i = prod_{j != i} x_j; written without dividing by x_i so zeros are fine
     d = _dims(x, dim)[0] if x.dim() else 0
-    if x.dim() == 0:
+    if x.dim() == 0 or x.shape[d] == 0:  # (an empty product: no element to weigh)
         return torch.ones_like(x)
     ones = torch.ones_like(x.narrow(d, 0, 1))
     left = torch.cat([ones, x.narrow(d, 0, x.shape[d] - 1)], d).cumprod(d)

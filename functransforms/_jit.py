@@ -58,6 +58,8 @@ from ._jit_guards import (
     _entry_check,
     _layout,
     autocast_state,
+    autograd_function_node,
+    autograd_node_mark,
     default_device,
     fresh_storage,
     mutable,
@@ -598,6 +600,7 @@ class Jitted:
             return [x for x in leaves if isinstance(x, _Tensor)]
 
         rng = _rng_state()
+        node_mark = autograd_node_mark()
         alias = _alias_pattern(tensors)
         autocast = autocast_state()
         _tracing.active = True
@@ -632,6 +635,14 @@ class Jitted:
             _tracing.active = False
         reason = watch.reason or watch.rng.reason or modules.reason or watch.rng.finish()
         reason = reason or _scan(gm)
+        if reason is None and torch.is_grad_enabled():
+            node = autograd_function_node(tree_flatten(box["out"])[0], node_mark)
+            if node is not None:
+                reason = (
+                    f"torch's autograd graph of the result holds an autograd.Function node "
+                    f"({node}) that a replayed ATen graph would not recreate",
+                    "a call in f that no op records",
+                )
         if reason is None and not self.dynamic:
             why = untraced_constants(gm, watch.fresh)
             reason = None if why is None else (why, "a call in f that no op records")

@@ -11,6 +11,10 @@ so a replay would silently keep the first call's answer. Three kinds are found w
 * tensors made outside the dispatcher from traced values (``nn.Parameter(x * 2)``): make_fx
   records them as constants, so every replay would return the first call's tensor (fallback,
   see ``untraced_constants``);
+* an ``autograd.Function`` node that the call added to torch's graph of the results (a user's
+  Function whose forward runs no op, or the node through which the library gives torch's
+  autograd an op's statistics): the recorded ATen ops do not recreate it, so torch's autograd
+  would differentiate another graph at a replay (fallback, see ``autograd_function_node``);
 * state of the ``nn.Module``\\ s whose forward ran during the trace: their ``training`` flags
   and the identity of the parameters/buffers the graph captures become a guard of the cached
   entry (``ModuleWatch.guard``): ``model.eval()`` or ``model.weight = nn.Parameter(...)``
@@ -209,6 +213,32 @@ def untraced_constants(gm, ptrs: set) -> str | None:
 
 # ------------------------------------------------------------------------------------------
 # Modules
+
+
+def autograd_node_mark() -> int:
+    """torch's per-thread autograd node counter now: nodes made later have larger numbers."""
+    with torch.enable_grad():
+        return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr()
+
+
+def autograd_function_node(outputs, mark: int) -> str | None:
+    """The class of an ``autograd.Function`` node that the trace added to torch's graph of
+    ``outputs`` (made after ``autograd_node_mark()`` returned ``mark``), if any (Note [Replay
+    guards]). The recorded graph holds the ATen ops run inside and around it, not the node: a
+    replay gives torch's autograd another graph (the op whose outputs the node re-exposes,
+    with its own derivative formula; or a ``detach``), and ``torch.autograd.grad`` of the
+    result would be wrong, silently. The walk stops at the history made before the call."""
+    done = set()
+    todo = [t.grad_fn for t in outputs if isinstance(t, _T) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in done or node._sequence_nr() <= mark:
+            continue
+        done.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return type(node).__name__.removesuffix("Backward")
+        todo.extend(n for n, _ in node.next_functions)
+    return None
 
 
 def _tensor_attrs(m):
