@@ -31,6 +31,8 @@ Note [Outputs torch leaves without a graph]
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -68,7 +70,11 @@ class TorchGraphMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:
+            args = _refused_detached(func, args, e)
+            out = func(*args, **kwargs)
         if type(func) is not _OpOverload or type(out) is not tuple or not torch.is_grad_enabled():
             return out
         flat = _flatten(args)
@@ -78,7 +84,38 @@ class TorchGraphMode(TorchFunctionMode):
         if rule is None or not callable(rule):  # no rule, or NONDIFFERENTIABLE
             return out
         diff = [i for i, a in enumerate(flat) if _is_input(a)]
-        return tuple(_RuleNode.apply((rule, args, kwargs, out, diff), *(flat[i] for i in diff)))
+        aux = [i for i, o in enumerate(out) if _without_graph(o)]
+        new = _RuleNode.apply((rule, args, kwargs, out, diff, aux), *(flat[i] for i in diff))
+        out = list(out)
+        for i, t in zip(aux, new):
+            out[i] = t
+        return tuple(out)
+
+
+_REFUSED = re.compile(r"is not differentiable with respect to argument '(\w+)'")
+
+
+def _refused_detached(func, args, error):
+    """torch's backward kernels refuse an argument that requires grad when their derivative
+    formula takes it for a constant and accounts for it otherwise (``log_sigmoid_backward``'s
+    ``buffer``, as the batch-norm kernel's statistics): once we gave that value a graph, it goes
+    in detached. Any other error is re-raised."""
+    m = _REFUSED.search(str(error))
+    op = getattr(func, "default", func)  # an OpOverloadPacket: its default overload
+    if type(op) is not _OpOverload or m is None:
+        raise error
+    names = [a.name for a in op._schema.arguments]
+    if m.group(1) not in names or names.index(m.group(1)) >= len(args):
+        raise error
+    i = names.index(m.group(1))
+    a = args[i]
+    if type(a) is not torch.Tensor:
+        raise error
+    return args[:i] + (a.detach(),) + args[i + 1 :]
+
+
+def _without_graph(o) -> bool:
+    return isinstance(o, torch.Tensor) and _floating(o) and not o.requires_grad
 
 
 def _flatten(args):
@@ -107,30 +144,35 @@ def _is_input(a) -> bool:
 
 
 class _RuleNode(torch.autograd.Function):
-    """One torch node over the outputs of an op, differentiated by our vjp rule."""
+    """One torch node over the outputs of an op that torch left without a graph, differentiated
+    by our vjp rule. The outputs torch records are left to torch's own node (the rule's
+    cotangents are linear: the two nodes add up to the rule's whole vjp), so an in-place op on
+    them (``ReLU(inplace=True)`` after a norm) does not invalidate this node."""
 
     @staticmethod
     def forward(ctx, info, *inputs):
         ctx.info = info
         ctx.set_materialize_grads(False)
-        outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in info[3])
-        nondiff = [o for o in outs if isinstance(o, torch.Tensor) and not _floating(o)]
-        if nondiff:
-            ctx.mark_non_differentiable(*nondiff)
+        outs = tuple(info[3][i].detach() for i in info[5])
         ctx.n_inputs = len(inputs)
-        ctx.save_for_backward(*inputs, *(o for o in outs if isinstance(o, torch.Tensor)))
+        ctx.save_for_backward(*inputs, *outs)
         return outs
 
     @staticmethod
-    def backward(ctx, *cts):
-        rule, args, kwargs, out, diff = ctx.info
+    def backward(ctx, *aux_cts):
+        rule, args, kwargs, out, diff, aux = ctx.info
+        if all(c is None for c in aux_cts):
+            return (None,) * (1 + ctx.n_inputs)
         saved = ctx.saved_tensors
-        inputs, saved_out = saved[: ctx.n_inputs], iter(saved[ctx.n_inputs :])
+        inputs, saved_aux = saved[: ctx.n_inputs], saved[ctx.n_inputs :]
         flat = _flatten(args)
         for i, t in zip(diff, inputs):
             flat[i] = t
         primals = _unflatten(args, flat)
-        out = tuple(next(saved_out) if isinstance(o, torch.Tensor) else o for o in out)
+        out, cts = list(out), [None] * len(out)
+        for i, t, c in zip(aux, saved_aux, aux_cts):
+            out[i], cts[i] = t, c
+        out, cts = tuple(out), tuple(cts)
         # needs[k]: the k-th positional argument holds an input torch wants a gradient for
         wanted = {i for i, n in zip(diff, ctx.needs_input_grad[1:]) if n}
         needs, k = [], 0

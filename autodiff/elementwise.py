@@ -437,7 +437,11 @@ def log_sigmoid_jvp_rule(primals, tangents, kwargs):
 @register_vjp_rule(aten.log_sigmoid_forward.default)
 def log_sigmoid_vjp_rule(cts, primals, kwargs, out, needs):
     ct = cts[0]
-    return (None if ct is None else aten.log_sigmoid_backward(ct, primals[0], out[1]),)
+    # the buffer is a workspace of the kernel: torch's double-backward formula of
+    # log_sigmoid_backward takes it for a constant (and refuses one with a graph, which Note
+    # [Outputs torch leaves without a graph] gives it when torch records)
+    buffer = out[1].detach() if type(out[1]) is torch.Tensor else out[1]
+    return (None if ct is None else aten.log_sigmoid_backward(ct, primals[0], buffer),)
 
 
 def _mish_pullback(g, x, o):

@@ -141,6 +141,17 @@ def _batch_norm_kernel_vjp(ct, primals, out, needs, g):
     return (gx, gw, gb) + (None,) * (len(primals) - 3)
 
 
+def _kernel_differentiable(ct, x, out):
+    """Can torch's backward kernel run here without losing a derivative? When torch
+    differentiates the statistics (Note [Outputs torch leaves without a graph]), only the
+    kernel itself on plain values accounts for them (its double-backward formula, with the
+    statistics passed detached); batched or wrapped, the kernel runs as a rule or torch's
+    decomposition, which would take detached statistics for constants."""
+    if not any(torch_differentiates(s) for s in out[1:3]):
+        return True
+    return all(type(t) is torch.Tensor for t in (ct, x, out[1], out[2]))
+
+
 def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
     """``op(x, ..., weight, bias, ...) -> (out, mean, rstd)`` (Note [Normalization
     derivatives]); ``geometry(primals, out)`` describes the call; ``kernel_vjp``: a faster vjp
@@ -194,9 +205,7 @@ def def_normalization(op, geometry, affine_pos=(1, 2), kernel_vjp=None):
             and ct is not None
             and (ct_mean is None or not ct_mean.numel())
             and (ct_rstd is None or not ct_rstd.numel())
-            # a lower level's statistics that torch differentiates would reach the kernel
-            # undetached: Note [Outputs torch leaves without a graph]
-            and not any(type(s) is not torch.Tensor and torch_differentiates(s) for s in out[1:3])
+            and _kernel_differentiable(ct, x, out)
         ):
             return kernel_vjp(ct, primals, out, needs, g)
         xhat = (g.to_r(x) - g.mean) * g.rstd
