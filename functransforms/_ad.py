@@ -68,9 +68,9 @@ def _as_primal(x, call, forward, i=0):
             return x
         err = ValueError if forward else RuntimeError
         raise err(
-            f"{call}: differentiated input {i} (flattened) is {describe(x)}; only "
-            "floating-point and complex tensors carry derivatives. Convert it (`x.double()`) "
-            "or move it out of the differentiated arguments (argnums)."
+            f"{call}: differentiated input {i} (flattened) is {describe(x)}; expected a "
+            "floating-point or complex tensor (only those carry derivatives). Convert it "
+            "(`x.double()`) or move it out of the differentiated arguments (argnums)."
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
         return torch.tensor(x, dtype=_default_dtype(x))
@@ -200,7 +200,7 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
         flat_out, out_spec = pt.tree_flatten(result)
         if not flat_out:
             raise RuntimeError(
-                f"{call}: expected the function to return at least one tensor; got "
+                f"{call}: expected the function's output to contain at least one tensor; got "
                 f"{describe(result)}."
             )
         roots = []
@@ -292,7 +292,9 @@ def _unwrap_level(tree, interp):
 def _check_argnums(func, argnums, n, call):
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if not nums:
-        raise RuntimeError(f"{call}: argnums must not be empty.")
+        raise RuntimeError(
+            f"{call}: argnums={argnums!r} is empty; expected an int or a non-empty tuple of ints."
+        )
     for a in nums:
         if not isinstance(a, int) or isinstance(a, bool):
             raise RuntimeError(
@@ -576,7 +578,7 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
         flat_out, out_spec = pt.tree_flatten(result)
         if not flat_out:  # as vjp (and functorch's jvp): no tensor to push the tangents to
             raise RuntimeError(
-                f"{call}: expected the function to return at least one tensor; got "
+                f"{call}: expected the function's output to contain at least one tensor; got "
                 f"{describe(result)}."
             )
         outs, touts = [], []
@@ -788,6 +790,11 @@ def jacfwd(
             _check_holomorphic_inputs(diff, call)
         flat_in, in_spec = pt.tree_flatten(diff)
         flat_in = [_as_primal(x, call, True, i) for i, x in enumerate(flat_in)]
+        if not flat_in:  # functorch's class ("Thing passed to transform API must be Tensor")
+            raise ValueError(
+                f"{call}: expected at least one tensor among the differentiated inputs; got "
+                f"{describe(diff if len(diff) > 1 else diff[0])}."
+            )
         _check_jacobian_dtypes(flat_in, call, holomorphic, "input")
         sizes = [x.numel() for x in flat_in]
         total = sum(sizes)

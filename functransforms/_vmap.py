@@ -225,8 +225,8 @@ def _broadcast(prefix, tree, what, call, out, path):
             _broadcast(p, t, what, call, out, f"{path}.<child {i}>")
         return
     raise ValueError(  # functorch's class for a malformed in_dims/out_dims
-        f"{call}: {path} must be an int, None, or a tree (tuple/list/dict or registered pytree "
-        f"node) of those; got {describe(prefix)}."
+        f"{call}: {path} is {describe(prefix)}; expected an int, None, or a tree (tuple/list/"
+        "dict or registered pytree node) of those."
     )
 
 
@@ -459,8 +459,8 @@ def _vmap_call(
         if not isinstance(x, torch.Tensor):
             raise ValueError(
                 f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but "
-                f"it is {describe(x)}, not a tensor. We can only map over tensors: use "
-                "None as its in_dim."
+                f"it is {describe(x)}; expected a tensor (vmap maps over tensors only). Do: "
+                "use None as its in_dim."
             )
         if x.is_nested:  # Note [Nested tensors under vmap] (batching/_nested.py)
             _check_nested_input(x, d, i, call or _call_repr(func, in_dims))
