@@ -69,7 +69,8 @@ def _as_primal(x, call, forward, i=0):
         err = ValueError if forward else RuntimeError
         raise err(
             f"{call}: differentiated input {i} (flattened) is {describe(x)}; expected a "
-            "floating-point or complex tensor (only those carry derivatives). Convert it "
+            "floating-point or complex tensor: only floating-point and complex tensors carry "
+            "derivatives. Convert it "
             "(`x.double()`) or move it out of the differentiated arguments (argnums)."
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
@@ -122,7 +123,7 @@ def _check_aux(aux, call):
 def _split_aux(result, call):
     if not (isinstance(result, tuple) and len(result) == 2):
         raise RuntimeError(
-            f"{call} with has_aux=True: expected the function to return a tuple (output, aux); "
+            f"{call} with has_aux=True: expected the function to return a pair (output, aux); "
             f"got {describe(result)}. Do: `return output, aux`, or drop has_aux=True."
         )
     _check_aux(result[1], call)
@@ -492,8 +493,8 @@ def jvp(
         func: a function of pytrees of tensors.
         primals: a tuple of inputs.
         tangents: a tuple with the structure, shapes and dtypes of ``primals``.
-        strict: accepted for PyTorch compatibility; ``strict=True`` is not supported (as in
-            PyTorch) and raises.
+        strict: as PyTorch's: with ``strict=True``, an output that does not depend on the
+            primals raises (instead of getting a zero tangent).
         has_aux: whether ``func`` returns ``(output, aux)``.
 
     Returns:
@@ -512,11 +513,6 @@ def jvp(
             f"{call}: expected primals and tangents to be tuples; got {type(primals).__name__} "
             f"and {type(tangents).__name__}."
         )
-    if strict:
-        raise RuntimeError(
-            f"{call[:-1]}, strict=True): strict=True is not supported (as in PyTorch); "
-            "expected strict=False."
-        )
     flat_p, spec = pt.tree_flatten(primals)
     flat_t, tspec = pt.tree_flatten(tangents)
     if not pt.same_structure(spec, tspec):
@@ -530,9 +526,13 @@ def jvp(
     ]
     for p, t in zip(flat_p, flat_t):
         if isinstance(p, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
-            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else describe(t)
+            got = (
+                f"has shape {tuple(t.shape)}"
+                if isinstance(t, torch.Tensor)
+                else f"is {describe(t)}"
+            )
             raise RuntimeError(
-                f"{call}: a tangent is {got} but its primal has shape {tuple(p.shape)}; "
+                f"{call}: a tangent {got} but its primal has shape {tuple(p.shape)}; "
                 "expected a tangent shaped like its primal."
             )
         if isinstance(p, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
@@ -549,11 +549,11 @@ def jvp(
                 f"{call}: a tangent is a {t.dtype} tensor but its primal is real ({p.dtype}); "
                 "expected a real tangent (pass the real and imaginary parts as two jvp calls)."
             )
-    return _jvp(func, flat_p, flat_t, spec, has_aux, call)
+    return _jvp(func, flat_p, flat_t, spec, has_aux, call, strict)
 
 
 @eager_under_compile
-def _jvp(func, flat_p, flat_t, spec, has_aux, call):
+def _jvp(func, flat_p, flat_t, spec, has_aux, call, strict=False):
     """jvp on flattened, validated inputs, with ``call`` (jvp, jacfwd, hessian) named in errors."""
     from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
 
@@ -590,6 +590,12 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
                 raise RuntimeError(
                     f"{call}: output {i} (flattened) is {describe(o)}; "
                     "expected the function to return tensors (or pytrees of tensors)."
+                )
+            elif strict:  # PyTorch's strict=True: no zero tangent for an independent output
+                raise RuntimeError(
+                    f"{call[:-1]}, strict=True): output {i} (flattened) does not depend on the "
+                    "primals; expected every output to depend on them with strict=True. Do: "
+                    "pass strict=False for a zero tangent."
                 )
             else:
                 outs.append(o)
@@ -656,9 +662,13 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
         for p, t in zip(flat_primals, flat_t):
             p = _as_tensor(p)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else describe(t)
+                got = (
+                    f"has shape {tuple(t.shape)}"
+                    if isinstance(t, torch.Tensor)
+                    else f"is {describe(t)}"
+                )
                 raise RuntimeError(
-                    f"jvp_fn(*tangents) of {call}: a tangent is {got} but its primal has "
+                    f"jvp_fn(*tangents) of {call}: a tangent {got} but its primal has "
                     f"shape {tuple(p.shape)}; expected equal shapes."
                 )
             if not (t.is_floating_point() or t.is_complex()) or (
