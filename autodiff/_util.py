@@ -179,7 +179,9 @@ class _Step:
             one = _SCATTER.get(self.func)
             if one is not None:
                 return one(base, v, *self.rest, **self.kwargs)
-        positions = self.replay(torch.arange(base.numel(), device=base.device).reshape(base.shape))
+        positions = self.replay(
+            torch.arange(base.numel(), device=positions_device(base)).reshape(base.shape)
+        )
         return _index_scatter(base, v, positions, self.func)
 
 
@@ -196,6 +198,16 @@ class _IndexStep:
 
     def scatter(self, base, v):
         return _index_scatter(base, v, self.positions, None)
+
+
+def positions_device(t):
+    """Where the flat positions of ``t``'s elements are computed: its device, except CPU for a
+    meta tensor (positions are metadata, and the overlap check reads them; meta tensors have no
+    values, and ATen's index ops take CPU indices for a meta tensor)."""
+    return _CPU if t.is_meta else t.device
+
+
+_CPU = torch.device("cpu")
 
 
 def _index_scatter(base, v, positions, func):
@@ -571,14 +583,15 @@ class InplaceMixin:
             # constants to a tracer (jit), and the check below is no data-dependent read.
             with _compat.DisableTorchDispatch():
                 n = root.untyped_storage().nbytes() // root.element_size()
-                store = torch.full((n,), -1, dtype=torch.long, device=root.device)
+                dev = positions_device(root)
+                store = torch.full((n,), -1, dtype=torch.long, device=dev)
                 store.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
-                    torch.arange(root.numel(), device=root.device).reshape(root.shape)
+                    torch.arange(root.numel(), device=dev).reshape(root.shape)
                 )
                 positions = store.as_strided(
                     target.shape, target.stride(), target.storage_offset()
                 ).clone()
-                outside = positions.device.type != "meta" and bool((positions < 0).any())
+                outside = bool((positions < 0).any())
             if outside:
                 raise_inplace_view_outside_base(self, func)
         if self._promoted is None:

@@ -484,10 +484,11 @@ def _pack_padded_sequence(input, lengths, batch_first):
     from functransforms._composites import read_sizes
 
     x = input.transpose(0, 1) if batch_first else input
-    lengths = torch.tensor(read_sizes(lengths, "pack_padded_sequence: the lengths"))
+    # on the CPU whatever the default device: torch's kernel takes CPU lengths
+    lengths = torch.tensor(read_sizes(lengths, "pack_padded_sequence: the lengths"), device="cpu")
     # an empty or 1-d input keeps its shape: torch's kernel raises as on the real input
     shape = x.shape[:2] if x.dim() >= 2 and x.numel() else x.shape
-    stand_in = torch.zeros(shape, dtype=torch.int8)
+    stand_in = torch.zeros(shape, dtype=torch.int8, device="cpu")
     _, batch_sizes = aten._pack_padded_sequence.default(stand_in, lengths, False)
     sizes = batch_sizes.tolist()
     steps, t0 = [], 0

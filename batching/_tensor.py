@@ -516,7 +516,13 @@ class VmapInterpreter(Interpreter):
         r = self.randomness
         batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=r))
         if bwd is not None:
-            batched_bwd = vmap(bwd, in_dims=(0, 0), randomness=r)
+            # one mapped argument holding both: residuals or cotangents may be None (an empty
+            # pytree), which an int in_dim of their own would refuse (a user's mistake there)
+            packed_bwd = vmap(lambda res_ct: bwd(*res_ct), in_dims=0, randomness=r)
+
+            def batched_bwd(res, ct):
+                return packed_bwd((res, ct))
+
             if any(d is None for d in bdims):
                 batched_bwd = _summed_over_unmapped(batched_bwd, args, bdims)
             batched.defvjp(vmap(fwd, in_dims=in_dims, randomness=r), batched_bwd)

@@ -12,6 +12,7 @@ from . import _pytree as pt
 from ._batched_like import batched_like, vmap_levels
 from ._core import TransformTensor, dtype_of, eager_under_compile, is_floating, metadata
 from ._typing import ArgNums, Func, PyTree, Randomness
+from .errors import describe
 
 
 def _name(func):
@@ -56,10 +57,10 @@ def _resolved(x):
     return x.resolve_conj().resolve_neg() if x.is_conj() or x.is_neg() else x
 
 
-def _as_primal(x, call, forward):
-    """A differentiated input as a tensor: Python floats (and complex numbers) become 0-d tensors
-    of the default dtype, as in JAX (docs/torch_func_differences.md); integer and boolean
-    tensors and other Python values raise, with PyTorch's exception classes."""
+def _as_primal(x, call, forward, i=0):
+    """Differentiated input ``i`` (flattened) as a tensor: Python floats (and complex numbers)
+    become 0-d tensors of the default dtype, as in JAX (docs/torch_func_differences.md); integer
+    and boolean tensors and other Python values raise, with PyTorch's exception classes."""
     if isinstance(x, torch.Tensor):
         if not isinstance(x, TransformTensor) and x.is_nested:
             _raise_nested(call)
@@ -67,18 +68,26 @@ def _as_primal(x, call, forward):
             return x
         err = ValueError if forward else RuntimeError
         raise err(
-            f"{call}: a differentiated input is a {x.dtype} tensor; only floating-point and "
-            "complex tensors carry derivatives. Convert it (`x.double()`) or move it out of the "
-            "differentiated arguments (argnums)."
+            f"{call}: differentiated input {i} (flattened) is {describe(x)}; expected a "
+            "floating-point or complex tensor: only floating-point and complex tensors carry "
+            "derivatives. Convert it "
+            "(`x.double()`) or move it out of the differentiated arguments (argnums)."
         )
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
         return torch.tensor(x, dtype=_default_dtype(x))
+    if isinstance(x, int) and not isinstance(x, bool):
+        do = (
+            f"Pass a float ({float(x)!r}) or a floating-point tensor "
+            f"(torch.tensor({float(x)!r})): an integer has no derivative (torch.func refuses "
+            "it too)."
+        )
+    else:
+        do = "Pass non-differentiated values through a closure or another argument."
     # functorch's classes: jvp raises RuntimeError ("Expected primals to only contain
     # Tensors"), grad/vjp/jacrev ValueError
     raise (RuntimeError if forward == "jvp" else ValueError)(
-        f"{call}: expected the differentiated inputs to be tensors (or Python floats); got a "
-        f"{type(x).__name__} ({x!r}). Pass non-differentiated values through a closure or "
-        "another argument."
+        f"{call}: expected the differentiated inputs to be tensors (or Python floats); "
+        f"differentiated input {i} (flattened) is {describe(x)}. {do}"
     )
 
 
@@ -105,22 +114,17 @@ def _check_aux(aux, call):
     for leaf in pt.tree_leaves(aux):
         if not isinstance(leaf, torch.Tensor):
             raise RuntimeError(
-                f"{call} with has_aux=True: the aux output contains a {type(leaf).__name__} "
-                f"({leaf!r}); expected a tensor or a pytree of tensors. Return it from the "
+                f"{call} with has_aux=True: the aux output contains {describe(leaf)}; "
+                "expected a tensor or a pytree of tensors. Return it from the "
                 "function some other way (a closure, or a tensor: torch.tensor(value))."
             )
 
 
 def _split_aux(result, call):
     if not (isinstance(result, tuple) and len(result) == 2):
-        got = (
-            f"a tuple of length {len(result)}"
-            if isinstance(result, tuple)
-            else f"a {type(result).__name__}"
-        )
         raise RuntimeError(
             f"{call} with has_aux=True: expected the function to return a pair (output, aux); "
-            f"got {got}."
+            f"got {describe(result)}. Do: `return output, aux`, or drop has_aux=True."
         )
     _check_aux(result[1], call)
     return result
@@ -178,7 +182,7 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
     flat, spec = pt.tree_flatten(primals)
     if jacobian is not None:
         _check_jacobian_dtypes(flat, call, jacobian, "input")
-    flat = [_as_primal(x, call, forward=False) for x in flat]
+    flat = [_as_primal(x, call, False, i) for i, x in enumerate(flat)]
     interp = GradInterpreter(call)
     leaves = []
     given = []  # (user's tensor, the primal we wrapped, its wrapper): Note [Writes to primals]
@@ -198,14 +202,15 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
         flat_out, out_spec = pt.tree_flatten(result)
         if not flat_out:
             raise RuntimeError(
-                f"{call}: expected the function to return at least one tensor; got {result!r}."
+                f"{call}: expected the function's output to contain at least one tensor; got "
+                f"{describe(result)}."
             )
         roots = []
         primals_out = []
         for i, o in enumerate(flat_out):
             if not isinstance(o, torch.Tensor):
                 raise RuntimeError(
-                    f"{call}: output {i} (flattened) is a {type(o).__name__}; "
+                    f"{call}: output {i} (flattened) is {describe(o)}; "
                     "expected the function to return tensors (or pytrees of tensors)."
                 )
             if isinstance(o, GradTensor) and o._interp is interp:
@@ -233,8 +238,8 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
         for r, c, (shape, dtype, floating) in zip(roots, flat_ct, out_meta):
             if not isinstance(c, torch.Tensor):
                 raise TypeError(
-                    f"vjp_fn(cotangents) of {name}: expected tensor cotangents; got a "
-                    f"{type(c).__name__} ({c!r}). Pass torch.tensor(...) shaped like the output."
+                    f"vjp_fn(cotangents) of {name}: expected tensor cotangents; got "
+                    f"{describe(c)}. Pass torch.tensor(...) shaped like the output."
                 )
             c_shape, _, c_dtype, _ = metadata(c)
             if c_dtype != dtype and floating:
@@ -296,7 +301,9 @@ def _unwrap_level(tree, interp):
 def _check_argnums(func, argnums, n, call):
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if not nums:
-        raise RuntimeError(f"{call}: argnums must not be empty.")
+        raise RuntimeError(
+            f"{call}: argnums={argnums!r} is empty; expected an int or a non-empty tuple of ints."
+        )
     for a in nums:
         if not isinstance(a, int) or isinstance(a, bool):
             raise RuntimeError(
@@ -351,7 +358,7 @@ def grad_and_value(
         flat_out, out_spec, spec, pull, aux = _vjp_flat(f, diff, has_aux, call)
         out = flat_out[0] if out_spec.is_leaf() else pt.tree_unflatten(out_spec, flat_out)
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else describe(out)
             raise RuntimeError(
                 f"{call}(...): expected the function to return a scalar tensor (0-d); got "
                 f"{shape}. Use vjp or jacrev for non-scalar outputs (or .sum() / .squeeze())."
@@ -494,8 +501,8 @@ def jvp(
         func: a function of pytrees of tensors.
         primals: a tuple of inputs.
         tangents: a tuple with the structure, shapes and dtypes of ``primals``.
-        strict: accepted for PyTorch compatibility; ``strict=True`` is not supported (as in
-            PyTorch) and raises.
+        strict: as PyTorch's: with ``strict=True``, an output that does not depend on the
+            primals raises (instead of getting a zero tangent).
         has_aux: whether ``func`` returns ``(output, aux)``.
 
     Returns:
@@ -514,27 +521,27 @@ def jvp(
             f"{call}: expected primals and tangents to be tuples; got {type(primals).__name__} "
             f"and {type(tangents).__name__}."
         )
-    if strict:
-        raise RuntimeError(
-            f"{call[:-1]}, strict=True): strict=True is not supported (as in PyTorch); "
-            "expected strict=False."
-        )
     flat_p, spec = pt.tree_flatten(primals)
     flat_t, tspec = pt.tree_flatten(tangents)
     if not pt.same_structure(spec, tspec):
         raise RuntimeError(
             f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
         )
-    flat_p = [_as_primal(p, call, forward="jvp") for p in flat_p]
+    flat_p = [_as_primal(p, call, "jvp", i) for i, p in enumerate(flat_p)]
     flat_t = [
         torch.tensor(t, dtype=p.dtype) if isinstance(t, (float, complex, int)) else t
         for p, t in zip(flat_p, flat_t)
     ]
     for p, t in zip(flat_p, flat_t):
         if isinstance(p, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            got = (
+                f"has shape {tuple(t.shape)}"
+                if isinstance(t, torch.Tensor)
+                else f"is {describe(t)}"
+            )
             raise RuntimeError(
-                f"{call}: a tangent has shape {got} but its primal has shape {tuple(p.shape)}."
+                f"{call}: a tangent {got} but its primal has shape {tuple(p.shape)}; "
+                "expected a tangent shaped like its primal."
             )
         if isinstance(p, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
             # functorch's ValueError: an integer tangent is a mistake (torch.ones(n, dtype=long)),
@@ -550,11 +557,11 @@ def jvp(
                 f"{call}: a tangent is a {t.dtype} tensor but its primal is real ({p.dtype}); "
                 "expected a real tangent (pass the real and imaginary parts as two jvp calls)."
             )
-    return _jvp(func, flat_p, flat_t, spec, has_aux, call)
+    return _jvp(func, flat_p, flat_t, spec, has_aux, call, strict)
 
 
 @eager_under_compile
-def _jvp(func, flat_p, flat_t, spec, has_aux, call):
+def _jvp(func, flat_p, flat_t, spec, has_aux, call, strict=False):
     """jvp on flattened, validated inputs, with ``call`` (jvp, jacfwd, hessian) named in errors."""
     from functransforms.autodiff.forward import DualTensor, JvpInterpreter, wrap_dual
 
@@ -577,6 +584,11 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
             result, aux = _split_aux(result, call)
             aux = _unwrap_dual(aux, interp)
         flat_out, out_spec = pt.tree_flatten(result)
+        if not flat_out:  # as vjp (and functorch's jvp): no tensor to push the tangents to
+            raise RuntimeError(
+                f"{call}: expected the function's output to contain at least one tensor; got "
+                f"{describe(result)}."
+            )
         outs, touts = [], []
         for i, o in enumerate(flat_out):
             if isinstance(o, DualTensor) and o._interp is interp:
@@ -584,8 +596,14 @@ def _jvp(func, flat_p, flat_t, spec, has_aux, call):
                 touts.append(o._tangent)
             elif not isinstance(o, torch.Tensor):  # RuntimeError, as functorch
                 raise RuntimeError(
-                    f"{call}: output {i} (flattened) is a {type(o).__name__}; "
+                    f"{call}: output {i} (flattened) is {describe(o)}; "
                     "expected the function to return tensors (or pytrees of tensors)."
+                )
+            elif strict:  # PyTorch's strict=True: no zero tangent for an independent output
+                raise RuntimeError(
+                    f"{call[:-1]}, strict=True): output {i} (flattened) does not depend on the "
+                    "primals; expected every output to depend on them with strict=True. Do: "
+                    "pass strict=False for a zero tangent."
                 )
             else:
                 outs.append(o)
@@ -652,9 +670,13 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
         for p, t in zip(flat_primals, flat_t):
             p = _as_tensor(p)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                got = (
+                    f"has shape {tuple(t.shape)}"
+                    if isinstance(t, torch.Tensor)
+                    else f"is {describe(t)}"
+                )
                 raise RuntimeError(
-                    f"jvp_fn(*tangents) of {call}: a tangent has shape {got} but its primal has "
+                    f"jvp_fn(*tangents) of {call}: a tangent {got} but its primal has "
                     f"shape {tuple(p.shape)}; expected equal shapes."
                 )
             if not (t.is_floating_point() or t.is_complex()) or (
@@ -785,7 +807,12 @@ def jacfwd(
         if holomorphic:
             _check_holomorphic_inputs(diff, call)
         flat_in, in_spec = pt.tree_flatten(diff)
-        flat_in = [_as_primal(x, call, forward=True) for x in flat_in]
+        flat_in = [_as_primal(x, call, True, i) for i, x in enumerate(flat_in)]
+        if not flat_in:  # functorch's class ("Thing passed to transform API must be Tensor")
+            raise ValueError(
+                f"{call}: expected at least one tensor among the differentiated inputs; got "
+                f"{describe(diff if len(diff) > 1 else diff[0])}."
+            )
         _check_jacobian_dtypes(flat_in, call, holomorphic, "input")
         sizes = [x.numel() for x in flat_in]
         total = sum(sizes)

@@ -497,7 +497,8 @@ def ppermute(x: PyTree, axis_name: AxisName, perm: list[tuple[int, int]]) -> PyT
     def one(t):
         gathered = all_gather(t, names)  # [N, *S]
         padded = torch.cat([gathered, torch.zeros_like(gathered[:1])])  # index N: zeros
-        return padded.index_select(0, index.reshape(1)).squeeze(0)
+        # the index is made on the default device: the values' device decides
+        return padded.index_select(0, index.reshape(1).to(padded.device)).squeeze(0)
 
     return _map(call, one, x)
 

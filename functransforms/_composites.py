@@ -63,22 +63,26 @@ def _pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_le
     sizes = read_sizes(batch_sizes, "pad_packed_sequence: the batch_sizes")
     if data.dim() < 1 or type(sizes) is not list:
         return None  # torch's kernel raises its own error
-    stand_in = torch.zeros(sum(sizes), dtype=torch.int8)
+    # on the CPU whatever the default device: torch's kernel takes CPU batch sizes
+    stand_in = torch.zeros(sum(sizes), dtype=torch.int8, device="cpu")
     _, lengths = aten._pad_packed_sequence.default(
-        stand_in, torch.tensor(sizes), False, 0, total_length
+        stand_in, torch.tensor(sizes, device="cpu"), False, 0, total_length
     )  # torch's checks (total_length too short) and its lengths
     features = tuple(data.shape[1:])
     steps = []
     for piece in torch.split(data, sizes):
         missing = sizes[0] - piece.shape[0]
         if missing:
-            fill = torch.full((missing, *features), padding_value, dtype=data.dtype)
-            piece = torch.cat([piece, fill.to(data.device)])
+            fill = torch.full(
+                (missing, *features), padding_value, dtype=data.dtype, device=data.device
+            )
+            piece = torch.cat([piece, fill])
         steps.append(piece)
     out = torch.stack(steps)
     if total_length > len(sizes):
-        fill = torch.full((total_length - len(sizes), sizes[0], *features), padding_value)
-        out = torch.cat([out, fill.to(dtype=data.dtype, device=data.device)])
+        shape = (total_length - len(sizes), sizes[0], *features)
+        fill = torch.full(shape, padding_value, dtype=data.dtype, device=data.device)
+        out = torch.cat([out, fill])
     return (out.transpose(0, 1) if batch_first else out), lengths
 
 

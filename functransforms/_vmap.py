@@ -16,6 +16,7 @@ from ._compat import functorch_interpreter as _functorch_interpreter
 from ._core import eager_under_compile
 from ._gcpause import collector_paused
 from ._typing import Dims, Func, Randomness
+from .errors import describe
 
 _RANDOMNESS = ("error", "different", "same")
 
@@ -179,18 +180,20 @@ def broadcast_prefix(prefix, tree, what, call):
 
 def _broadcast(prefix, tree, what, call, out, path):
     if prefix is None or isinstance(prefix, int):
+        if isinstance(prefix, bool):  # functorch's class (its size(dim) refuses a bool)
+            raise TypeError(
+                f"{call}: {path} is {prefix!r}; expected an int or None (a bool is not a dim)."
+            )
+        if tree is None and prefix is not None and what == "in_dims":
+            _raise_mapped_none(call, path, prefix)
         out.extend([prefix] * len(pt.tree_leaves(tree)))
         return
     if isinstance(prefix, (tuple, list)):
         if not isinstance(tree, (tuple, list)) or len(tree) != len(prefix):
-            got = (
-                f"{type(tree).__name__} of length {len(tree)}"
-                if isinstance(tree, (tuple, list))
-                else type(tree).__name__
-            )
             raise ValueError(
                 f"{call}: {path} is a {type(prefix).__name__} of length {len(prefix)}, so the "
-                f"matching value must be a tuple/list of that length; got a {got}. Expected "
+                f"matching value must be a tuple/list of that length; got {describe(tree)}. "
+                "Expected "
                 f"{what} to be a tree prefix of the values (an int or None applies to a whole "
                 "subtree)."
             )
@@ -201,8 +204,7 @@ def _broadcast(prefix, tree, what, call, out, path):
         if not isinstance(tree, dict) or set(tree) != set(prefix):
             raise ValueError(
                 f"{call}: {path} is a dict with keys {sorted(map(str, prefix))}, which must match "
-                "the keys of the value; got "
-                f"{sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__}."
+                f"the keys of the value; got {describe(tree)}."
             )
         # in the order the leaves are flattened: optree sorts a dict's keys, so iterating in
         # insertion order paired {"x": 0, "w": None} with the wrong leaves (silently)
@@ -217,14 +219,24 @@ def _broadcast(prefix, tree, what, call, out, path):
             raise ValueError(
                 f"{call}: {path} is a {type(prefix).__name__} node, so the matching value must "
                 f"be a {type(prefix).__name__} with the same structure; got "
-                f"{type(tree).__name__}. Expected {what} to be a tree prefix of the values."
+                f"{describe(tree)}. Expected {what} to be a tree prefix of the values."
             )
         for i, (p, t) in enumerate(zip(children, value[0])):
             _broadcast(p, t, what, call, out, f"{path}.<child {i}>")
         return
     raise ValueError(  # functorch's class for a malformed in_dims/out_dims
-        f"{call}: {path} must be an int, None, or a tree (tuple/list/dict or registered pytree "
-        f"node) of those; got {type(prefix).__name__} ({prefix!r})."
+        f"{call}: {path} is {describe(prefix)}; expected an int, None, or a tree (tuple/list/"
+        "dict or registered pytree node) of those."
+    )
+
+
+def _raise_mapped_none(call, path, in_dim):
+    """An int in_dim for an input that is None: torch.func raises; JAX maps over nothing. We
+    raise, as torch.func (docs/torch_func_differences.md, section 6): a None where a mapped
+    tensor was declared is a mistake more often than an optional argument."""
+    raise ValueError(
+        f"{call}: {path} is {in_dim!r}, but the matching input is None; expected a tensor to "
+        "map over. Do: use None as its in_dim (`in_dims=(0, None)`), or pass a tensor."
     )
 
 
@@ -412,7 +424,7 @@ def _vmap_call(
         # ValueError as functorch (its TypeError for a bool comes from x.size(True))
         raise (TypeError if isinstance(in_dims, bool) else ValueError)(
             f"{_call_repr(func, in_dims)}: expected in_dims to be an int, None or a tuple with one "
-            f"entry per positional input; got {type(in_dims).__name__}."
+            f"entry per positional input; got {describe(in_dims)}."
         )
     if isinstance(in_dims, tuple) and len(in_dims) != len(args):
         raise ValueError(
@@ -426,6 +438,12 @@ def _vmap_call(
         flat_args, spec = pt.tree_flatten(args)
     call = None
     if isinstance(in_dims, int) or in_dims is None:
+        if spec is not None and in_dims is not None:  # not all tensors: a None among them?
+            for i, a in enumerate(args):
+                if a is None:
+                    _raise_mapped_none(
+                        _call_repr(func, in_dims), f"in_dims (for input {i})", in_dims
+                    )
         flat_dims = [in_dims] * len(flat_args)
     else:
         call = _call_repr(func, in_dims)
@@ -441,17 +459,18 @@ def _vmap_call(
         if not isinstance(x, torch.Tensor):
             raise ValueError(
                 f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but "
-                f"it is a {type(x).__name__}, not a Tensor. We can only map over tensors: use "
-                "None as its in_dim."
+                f"it is {describe(x)}; expected a tensor (vmap maps over tensors only). Do: "
+                "use None as its in_dim."
             )
         if x.is_nested:  # Note [Nested tensors under vmap] (batching/_nested.py)
             _check_nested_input(x, d, i, call or _call_repr(func, in_dims))
             d, nested = 0, True
         n = x.dim()
         if not -n <= d < n:
+            want = f"in_dim in [{-n}, {n - 1}]" if n else "in_dim=None (a 0-d tensor has no dim)"
             raise ValueError(
                 f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, "
-                f"but it has {n} dims (shape {tuple(x.shape)}); expected in_dim in [{-n}, {n - 1}]."
+                f"but it has {n} dims (shape {tuple(x.shape)}); expected {want}."
             )
         d %= n
         norm_dims.append(d)
@@ -628,8 +647,8 @@ def _unwrap_outputs(out, out_dims, interp, batch_size, func, in_dims, BatchedTen
                 results.append(o)
                 continue
             raise ValueError(
-                f"{_call_repr(func, in_dims, out_dims)}: output {i} (flattened) is a "
-                f"{type(o).__name__}; vmap's function must return tensors (or pytrees of "
+                f"{_call_repr(func, in_dims, out_dims)}: output {i} (flattened) is "
+                f"{describe(o)}; vmap's function must return tensors (or pytrees of "
                 "tensors). Expected: a tensor, or out_dims=None for this output to return it "
                 "as it is."
             )

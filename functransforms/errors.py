@@ -53,6 +53,34 @@ class MissingRuleError(NotImplementedError):
 
 
 # -- the messages, in one place ---------------------------------------------------------------
+def describe(value):
+    """The user's value as an error message names it: a tensor by its shape and dtype (never by
+    the class of a transform's wrapper, which the user did not make: ``GradTensor``,
+    ``BatchedTensor``), anything else by its type and a short repr, with the right article
+    ("an int (3)", "a str ('s')", "None")."""
+    import torch
+
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        from ._core import metadata
+
+        if value.is_nested:
+            return f"a nested tensor of dtype {value.dtype}"
+        shape, _, dtype, _ = metadata(value)
+        return f"a tensor of shape {tuple(shape)} and dtype {dtype}"
+    name = type(value).__name__
+    if isinstance(value, (tuple, list)):  # its items may be wrappers: their repr is internal
+        return f"a {name} of length {len(value)}"
+    if isinstance(value, dict):
+        return f"a {name} with keys {sorted(map(str, value))}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return f"{article} {name} ({text})"
+
+
 # Each restates the public call (``interp.call``, e.g. ``vmap(f, in_dims=0)(<inputs>)``), then
 # expected vs received, then what to do. ``func`` is the ATen op overload.
 

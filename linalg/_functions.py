@@ -210,7 +210,9 @@ def inv(A) -> LinearOperator:
         leaves = [t for t in pt.tree_leaves(Ainv) if isinstance(t, torch.Tensor)]
         bad = [t for t in leaves if (t.is_floating_point() or t.is_complex())]
         if any(read_through(t, _not_finite) for t in bad):
-            _require_solved(A, torch.zeros(()), bad[0], call="torch.linalg.inv")
+            _require_solved(
+                A, torch.zeros((), device=bad[0].device), bad[0], call="torch.linalg.inv"
+            )
     return Ainv
 
 

@@ -243,8 +243,17 @@ def test_jvp_strict():
     torch.testing.assert_close(
         ft.jvp(torch.sin, (x,), (x,), strict=False), tf.jvp(torch.sin, (x,), (x,), strict=False)
     )
-    with pytest.raises(RuntimeError, match="strict=True is not supported"):
-        ft.jvp(torch.sin, (x,), (x,), strict=True)
+    # strict=True as torch.func's: computes when every output depends on the primals, raises
+    # (RuntimeError) for an output that does not
+    torch.testing.assert_close(
+        ft.jvp(torch.sin, (x,), (x,), strict=True), tf.jvp(torch.sin, (x,), (x,), strict=True)
+    )
+    const = lambda a: (a.sin(), torch.ones(2))  # noqa: E731
+    with pytest.raises(RuntimeError):
+        tf.jvp(const, (x,), (x,), strict=True)
+    with pytest.raises(RuntimeError, match=r"strict=True\): output 1 .* does not depend"):
+        ft.jvp(const, (x,), (x,), strict=True)
+    torch.testing.assert_close(ft.jvp(const, (x,), (x,)), tf.jvp(const, (x,), (x,)))
 
 
 def test_vmap_out_dims_none_returns_non_tensors_as_they_are():

@@ -151,7 +151,7 @@ def digest(t):
     n8 = (b.numel() // 8) * 8
     h = int(b[:n8].view(torch.int64).sum()) if n8 else 0
     if n8 < b.numel():
-        h = h * 1000003 + int((b[n8:].to(torch.int64) * _POS[: b.numel() - n8]).sum())
+        h = h * 1000003 + int((b[n8:].to(torch.int64) * _POS[: b.numel() - n8].to(b.device)).sum())
     return (tuple(t.shape), t.dtype, h)
 
 

@@ -182,3 +182,53 @@ def pytrees_of_tensors(leaves=None, max_leaves=4):
         ),
         max_leaves=max_leaves,
     )
+
+
+# -- misuse: the wrong values users pass to a transform --------------------------------------
+# For property tests of a transform's argument checks (tests/test_errors_properties.py): each
+# call either computes what torch.func computes or raises a clear error at the API edge.
+
+
+def non_tensors():
+    """Python values that are not tensors: None, bools, ints, floats, complex numbers, strings
+    and small containers of ints."""
+    return st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-3, 3),
+        st.floats(-3.0, 3.0, allow_nan=False),
+        st.complex_numbers(max_magnitude=3.0, allow_nan=False, allow_infinity=False),
+        st.sampled_from(["x", ""]),
+        st.lists(st.integers(0, 2), max_size=2),
+    )
+
+
+def dim_specs(entries=None, max_rank=3, depth=2):
+    """``in_dims`` / ``out_dims`` values, right and wrong: ints in and out of range for a tensor
+    of up to ``max_rank`` dims, None, and, less often, bools, floats, strings, lists, and tuples
+    (of ``entries`` entries when given, else 0 to 3) nesting these ``depth`` levels deep."""
+    leaf = st.one_of(
+        st.integers(-max_rank - 2, max_rank + 1),
+        st.none(),
+        st.sampled_from([True, False, 0.0, 1.5, "0"]),
+    )
+    if depth <= 0:
+        return leaf
+    inner = dim_specs(None, max_rank, depth - 1)
+    size = st.integers(0, 3) if entries is None else st.just(entries)
+    return st.one_of(
+        leaf,
+        size.flatmap(lambda n: st.tuples(*[inner] * n)),
+        st.lists(leaf, min_size=1, max_size=2),
+    )
+
+
+def argnums_specs(num_args):
+    """``argnums`` values, right and wrong, for a function of ``num_args`` positional inputs:
+    ints in and out of range, tuples (empty, repeated, out of range), bools, floats, lists."""
+    index = st.integers(-num_args - 1, num_args)
+    return st.one_of(
+        index,
+        st.lists(index, min_size=0, max_size=3).map(tuple),
+        st.sampled_from([True, False, 0.0, [0], "0"]),
+    )

@@ -232,7 +232,7 @@ def test_in_dims_and_out_dims_through_registered_pytree_nodes():
     torch.testing.assert_close(out.w, p.w.T)
     torch.testing.assert_close(out.b, p.w.sum(1))
 
-    with pytest.raises(ValueError, match=r"in_dims\[0\] is a Params node.*got tuple"):
+    with pytest.raises(ValueError, match=r"in_dims\[0\] is a Params node.*got a tuple"):
         ft.vmap(lambda p: p[0], in_dims=(Params(0, None),))((p.w, p.b))
 
 
