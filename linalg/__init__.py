@@ -19,6 +19,9 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
     )
 
 from ._base import LinearOperator
+from ._batch import BatchSumOperator, repeat, sum_batch
+from ._block import BlockOperator, ZeroOperator, cat
+from ._circulant import CirculantOperator, circulant_preconditioner
 from ._composite import (
     AdjointOperator,
     BlockDiagonalOperator,
@@ -54,6 +57,7 @@ from ._functions import (
     svdvals,
     trace,
 )
+from ._hadamard import HadamardProductOperator, hadamard
 from ._implicit import InverseOperator
 from ._iterative import (
     SolverInfo,
@@ -65,19 +69,26 @@ from ._iterative import (
     slq_logdet,
 )
 from ._kronecker import KroneckerOperator, KroneckerPlusScaledIdentityOperator
+from ._kronecker_sum import KroneckerSumOperator
 from ._lowrank import LowRankOperator, LowRankPlusDiagonalOperator
 from ._structured import CholeskyOperator, RootOperator, ToeplitzOperator
+from ._tridiagonal import TridiagonalOperator
 
 __all__ = [
     "AdjointOperator",
+    "BatchSumOperator",
     "BlockDiagonalOperator",
+    "BlockOperator",
     "CholeskyOperator",
+    "CirculantOperator",
     "DenseOperator",
     "DiagonalOperator",
+    "HadamardProductOperator",
     "IdentityOperator",
     "InverseOperator",
     "KroneckerOperator",
     "KroneckerPlusScaledIdentityOperator",
+    "KroneckerSumOperator",
     "LinearOperator",
     "LowRankOperator",
     "LowRankPlusDiagonalOperator",
@@ -90,16 +101,21 @@ __all__ = [
     "ToeplitzOperator",
     "TransposeOperator",
     "TriangularOperator",
+    "TridiagonalOperator",
+    "ZeroOperator",
     "add",
     "as_operator",
+    "cat",
     "cg",
     "cholesky",
     "cholesky_solve",
+    "circulant_preconditioner",
     "det",
     "diagonal",
     "eigh",
     "eigvalsh",
     "frobenius_norm",
+    "hadamard",
     "hutchinson_trace",
     "hutchpp_trace",
     "inv",
@@ -107,10 +123,12 @@ __all__ = [
     "lanczos",
     "logdet",
     "matmul",
+    "repeat",
     "slogdet",
     "slq_logdet",
     "solve",
     "solve_triangular",
+    "sum_batch",
     "svd",
     "svdvals",
     "trace",

@@ -221,11 +221,10 @@ class LinearOperator:
         return _composite.matmul(other, self)
 
     def __mul__(self, c):
-        if isinstance(c, LinearOperator):
-            raise TypeError(
-                f"{type(self).__name__} * {type(c).__name__}: elementwise products of operators "
-                "are not supported; use `@` for the matrix product."
-            )
+        if isinstance(c, LinearOperator):  # elementwise, as for tensors: `@` is the product
+            from ._hadamard import hadamard
+
+            return hadamard(self, c)
         if isinstance(c, torch.Tensor) and c.dim() > 0 and c.numel() != 1:
             raise ValueError(
                 f"{type(self).__name__} * tensor: expected a scalar (Python number or 1-element "
@@ -299,6 +298,18 @@ class LinearOperator:
 
     def evaluate(self) -> torch.Tensor:
         return self._to_dense()
+
+    def repeat(self, *sizes) -> LinearOperator:
+        """``torch.Tensor.repeat`` semantics, structure kept (`functransforms.linalg.repeat`)."""
+        from ._batch import repeat
+
+        return repeat(self, *sizes)
+
+    def sum(self, dim: int) -> LinearOperator:
+        """The sum over batch dimension ``dim`` (`functransforms.linalg.sum_batch`)."""
+        from ._batch import sum_batch
+
+        return sum_batch(self, dim)
 
     # ----------------------------------------------------------------- indexing
     def __getitem__(self, key):

@@ -166,6 +166,14 @@ def _neg(input):
     return -input
 
 
+def _cat(tensors, dim=0, *, out=None):
+    if out is not None:
+        return None
+    from ._block import cat
+
+    return cat(tensors, dim)
+
+
 _TABLE = {
     torch.matmul: _matmul,
     torch.mm: _matmul,
@@ -209,6 +217,8 @@ _TABLE = {
     torch.Tensor.__mul__: _mul,
     torch.Tensor.__rmul__: _mul,
     torch.neg: _neg,
+    torch.cat: _cat,
+    torch.concat: _cat,
 }
 
 
