@@ -222,9 +222,7 @@ class LinearOperator:
 
     def __mul__(self, c):
         if isinstance(c, LinearOperator):  # elementwise, as for tensors: `@` is the product
-            from ._hadamard import hadamard
-
-            return hadamard(self, c)
+            return _hadamard.hadamard(self, c)
         if isinstance(c, torch.Tensor) and c.dim() > 0 and c.numel() != 1:
             raise ValueError(
                 f"{type(self).__name__} * tensor: expected a scalar (Python number or 1-element "
@@ -301,15 +299,11 @@ class LinearOperator:
 
     def repeat(self, *sizes) -> LinearOperator:
         """``torch.Tensor.repeat`` semantics, structure kept (`functransforms.linalg.repeat`)."""
-        from ._batch import repeat
-
-        return repeat(self, *sizes)
+        return _batch.repeat(self, *sizes)
 
     def sum(self, dim: int) -> LinearOperator:
         """The sum over batch dimension ``dim`` (`functransforms.linalg.sum_batch`)."""
-        from ._batch import sum_batch
-
-        return sum_batch(self, dim)
+        return _batch.sum_batch(self, dim)
 
     # ----------------------------------------------------------------- indexing
     def __getitem__(self, key):
@@ -597,5 +591,7 @@ def prod(xs) -> int:
 # (cycle _base -> _composite -> _base: they subclass LinearOperator), and __torch_function__
 # routes through _dispatch.py's table (cycle _base -> _dispatch -> _functions -> the operator
 # modules -> _base). Both modules import this one, complete by now; the package imports _base
-# first. Module-level, so the hot paths (every torch function on an operator) pay no import.
-from . import _composite, _dispatch  # noqa: E402
+# first. `A * B` (Hadamard) and `A.repeat`/`A.sum` build operators of _hadamard.py and
+# _batch.py, imported here for the same reason. Module-level, so the hot paths (every torch
+# function on an operator) pay no import.
+from . import _batch, _composite, _dispatch, _hadamard  # noqa: E402

@@ -11,9 +11,10 @@ import torch
 
 from . import _functions as functions
 from . import _rules
+from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
 
 # _warn_once is re-exported: tests clear its cache through this module.
-from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
+from ._block import cat
 from ._iterative import _CONFIG
 
 
@@ -169,8 +170,6 @@ def _neg(input):
 def _cat(tensors, dim=0, *, out=None):
     if out is not None:
         return None
-    from ._block import cat
-
     return cat(tensors, dim)
 
 

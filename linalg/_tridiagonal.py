@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._base import LinearOperator, broadcast_batch, read_through
-from ._dense import _scaled_props
+from ._dense import DiagonalOperator, ScaledIdentityOperator, _scaled_props
 from ._rules import add, diagonal, scale, slogdet, solve, trace
 
 
@@ -151,8 +151,6 @@ def _scale_tridiagonal(A, c):
 @add.register(TridiagonalOperator)
 def _add_tridiagonal(A, B):
     # sums of tridiagonal (and diagonal) matrices are tridiagonal
-    from ._dense import DiagonalOperator, ScaledIdentityOperator
-
     if isinstance(B, TridiagonalOperator):
         upper = None if A.upper_diag is None and B.upper_diag is None else A._u() + B._u()
         return TridiagonalOperator(A.lower_diag + B.lower_diag, A.diag + B.diag, upper)
