@@ -30,6 +30,7 @@ from ._composite import (
     TransposeOperator,
     as_operator,
 )
+from ._curvature import GGNOperator, HessianOperator, JacobianOperator
 from ._dense import (
     DenseOperator,
     DiagonalOperator,
@@ -83,9 +84,12 @@ __all__ = [
     "CirculantOperator",
     "DenseOperator",
     "DiagonalOperator",
+    "GGNOperator",
     "HadamardProductOperator",
+    "HessianOperator",
     "IdentityOperator",
     "InverseOperator",
+    "JacobianOperator",
     "KroneckerOperator",
     "KroneckerPlusScaledIdentityOperator",
     "KroneckerSumOperator",
