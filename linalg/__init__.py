@@ -69,6 +69,7 @@ from ._iterative import (
     lanczos,
     slq_logdet,
 )
+from ._kernel import KernelOperator, inv_quad_logdet, matern52, rbf
 from ._kronecker import KroneckerOperator, KroneckerPlusScaledIdentityOperator
 from ._kronecker_sum import KroneckerSumOperator
 from ._lowrank import LowRankOperator, LowRankPlusDiagonalOperator
@@ -90,6 +91,7 @@ __all__ = [
     "IdentityOperator",
     "InverseOperator",
     "JacobianOperator",
+    "KernelOperator",
     "KroneckerOperator",
     "KroneckerPlusScaledIdentityOperator",
     "KroneckerSumOperator",
@@ -123,10 +125,13 @@ __all__ = [
     "hutchinson_trace",
     "hutchpp_trace",
     "inv",
+    "inv_quad_logdet",
     "iterative",
     "lanczos",
     "logdet",
+    "matern52",
     "matmul",
+    "rbf",
     "repeat",
     "slogdet",
     "slq_logdet",
