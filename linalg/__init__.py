@@ -73,6 +73,14 @@ from ._kernel import KernelOperator, inv_quad_logdet, matern52, rbf
 from ._kronecker import KroneckerOperator, KroneckerPlusScaledIdentityOperator
 from ._kronecker_sum import KroneckerSumOperator
 from ._lowrank import LowRankOperator, LowRankPlusDiagonalOperator
+from ._roots import (
+    estimate_diagonal,
+    pivoted_cholesky,
+    pivoted_cholesky_preconditioner,
+    root_decomposition,
+    root_inv_decomposition,
+    sqrtm,
+)
 from ._structured import CholeskyOperator, RootOperator, ToeplitzOperator
 from ._tridiagonal import TridiagonalOperator
 
@@ -120,6 +128,7 @@ __all__ = [
     "diagonal",
     "eigh",
     "eigvalsh",
+    "estimate_diagonal",
     "frobenius_norm",
     "hadamard",
     "hutchinson_trace",
@@ -131,12 +140,17 @@ __all__ = [
     "logdet",
     "matern52",
     "matmul",
+    "pivoted_cholesky",
+    "pivoted_cholesky_preconditioner",
     "rbf",
     "repeat",
+    "root_decomposition",
+    "root_inv_decomposition",
     "slogdet",
     "slq_logdet",
     "solve",
     "solve_triangular",
+    "sqrtm",
     "sum_batch",
     "svd",
     "svdvals",
