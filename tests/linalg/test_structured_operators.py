@@ -237,9 +237,11 @@ def test_hadamard_lowrank_matmul_never_densifies():
 def test_tridiagonal_pcr_large_and_logdet_without_overflow():
     g = torch.Generator().manual_seed(0)
     n = 2000
-    lo, up = torch.randn(n - 1, generator=g, dtype=DT), torch.randn(n - 1, generator=g, dtype=DT)
-    d = torch.randn(n, generator=g, dtype=DT).abs() + 3
+    lo = 2 * torch.rand(n - 1, generator=g, dtype=DT) - 1
+    up = 2 * torch.rand(n - 1, generator=g, dtype=DT) - 1
+    d = torch.rand(n, generator=g, dtype=DT) + 3
     T = L.TridiagonalOperator(lo, d, up)
+    assert T._diagonally_dominant()  # the PCR / cyclic-reduction path, not dense LU
     D = T.to_dense()
     b = torch.randn(n, 3, generator=g, dtype=DT)
     x = torch.linalg.solve(T, b)
@@ -250,6 +252,7 @@ def test_tridiagonal_pcr_large_and_logdet_without_overflow():
     assert el > 1000  # det itself overflows float64: the scaled product must not
     # the 1-D Laplacian: det = n + 1
     lap = L.TridiagonalOperator(-torch.ones(n - 1, dtype=DT), 2 * torch.ones(n, dtype=DT))
+    assert lap._diagonally_dominant()  # weakly and irreducibly
     close(torch.logdet(lap), torch.log(torch.tensor(n + 1.0, dtype=DT)), rtol=1e-12, atol=0)
 
 
