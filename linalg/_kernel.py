@@ -119,6 +119,18 @@ class KernelOperator(LinearOperator):
     def _Y(self):
         return self.X1 if self.X2 is None else self.X2
 
+    def _batch_getitem(self, batch_key):
+        if any(isinstance(p, torch.Tensor) and p.dim() > 0 for p in self.params):
+            raise NotImplementedError(
+                f"{self!r}[batch index]: the kernel's params are broadcast by the kernel itself, "
+                "so their batch dimensions are unknown. Index X1, X2 and params yourself and "
+                "build a new KernelOperator (or vmap over them)."
+            )
+        return super()._batch_getitem(batch_key)
+
+    def _child_core_ndims(self, children):
+        return (2, 2, 0)
+
     def _block(self, rows):
         return self.kernel(self.X1[..., rows, :], self._Y, *self.params)
 

@@ -114,3 +114,17 @@ def test_inv_quad_logdet_matrix_rhs_and_structured():
     close(ld, torch.logdet(D))
     with pytest.raises(ValueError, match=r"inv_quad_logdet\(A, b\): expected .* positive_definite"):
         L.inv_quad_logdet(L.DenseOperator(D), B)
+
+
+def test_vmap_over_the_operator_and_batch_indexing():
+    ft = importlib.import_module("functransforms")
+    X = torch.rand(3, 4, 2, generator=torch.Generator().manual_seed(0), dtype=DT)
+    ls, var = torch.rand(3, dtype=DT) + 0.5, torch.ones(3, dtype=DT)
+    K = L.KernelOperator(L.rbf, X, params=(ls, var))  # per-example params: vmap them
+    b = torch.randn(4, dtype=DT)
+    out = ft.vmap(lambda A, b: A @ b, in_dims=(0, None))(K, b)
+    close(out, torch.stack([L.rbf(X[i], X[i], ls[i], var[i]) @ b for i in range(3)]))
+    with pytest.raises(NotImplementedError, match="params are broadcast by the kernel"):
+        K[0]
+    K0 = L.KernelOperator(L.rbf, X, params=(torch.tensor(0.5, dtype=DT), torch.tensor(1.0)))
+    close(K0[1].to_dense(), L.rbf(X[1], X[1], 0.5, 1.0))

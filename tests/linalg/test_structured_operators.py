@@ -323,3 +323,17 @@ def test_kronecker_sum_laplacian_solve_at_size():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing dense
         torch.logdet(K)
+
+
+@pytest.mark.parametrize(
+    "name", ["batched_tridiagonal", "batched_circulant", "repeat_batch", "kronecker_sum_pd"]
+)
+def test_our_vmap_takes_the_operator_as_an_argument(name):
+    """Operators are pytrees: our vmap maps over their batch dimension directly."""
+    ft = importlib.import_module("functransforms")
+    params, op = STRUCTURED_BY_NAME[name].make()
+    if not op.batch_shape:
+        op = op.repeat(3, 1, 1)
+    b = torch.randn(op.shape[-1], dtype=DT)
+    out = ft.vmap(lambda A, b: torch.linalg.solve(A, b), in_dims=(0, None))(op, b)
+    close(out, torch.linalg.solve(op.to_dense(), b))
