@@ -25,6 +25,9 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
     )
 
 from ._base import LinearOperator
+from ._batch import BatchSumOperator, repeat, sum_batch
+from ._block import BlockOperator, ZeroOperator, cat
+from ._circulant import CirculantOperator, circulant_preconditioner
 from ._composite import (
     AdjointOperator,
     BlockDiagonalOperator,
@@ -33,6 +36,7 @@ from ._composite import (
     TransposeOperator,
     as_operator,
 )
+from ._curvature import GGNOperator, HessianOperator, JacobianOperator
 from ._dense import (
     DenseOperator,
     DiagonalOperator,
@@ -60,6 +64,7 @@ from ._functions import (
     svdvals,
     trace,
 )
+from ._hadamard import HadamardProductOperator, hadamard
 from ._implicit import InverseOperator
 from ._iterative import (
     SolverInfo,
@@ -70,20 +75,40 @@ from ._iterative import (
     lanczos,
     slq_logdet,
 )
+from ._kernel import KernelOperator, inv_quad_logdet, matern52, rbf
 from ._kronecker import KroneckerOperator, KroneckerPlusScaledIdentityOperator
+from ._kronecker_sum import KroneckerSumOperator
 from ._lowrank import LowRankOperator, LowRankPlusDiagonalOperator
+from ._roots import (
+    estimate_diagonal,
+    pivoted_cholesky,
+    pivoted_cholesky_preconditioner,
+    root_decomposition,
+    root_inv_decomposition,
+    sqrtm,
+)
 from ._structured import CholeskyOperator, RootOperator, ToeplitzOperator
+from ._tridiagonal import TridiagonalOperator
 
 __all__ = [
     "AdjointOperator",
+    "BatchSumOperator",
     "BlockDiagonalOperator",
+    "BlockOperator",
     "CholeskyOperator",
+    "CirculantOperator",
     "DenseOperator",
     "DiagonalOperator",
+    "GGNOperator",
+    "HadamardProductOperator",
+    "HessianOperator",
     "IdentityOperator",
     "InverseOperator",
+    "JacobianOperator",
+    "KernelOperator",
     "KroneckerOperator",
     "KroneckerPlusScaledIdentityOperator",
+    "KroneckerSumOperator",
     "LinearOperator",
     "LowRankOperator",
     "LowRankPlusDiagonalOperator",
@@ -96,27 +121,43 @@ __all__ = [
     "ToeplitzOperator",
     "TransposeOperator",
     "TriangularOperator",
+    "TridiagonalOperator",
+    "ZeroOperator",
     "add",
     "as_operator",
+    "cat",
     "cg",
     "cholesky",
     "cholesky_solve",
+    "circulant_preconditioner",
     "det",
     "diagonal",
     "eigh",
     "eigvalsh",
+    "estimate_diagonal",
     "frobenius_norm",
+    "hadamard",
     "hutchinson_trace",
     "hutchpp_trace",
     "inv",
+    "inv_quad_logdet",
     "iterative",
     "lanczos",
     "logdet",
+    "matern52",
     "matmul",
+    "pivoted_cholesky",
+    "pivoted_cholesky_preconditioner",
+    "rbf",
+    "repeat",
+    "root_decomposition",
+    "root_inv_decomposition",
     "slogdet",
     "slq_logdet",
     "solve",
     "solve_triangular",
+    "sqrtm",
+    "sum_batch",
     "svd",
     "svdvals",
     "trace",

@@ -224,11 +224,8 @@ class LinearOperator:
         return _composite.matmul(other, self)
 
     def __mul__(self, c):
-        if isinstance(c, LinearOperator):
-            raise TypeError(
-                f"{type(self).__name__} * {type(c).__name__}: elementwise products of operators "
-                "are not supported; use `@` for the matrix product."
-            )
+        if isinstance(c, LinearOperator):  # elementwise, as for tensors: `@` is the product
+            return _hadamard.hadamard(self, c)
         if isinstance(c, torch.Tensor) and c.dim() > 0 and c.numel() != 1:
             raise ValueError(
                 f"{type(self).__name__} * tensor: expected a scalar (Python number or 1-element "
@@ -302,6 +299,14 @@ class LinearOperator:
 
     def evaluate(self) -> torch.Tensor:
         return self._to_dense()
+
+    def repeat(self, *sizes) -> LinearOperator:
+        """``torch.Tensor.repeat`` semantics, structure kept (`functransforms.linalg.repeat`)."""
+        return _batch.repeat(self, *sizes)
+
+    def sum(self, dim: int) -> LinearOperator:
+        """The sum over batch dimension ``dim`` (`functransforms.linalg.sum_batch`)."""
+        return _batch.sum_batch(self, dim)
 
     # ----------------------------------------------------------------- indexing
     def __getitem__(self, key):
@@ -631,5 +636,7 @@ def prod(xs) -> int:
 # (cycle _base -> _composite -> _base: they subclass LinearOperator), and __torch_function__
 # routes through _dispatch.py's table (cycle _base -> _dispatch -> _functions -> the operator
 # modules -> _base). Both modules import this one, complete by now; the package imports _base
-# first. Module-level, so the hot paths (every torch function on an operator) pay no import.
-from . import _composite, _dispatch  # noqa: E402
+# first. `A * B` (Hadamard) and `A.repeat`/`A.sum` build operators of _hadamard.py and
+# _batch.py, imported here for the same reason. Module-level, so the hot paths (every torch
+# function on an operator) pay no import.
+from . import _batch, _composite, _dispatch, _hadamard  # noqa: E402

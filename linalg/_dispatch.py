@@ -11,9 +11,10 @@ import torch
 
 from . import _functions as functions
 from . import _rules
+from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
 
 # _warn_once is re-exported: tests clear its cache through this module.
-from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
+from ._block import cat
 from ._iterative import _CONFIG
 
 
@@ -166,6 +167,12 @@ def _neg(input):
     return -input
 
 
+def _cat(tensors, dim=0, *, out=None):
+    if out is not None:
+        return None
+    return cat(tensors, dim)
+
+
 _TABLE = {
     torch.matmul: _matmul,
     torch.mm: _matmul,
@@ -209,6 +216,8 @@ _TABLE = {
     torch.Tensor.__mul__: _mul,
     torch.Tensor.__rmul__: _mul,
     torch.neg: _neg,
+    torch.cat: _cat,
+    torch.concat: _cat,
 }
 
 

@@ -115,8 +115,8 @@ def test_errors_name_the_call():
         L.DiagonalOperator(torch.ones(3, dtype=DT)) @ torch.ones(4, dtype=DT)
     with pytest.raises(ValueError, match=r"solve\(A, B\): expected a square operator"):
         L.solve(L.LowRankOperator(torch.ones(3, 1), torch.ones(2, 1)), torch.ones(3))
-    with pytest.raises(TypeError, match="elementwise products of operators"):
-        L.DiagonalOperator(torch.ones(3)) * L.DiagonalOperator(torch.ones(3))
+    with pytest.raises(ValueError, match=r"hadamard\(.*\): expected operators of one matrix shape"):
+        L.DiagonalOperator(torch.ones(3)) * L.DiagonalOperator(torch.ones(4))
     with pytest.raises(
         ValueError, match=r"LowRankPlusDiagonalOperator\(U, d, V\): expected d of shape"
     ):
