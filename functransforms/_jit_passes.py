@@ -293,6 +293,8 @@ def _clean(gm, dynamic: bool, replay: bool = True):
     gm.graph.lint()
     if not dynamic:
         _record_output_views(gm)
+        if replay:
+            _python_bindings(gm)  # Note [Replay through Python bindings]
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:
             node.meta.pop("val", None)
@@ -409,3 +411,144 @@ def _for_inductor(gm) -> None:
         for name in list(vars(gm)):
             if name.startswith("_folded_") and name not in used:
                 delattr(gm, name)
+
+
+# ------------------------------------------------------------------------------------------
+# Note [Replay through Python bindings]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The replay calls each op; how it calls it costs as much as a small op itself. Through
+# ``OpOverload._op`` the call goes through the boxed path (arguments converted one by one
+# against the schema onto a stack): ~5 us for a ``transpose`` or ``view`` here, ~10.7 us for a
+# small ``mul``. torch's generated Python bindings (``torch._C._VariableFunctions.transpose``,
+# ``Tensor.view``) parse the same arguments and call the same op unboxed: ~3.3 us and ~9.3 us.
+# A graph of small ops (a MAML meta-gradient: ~220 ops, most under 5 us of work) is mostly
+# that cost. So each node whose op has a C binding that dispatches to exactly that overload,
+# with exactly the node's arguments, is replayed through the binding: the same kernel on the
+# same arguments (bit-identical), and the same autograd node when an input requires grad.
+#
+# * Which binding: checked, not assumed. The binding is called once on meta tensors of the
+#   node's layouts under a dispatch mode that records what reaches the dispatcher: it must
+#   be one call of the node's overload with every schema argument equal (defaults filled in;
+#   a Python number the schema takes as a Tensor arrives as the 0-dim tensor both paths wrap
+#   it in). Python's overload resolution depends on the arguments' kinds (tensor, int, float,
+#   list, None, keyword names), so the verdict is cached per (overload, kinds).
+# * Only ops with a tensor argument (factories stay on ``_op``: ``torch.set_default_device``'s
+#   mode would otherwise see them), and never for the ``out=`` steps of kept buffers.
+# * ``__torch_function__``: the bindings would call it on a tensor subclass argument, which
+#   ``_op`` never does; the replay runs under ``torch._C.DisableTorchFunction`` (one context
+#   per call, ~0.3 us), so both paths see the same: nothing above the dispatcher.
+
+_BINDING_HOMES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
+_BINDING_CACHE: dict = {}
+
+
+def _kind(a):
+    if isinstance(a, torch.fx.Node):
+        return "T"
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *map(_kind, a))
+    return type(a).__name__
+
+
+class _Record(_compat.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _schema_values(schema, args, kwargs):
+    vals = []
+    for i, a in enumerate(schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            vals.append(args[i])
+        elif a.name in kwargs:
+            vals.append(kwargs[a.name])
+        elif a.has_default_value():
+            vals.append(a.default_value)
+        else:
+            return None
+    return vals
+
+
+def _same(mine, seen) -> bool:
+    if isinstance(mine, _Tensor):
+        return seen is mine
+    if isinstance(mine, (list, tuple)) and isinstance(seen, (list, tuple)):
+        return len(mine) == len(seen) and all(_same(a, b) for a, b in zip(mine, seen))
+    if isinstance(seen, _Tensor):  # a number the schema takes as a Tensor: wrapped, 0-dim
+        wrap = {bool: torch.bool, int: torch.int64, float: torch.float64}
+        if type(mine) not in wrap or seen.dim() != 0 or seen.dtype != wrap[type(mine)]:
+            return False
+        return seen.item() == mine
+    return type(mine) is type(seen) and mine == seen
+
+
+def _example(a, gm):
+    """A meta tensor of a node's layout (its traced value, or a captured tensor)."""
+    if isinstance(a, (list, tuple)):
+        out = [_example(x, gm) for x in a]
+        return None if any(x is _MISSING for x in out) else type(a)(out)
+    if not isinstance(a, torch.fx.Node):
+        return a
+    v = getattr(gm, a.target, None) if a.op == "get_attr" else a.meta.get("val")
+    if not isinstance(v, _Tensor) or v.layout != torch.strided:
+        return _MISSING
+    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+
+_MISSING = object()
+
+
+def _binding_of(node, gm):
+    """A C binding that replays ``node`` exactly (Note [Replay through Python bindings])."""
+    t = node.target
+    key = (t, tuple(map(_kind, node.args)), tuple((k, _kind(v)) for k, v in node.kwargs.items()))
+    if key in _BINDING_CACHE:
+        return _BINDING_CACHE[key]
+    found = None
+    name = t._schema.name.split("::")[-1]
+    homes = [getattr(h, name) for h in _BINDING_HOMES if hasattr(h, name)]
+    args = [_example(a, gm) for a in node.args]
+    kwargs = {k: _example(v, gm) for k, v in node.kwargs.items()}
+    ready = _MISSING not in args and None not in args and _MISSING not in kwargs.values()
+    for fn in homes if ready else ():
+        rec = _Record()
+        try:
+            with _compat.disable_current_modes(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with rec:
+                    fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - not this binding (or no meta kernel): keep _op
+            continue
+        if len(rec.calls) != 1 or rec.calls[0][0] is not t:
+            continue
+        mine = _schema_values(t._schema, args, kwargs)
+        seen = _schema_values(t._schema, rec.calls[0][1], rec.calls[0][2])
+        if mine is not None and seen is not None and all(map(_same, mine, seen)):
+            found = fn
+            break
+    _BINDING_CACHE[key] = found
+    return found
+
+
+def _python_bindings(gm) -> int:
+    """Mark each node the replay can call through a C binding (``meta["binding"]``); before
+    the traced values are dropped (they give the layouts the check runs on)."""
+    n = 0
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, _compat.OpOverload):
+            continue
+        if not any("Tensor" in str(a.type) for a in t._schema.arguments):
+            continue  # a factory
+        if not node.all_input_nodes:
+            continue
+        fn = _binding_of(node, gm)
+        if fn is not None:
+            node.meta["binding"] = fn
+            n += 1
+    return n
