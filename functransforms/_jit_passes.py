@@ -246,6 +246,169 @@ def _noop_views(gm) -> int:
     return n
 
 
+# Views that only rearrange the same elements (never ``detach``, ``alias`` of a lifted
+# constant or other ops returning an alias with a meaning of its own for autograd).
+_SHAPE_VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
+
+
+def _is_view(node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target in _SHAPE_VIEWS
+        and isinstance(node.args[0], torch.fx.Node)
+    )
+
+
+def _static_layout(val):
+    if not isinstance(val, _Tensor) or val.layout != torch.strided:
+        return None
+    layout = (tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype)
+    if not all(type(d) is int for d in (*layout[0], *layout[1], layout[2])):
+        return None  # symbolic
+    return layout
+
+
+def _outputs_and_mutated(graph):
+    outputs, mutated = set(), set()
+    for node in graph.nodes:
+        if node.op == "output":
+            outputs = set(node.all_input_nodes)
+        elif isinstance(node.target, _compat.OpOverload) and node.target._schema.is_mutable:
+            mutated.update(node.all_input_nodes)
+    return outputs, mutated
+
+
+def _view_round_trips(gm) -> int:
+    """A chain of views that ends with the layout it started from (``transpose(transpose(x,
+    1, 2), 1, 2)``: vmap's batching rules move the batch dim out and back) is its source.
+    Same memory, same layout: every reader sees the same elements; gradients through an
+    identity are the identity. Kept when returned (the caller may rely on a fresh alias) or
+    read by a mutating op (metadata mutations would reach the source)."""
+    n = 0
+    outputs, mutated = _outputs_and_mutated(gm.graph)
+    for node in list(gm.graph.nodes):
+        if not _is_view(node) or node in outputs or node in mutated:
+            continue
+        want = _static_layout(node.meta.get("val"))
+        if want is None:
+            continue
+        src = node.args[0]
+        while True:
+            if _static_layout(src.meta.get("val")) == want:
+                node.replace_all_uses_with(src)
+                n += 1
+                break
+            if not _is_view(src):
+                break
+            src = src.args[0]
+    return n
+
+
+def _keepdim_sums(gm) -> int:
+    """``view(sum(x, dims, keepdim=True), shape)`` where the view only drops the kept size-1
+    dims is ``sum(x, dims)``: the same reduction kernel over the same elements, written
+    contiguous in both cases (bit-identical). vmap of a reduction keeps the dims and views
+    them away. Only when the view is the sum's one reader and is neither returned nor
+    written."""
+    n = 0
+    outputs, mutated = _outputs_and_mutated(gm.graph)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (
+            aten.view.default,
+            aten._unsafe_view.default,
+        ):
+            continue
+        s = node.args[0]
+        if s.op != "call_function" or s.target is not aten.sum.dim_IntList or len(s.users) != 1:
+            continue
+        if node in outputs or node in mutated or s.kwargs.get("dtype") is not None:
+            continue
+        args = list(s.args) + [None] * (3 - len(s.args))
+        x, dims, keepdim = args[:3]
+        keepdim = keepdim if keepdim is not None else s.kwargs.get("keepdim", False)
+        xv, sv, out = (v.meta.get("val") for v in (x, s, node))
+        if not keepdim or not dims or not all(_static_layout(v) for v in (xv, sv, out)):
+            continue
+        dropped = {d % xv.dim() for d in dims}
+        shape = [sz for i, sz in enumerate(xv.shape) if i not in dropped]
+        if list(out.shape) != shape or not out.is_contiguous() or not sv.is_contiguous():
+            continue
+        s.args = (x, list(dims), False)
+        s.kwargs = {}
+        s.meta["val"] = out
+        node.replace_all_uses_with(s)
+        gm.graph.erase_node(node)
+        n += 1
+    return n
+
+
+def _common_subexpressions(gm) -> int:
+    """Two calls of one pure op on the same arguments compute the same value: the second
+    reads the first's (``hessian`` computes ``cos(x)`` in both of its passes, vmap's rules
+    transpose the same weight several times). Not for random or mutating ops, nor when
+    either result's memory is written later (through a view or in place), nor for a
+    duplicate that is returned (two outputs would become one tensor)."""
+    root = _roots(gm.graph)
+    written = set()
+    outputs = set()
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op == "output":
+            outputs = set(node.all_input_nodes)
+        elif isinstance(t, _compat.OpOverload) and t._schema.is_mutable:
+            for a, arg in zip(t._schema.arguments, node.args):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    for x in arg if isinstance(arg, (list, tuple)) else (arg,):
+                        if isinstance(x, torch.fx.Node):
+                            written.add(root.get(x, x))
+            if isinstance(node.kwargs.get("out"), torch.fx.Node):
+                written.add(root.get(node.kwargs["out"], node.kwargs["out"]))
+
+    def key(a):
+        if isinstance(a, torch.fx.Node):
+            return a
+        if isinstance(a, (list, tuple)):
+            return (type(a), tuple(key(x) for x in a))
+        if isinstance(a, float):
+            return (float, a.hex())
+        if isinstance(a, (bool, int, str, type(None), torch.dtype, torch.device)):
+            return (type(a), a)
+        raise TypeError  # a value we do not compare: no merging
+
+    seen = {}
+    n = 0
+    for node in list(gm.graph.nodes):
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, _compat.OpOverload):
+            continue
+        if t._schema.is_mutable or _RANDOM in t.tags or node in outputs:
+            continue
+        if root.get(node, node) in written:
+            continue
+        try:
+            k = (t, key(node.args), tuple((a, key(v)) for a, v in node.kwargs.items()))
+        except TypeError:
+            continue
+        first = seen.setdefault(k, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            n += 1
+    return n
+
+
 def _identity_products(gm) -> int:
     """``mm(I, B)`` / ``mm(A, I)`` with a folded identity matrix ``I`` is a contiguous copy of
     the other factor. jacfwd pushes the rows of an identity basis through the function, so
@@ -285,6 +448,10 @@ def _clean(gm, dynamic: bool, replay: bool = True):
     compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops)."""
     _outer_products(gm)
     _noop_views(gm)
+    if not dynamic:
+        _common_subexpressions(gm)
+        _view_round_trips(gm)
+        _keepdim_sums(gm)
     _fold_constants(gm, dynamic)
     _identity_products(gm)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
