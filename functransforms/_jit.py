@@ -661,7 +661,14 @@ class Jitted:
             modules.guard(captured),
             autocast,
         )
-        _clean(gm, self.dynamic, replay=self.backend is None)
+        autograd = grad_mode and any(
+            isinstance(t, _Tensor) and _torch_requires_grad(t)
+            for t in (
+                *tensors,
+                *(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"),
+            )
+        )
+        _clean(gm, self.dynamic, replay=self.backend is None, autograd=autograd)
         if self.backend == "inductor":
             run = _inductor(gm, tensors, self.dynamic, self._spares)
         elif callable(self.backend):

@@ -443,14 +443,19 @@ def _identity_products(gm) -> int:
     return n
 
 
-def _clean(gm, dynamic: bool, replay: bool = True):
+def _clean(gm, dynamic: bool, replay: bool = True, autograd: bool = False):
     """The clean-up of every recorded graph. ``replay``: the graph is replayed op by op, not
-    compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops)."""
+    compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops).
+    ``autograd``: torch's autograd records the replay (grad mode, an input or captured
+    tensor requiring grad): common subexpressions and view round trips are kept, since
+    merging two reads, or removing nodes from torch's graph, changes the order in which its
+    backward accumulates gradients into a tensor read twice (same values, other roundings)."""
     _outer_products(gm)
     _noop_views(gm)
     if not dynamic:
-        _common_subexpressions(gm)
-        _view_round_trips(gm)
+        if not autograd:
+            _common_subexpressions(gm)
+            _view_round_trips(gm)
         _keepdim_sums(gm)
     _fold_constants(gm, dynamic)
     _identity_products(gm)
