@@ -598,6 +598,12 @@ _COLD = {
     "import + first vmap(grad)": (
         "import functransforms as ft; ft.vmap(ft.grad(lambda x: x.sin().sum()))(torch.randn(2, 3))"
     ),
+    # issue: import + first jit call <= 300 ms (a static-shape trace; benchmarks/bench_jax.py
+    # times it on the per-sample-gradient MLP beside jax.jit's first call)
+    "import + first jit(vmap(grad))": (
+        "import functransforms as ft; "
+        "ft.jit(ft.vmap(ft.grad(lambda x: x.sin().sum())))(torch.randn(2, 3))"
+    ),
     "torch.func first grad": (
         "import torch.func as tf; tf.grad(lambda x: x.sin().sum())(torch.randn(3))"
     ),
@@ -636,6 +642,7 @@ _GC_PROBE = (
 
 # issue 13: <= 100 ms each (the first transform call of a process, whichever it is)
 _COLD_TARGETS = ("import functransforms", "import + first grad", "import + first vmap(grad)")
+_COLD_JIT_TARGETS = ("import + first jit(vmap(grad))",)  # <= 300 ms
 
 
 def cold_start(runs=7):
@@ -868,6 +875,8 @@ def render(rows, cold, per_call, trace_s, plain, ov, inductor):
     ]
     for k, c in cold.items():
         target = _verdict(c["cpu"], 0.100) if k in _COLD_TARGETS else ""
+        if k in _COLD_JIT_TARGETS:
+            target = f"{_verdict(c['cpu'], 0.300)} (<= 300 ms)"
         lines.append(
             f"| {k} | {c['wall'] * 1e3:.1f} | {c['cpu'] * 1e3:.1f} | "
             f"{c['full_gc_cpu'] * 1e3:.1f} | {(c['cpu'] - c['full_gc_cpu']) * 1e3:.1f} | "

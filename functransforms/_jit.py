@@ -310,6 +310,7 @@ def _python_forward(gm, spares=None):
         elif node.op == "call_function":
             t = node.target
             fn = spares is not None and replay_target(node, spares, gm)
+            fn = fn or node.meta.get("binding")  # Note [Replay through Python bindings]
             fn = fn or (t._op if isinstance(t, _compat.OpOverload) else t)
             glob[f"_f{i}"] = fn
             pieces = [arg(a) for a in node.args]
@@ -323,6 +324,10 @@ def _python_forward(gm, spares=None):
         dead = [names[n] for n in node.all_input_nodes if last_use.get(n) == i]
         if dead:
             body.append(" = ".join(sorted(set(dead))) + " = None")
+    if any("binding" in n.meta for n in nodes):
+        # Note [Replay through Python bindings]: no __torch_function__, as through _op
+        glob["_no_torch_function"] = torch._C.DisableTorchFunction
+        body = ["with _no_torch_function():", *("    " + line for line in body)]
     src = f"def forward({', '.join(params)}):\n    " + "\n    ".join(body) + "\n"
     exec(compile(src, "<jit replay>", "exec"), glob)  # noqa: S102 - our own generated code
     fn = glob["forward"]
@@ -667,7 +672,14 @@ class Jitted:
             modules.guard(captured),
             autocast,
         )
-        _clean(gm, self.dynamic, replay=self.backend is None)
+        autograd = grad_mode and any(
+            isinstance(t, _Tensor) and _torch_requires_grad(t)
+            for t in (
+                *tensors,
+                *(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"),
+            )
+        )
+        _clean(gm, self.dynamic, replay=self.backend is None, autograd=autograd)
         if self.backend == "inductor":
             run = _inductor(gm, tensors, self.dynamic, self._spares)
         elif callable(self.backend):

@@ -246,6 +246,169 @@ def _noop_views(gm) -> int:
     return n
 
 
+# Views that only rearrange the same elements (never ``detach``, ``alias`` of a lifted
+# constant or other ops returning an alias with a meaning of its own for autograd).
+_SHAPE_VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
+
+
+def _is_view(node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target in _SHAPE_VIEWS
+        and isinstance(node.args[0], torch.fx.Node)
+    )
+
+
+def _static_layout(val):
+    if not isinstance(val, _Tensor) or val.layout != torch.strided:
+        return None
+    layout = (tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype)
+    if not all(type(d) is int for d in (*layout[0], *layout[1], layout[2])):
+        return None  # symbolic
+    return layout
+
+
+def _outputs_and_mutated(graph):
+    outputs, mutated = set(), set()
+    for node in graph.nodes:
+        if node.op == "output":
+            outputs = set(node.all_input_nodes)
+        elif isinstance(node.target, _compat.OpOverload) and node.target._schema.is_mutable:
+            mutated.update(node.all_input_nodes)
+    return outputs, mutated
+
+
+def _view_round_trips(gm) -> int:
+    """A chain of views that ends with the layout it started from (``transpose(transpose(x,
+    1, 2), 1, 2)``: vmap's batching rules move the batch dim out and back) is its source.
+    Same memory, same layout: every reader sees the same elements; gradients through an
+    identity are the identity. Kept when returned (the caller may rely on a fresh alias) or
+    read by a mutating op (metadata mutations would reach the source)."""
+    n = 0
+    outputs, mutated = _outputs_and_mutated(gm.graph)
+    for node in list(gm.graph.nodes):
+        if not _is_view(node) or node in outputs or node in mutated:
+            continue
+        want = _static_layout(node.meta.get("val"))
+        if want is None:
+            continue
+        src = node.args[0]
+        while True:
+            if _static_layout(src.meta.get("val")) == want:
+                node.replace_all_uses_with(src)
+                n += 1
+                break
+            if not _is_view(src):
+                break
+            src = src.args[0]
+    return n
+
+
+def _keepdim_sums(gm) -> int:
+    """``view(sum(x, dims, keepdim=True), shape)`` where the view only drops the kept size-1
+    dims is ``sum(x, dims)``: the same reduction kernel over the same elements, written
+    contiguous in both cases (bit-identical). vmap of a reduction keeps the dims and views
+    them away. Only when the view is the sum's one reader and is neither returned nor
+    written."""
+    n = 0
+    outputs, mutated = _outputs_and_mutated(gm.graph)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (
+            aten.view.default,
+            aten._unsafe_view.default,
+        ):
+            continue
+        s = node.args[0]
+        if s.op != "call_function" or s.target is not aten.sum.dim_IntList or len(s.users) != 1:
+            continue
+        if node in outputs or node in mutated or s.kwargs.get("dtype") is not None:
+            continue
+        args = list(s.args) + [None] * (3 - len(s.args))
+        x, dims, keepdim = args[:3]
+        keepdim = keepdim if keepdim is not None else s.kwargs.get("keepdim", False)
+        xv, sv, out = (v.meta.get("val") for v in (x, s, node))
+        if not keepdim or not dims or not all(_static_layout(v) for v in (xv, sv, out)):
+            continue
+        dropped = {d % xv.dim() for d in dims}
+        shape = [sz for i, sz in enumerate(xv.shape) if i not in dropped]
+        if list(out.shape) != shape or not out.is_contiguous() or not sv.is_contiguous():
+            continue
+        s.args = (x, list(dims), False)
+        s.kwargs = {}
+        s.meta["val"] = out
+        node.replace_all_uses_with(s)
+        gm.graph.erase_node(node)
+        n += 1
+    return n
+
+
+def _common_subexpressions(gm) -> int:
+    """Two calls of one pure op on the same arguments compute the same value: the second
+    reads the first's (``hessian`` computes ``cos(x)`` in both of its passes, vmap's rules
+    transpose the same weight several times). Not for random or mutating ops, nor when
+    either result's memory is written later (through a view or in place), nor for a
+    duplicate that is returned (two outputs would become one tensor)."""
+    root = _roots(gm.graph)
+    written = set()
+    outputs = set()
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op == "output":
+            outputs = set(node.all_input_nodes)
+        elif isinstance(t, _compat.OpOverload) and t._schema.is_mutable:
+            for a, arg in zip(t._schema.arguments, node.args):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    for x in arg if isinstance(arg, (list, tuple)) else (arg,):
+                        if isinstance(x, torch.fx.Node):
+                            written.add(root.get(x, x))
+            if isinstance(node.kwargs.get("out"), torch.fx.Node):
+                written.add(root.get(node.kwargs["out"], node.kwargs["out"]))
+
+    def key(a):
+        if isinstance(a, torch.fx.Node):
+            return a
+        if isinstance(a, (list, tuple)):
+            return (type(a), tuple(key(x) for x in a))
+        if isinstance(a, float):
+            return (float, a.hex())
+        if isinstance(a, (bool, int, str, type(None), torch.dtype, torch.device)):
+            return (type(a), a)
+        raise TypeError  # a value we do not compare: no merging
+
+    seen = {}
+    n = 0
+    for node in list(gm.graph.nodes):
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, _compat.OpOverload):
+            continue
+        if t._schema.is_mutable or _RANDOM in t.tags or node in outputs:
+            continue
+        if root.get(node, node) in written:
+            continue
+        try:
+            k = (t, key(node.args), tuple((a, key(v)) for a, v in node.kwargs.items()))
+        except TypeError:
+            continue
+        first = seen.setdefault(k, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            n += 1
+    return n
+
+
 def _identity_products(gm) -> int:
     """``mm(I, B)`` / ``mm(A, I)`` with a folded identity matrix ``I`` is a contiguous copy of
     the other factor. jacfwd pushes the rows of an identity basis through the function, so
@@ -280,11 +443,20 @@ def _identity_products(gm) -> int:
     return n
 
 
-def _clean(gm, dynamic: bool, replay: bool = True):
+def _clean(gm, dynamic: bool, replay: bool = True, autograd: bool = False):
     """The clean-up of every recorded graph. ``replay``: the graph is replayed op by op, not
-    compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops)."""
+    compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops).
+    ``autograd``: torch's autograd records the replay (grad mode, an input or captured
+    tensor requiring grad): common subexpressions and view round trips are kept, since
+    merging two reads, or removing nodes from torch's graph, changes the order in which its
+    backward accumulates gradients into a tensor read twice (same values, other roundings)."""
     _outer_products(gm)
     _noop_views(gm)
+    if not dynamic:
+        if not autograd:
+            _common_subexpressions(gm)
+            _view_round_trips(gm)
+        _keepdim_sums(gm)
     _fold_constants(gm, dynamic)
     _identity_products(gm)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
@@ -293,6 +465,8 @@ def _clean(gm, dynamic: bool, replay: bool = True):
     gm.graph.lint()
     if not dynamic:
         _record_output_views(gm)
+        if replay:
+            _python_bindings(gm)  # Note [Replay through Python bindings]
     for node in gm.graph.nodes:  # real-mode vals would keep every intermediate alive
         if not dynamic:
             node.meta.pop("val", None)
@@ -409,3 +583,144 @@ def _for_inductor(gm) -> None:
         for name in list(vars(gm)):
             if name.startswith("_folded_") and name not in used:
                 delattr(gm, name)
+
+
+# ------------------------------------------------------------------------------------------
+# Note [Replay through Python bindings]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The replay calls each op; how it calls it costs as much as a small op itself. Through
+# ``OpOverload._op`` the call goes through the boxed path (arguments converted one by one
+# against the schema onto a stack): ~5 us for a ``transpose`` or ``view`` here, ~10.7 us for a
+# small ``mul``. torch's generated Python bindings (``torch._C._VariableFunctions.transpose``,
+# ``Tensor.view``) parse the same arguments and call the same op unboxed: ~3.3 us and ~9.3 us.
+# A graph of small ops (a MAML meta-gradient: ~220 ops, most under 5 us of work) is mostly
+# that cost. So each node whose op has a C binding that dispatches to exactly that overload,
+# with exactly the node's arguments, is replayed through the binding: the same kernel on the
+# same arguments (bit-identical), and the same autograd node when an input requires grad.
+#
+# * Which binding: checked, not assumed. The binding is called once on meta tensors of the
+#   node's layouts under a dispatch mode that records what reaches the dispatcher: it must
+#   be one call of the node's overload with every schema argument equal (defaults filled in;
+#   a Python number the schema takes as a Tensor arrives as the 0-dim tensor both paths wrap
+#   it in). Python's overload resolution depends on the arguments' kinds (tensor, int, float,
+#   list, None, keyword names), so the verdict is cached per (overload, kinds).
+# * Only ops with a tensor argument (factories stay on ``_op``: ``torch.set_default_device``'s
+#   mode would otherwise see them), and never for the ``out=`` steps of kept buffers.
+# * ``__torch_function__``: the bindings would call it on a tensor subclass argument, which
+#   ``_op`` never does; the replay runs under ``torch._C.DisableTorchFunction`` (one context
+#   per call, ~0.3 us), so both paths see the same: nothing above the dispatcher.
+
+_BINDING_HOMES = (torch._C._VariableFunctions, torch._C._nn, torch._C.TensorBase)
+_BINDING_CACHE: dict = {}
+
+
+def _kind(a):
+    if isinstance(a, torch.fx.Node):
+        return "T"
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *map(_kind, a))
+    return type(a).__name__
+
+
+class _Record(_compat.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _schema_values(schema, args, kwargs):
+    vals = []
+    for i, a in enumerate(schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            vals.append(args[i])
+        elif a.name in kwargs:
+            vals.append(kwargs[a.name])
+        elif a.has_default_value():
+            vals.append(a.default_value)
+        else:
+            return None
+    return vals
+
+
+def _same(mine, seen) -> bool:
+    if isinstance(mine, _Tensor):
+        return seen is mine
+    if isinstance(mine, (list, tuple)) and isinstance(seen, (list, tuple)):
+        return len(mine) == len(seen) and all(_same(a, b) for a, b in zip(mine, seen))
+    if isinstance(seen, _Tensor):  # a number the schema takes as a Tensor: wrapped, 0-dim
+        wrap = {bool: torch.bool, int: torch.int64, float: torch.float64}
+        if type(mine) not in wrap or seen.dim() != 0 or seen.dtype != wrap[type(mine)]:
+            return False
+        return seen.item() == mine
+    return type(mine) is type(seen) and mine == seen
+
+
+def _example(a, gm):
+    """A meta tensor of a node's layout (its traced value, or a captured tensor)."""
+    if isinstance(a, (list, tuple)):
+        out = [_example(x, gm) for x in a]
+        return None if any(x is _MISSING for x in out) else type(a)(out)
+    if not isinstance(a, torch.fx.Node):
+        return a
+    v = getattr(gm, a.target, None) if a.op == "get_attr" else a.meta.get("val")
+    if not isinstance(v, _Tensor) or v.layout != torch.strided:
+        return _MISSING
+    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+
+_MISSING = object()
+
+
+def _binding_of(node, gm):
+    """A C binding that replays ``node`` exactly (Note [Replay through Python bindings])."""
+    t = node.target
+    key = (t, tuple(map(_kind, node.args)), tuple((k, _kind(v)) for k, v in node.kwargs.items()))
+    if key in _BINDING_CACHE:
+        return _BINDING_CACHE[key]
+    found = None
+    name = t._schema.name.split("::")[-1]
+    homes = [getattr(h, name) for h in _BINDING_HOMES if hasattr(h, name)]
+    args = [_example(a, gm) for a in node.args]
+    kwargs = {k: _example(v, gm) for k, v in node.kwargs.items()}
+    ready = _MISSING not in args and None not in args and _MISSING not in kwargs.values()
+    for fn in homes if ready else ():
+        rec = _Record()
+        try:
+            with _compat.disable_current_modes(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with rec:
+                    fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - not this binding (or no meta kernel): keep _op
+            continue
+        if len(rec.calls) != 1 or rec.calls[0][0] is not t:
+            continue
+        mine = _schema_values(t._schema, args, kwargs)
+        seen = _schema_values(t._schema, rec.calls[0][1], rec.calls[0][2])
+        if mine is not None and seen is not None and all(map(_same, mine, seen)):
+            found = fn
+            break
+    _BINDING_CACHE[key] = found
+    return found
+
+
+def _python_bindings(gm) -> int:
+    """Mark each node the replay can call through a C binding (``meta["binding"]``); before
+    the traced values are dropped (they give the layouts the check runs on)."""
+    n = 0
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, _compat.OpOverload):
+            continue
+        if not any("Tensor" in str(a.type) for a in t._schema.arguments):
+            continue  # a factory
+        if not node.all_input_nodes:
+            continue
+        fn = _binding_of(node, gm)
+        if fn is not None:
+            node.meta["binding"] = fn
+            n += 1
+    return n
