@@ -1,5 +1,5 @@
 """Derivative rules of the collectives (Note [Collectives are ops], in
-functransforms/_collective_ops.py).
+functransforms/distributed/_collective_ops.py).
 
 The collectives are linear in their operand except pmax/pmin, so their jvp applies the same
 collective to the tangent and their vjp applies the transpose to the cotangent, as in JAX:
@@ -10,8 +10,8 @@ tangent or cotangent is lifted to the binding vmap's level when it does not vary
 
 from __future__ import annotations
 
-from functransforms import _collective_ops as ops
-from functransforms._collectives import bind, by_level, lift
+from functransforms.distributed import _collective_ops as ops
+from functransforms.distributed._collectives import bind, by_level, lift
 
 from ._registry import register_jvp_rule, register_vjp_rule
 

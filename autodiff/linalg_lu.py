@@ -1,6 +1,7 @@
 """Derivative rules of the LU family (linalg.lu, lu_factor(_ex), lu_unpack, lu_solve), the legacy
 ``triangular_solve`` and ``cholesky``; registered through ``def_linalg``
-(Note [Linalg derivative rules] in autodiff/linalg.py). Decisions: docs/design.md, "LU family".
+(Note [Linalg derivative rules] in autodiff/linalg.py). Decisions: docs/design/linalg.md,
+"LU family".
 
 Note [LU derivatives]
     A = P L U with P a permutation (from the pivots), L unit lower triangular [m, k] and U upper

@@ -243,8 +243,9 @@ def grid_sampler_3d_vjp_rule(ct, primals, kwargs, out, needs):
 #     `grid_sampler_3d_backward` and `_ctc_loss_backward`, which have no derivative in torch.
 #     They stay the first-order path: equal to torch by construction, and 12x (grid_sampler_3d)
 #     and 16x (ctc_loss, whose recursions here are a Python loop over time) faster in CPU time
-#     than the formulations below (docs/design.md). When a backward kernel itself meets a
-#     transform's wrappers (jvp of a vjp, grad of grad, jvp of jvp), the interpreters find no
+#     than the formulations below (docs/design/derivative-rules.md). When a backward kernel
+#     itself meets a transform's wrappers (jvp of a vjp, grad of grad, jvp of jvp), the
+#     interpreters find no
 #     rule for it and fall back to its decomposition (Note [Decomposition fallback],
 #     functransforms/_decomp.py): the formulations below, which compute the kernels' numbers
 #     with ordinary differentiable ops. This is how grid_sampler_2d gets its second order
@@ -508,7 +509,7 @@ override(aten._pack_padded_sequence.default)(_pack_padded_sequence)
 # grad: the values inside jvp (found by the session 9 probe: jvp/jacfwd of a frozen attention
 # layer raised MissingRuleError; functorch computes them). Its math, checked against the kernel
 # for every mask type, bool and float masks, need_weights and average_attn_weights
-# (tests/test_probe_bothsides_s9.py); a row with every key masked is NaN, as the kernel's.
+# (tests/interop/test_autograd_both_sides.py); a row with every key masked is NaN, as the kernel's.
 def _native_multi_head_attention(
     query,
     key,

@@ -33,7 +33,7 @@ def_nondifferentiable(
     aten.uniform.default,
     # a count: torch's derivative in the rate is 0 (it raised MissingRuleError). normal(mean,
     # std) is not listed: it is reparameterised on purpose, through its decomposition
-    # (design.md, "Decisions where torch is inconsistent or wrong")
+    # (docs/design/derivative-rules.md, "Decisions where torch is inconsistent or wrong")
     aten.poisson.default,
 )
 

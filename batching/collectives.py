@@ -1,5 +1,5 @@
 """Batching rules of the collectives (Note [Collectives are ops], in
-functransforms/_collective_ops.py).
+functransforms/distributed/_collective_ops.py).
 
 At the vmap that binds the op's axis the collective is a reduction, gather or permutation of the
 physical tensor along its batch dim: one batched kernel, no loop. Any other vmap passes the op
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms import _collective_ops as ops
+from functransforms.distributed import _collective_ops as ops
 
 from ._registry import register_vmap_rule
 from ._util import to_front
@@ -21,18 +21,19 @@ _DIM_PARAMS = {ops.all_gather: 1, ops.psum_scatter: 1, ops.all_to_all: 2, ops.pp
 
 
 # op -> its ``across`` rule: also applied by pmap without a level (Note [pmap without a level
-# for its shard], functransforms/_collectives.py)
+# for its shard], functransforms/distributed/_collectives.py)
 ACROSS: dict = {}
 # reduction op -> the Tensor method of its rule at the binding vmap, ``method(x, bdim)``: also
 # applied by the public reductions themselves (Note [A reduction at its own level],
-# functransforms/_collectives.py)
+# functransforms/distributed/_collectives.py)
 REDUCE: dict = {}
 
 
 def def_collective(op, named, across=None):
     """Register ``op``'s batching rule: ``named(x, bdim, batch_size, *params) -> (out, bdim)``
     at the binding vmap, ``across(x, bdim, group, world, *params)`` at a binding pmap (Note
-    [pmap's collectives] in functransforms/_collective_ops.py), the pass-through elsewhere."""
+    [pmap's collectives] in functransforms/distributed/_collective_ops.py), the pass-through
+    elsewhere."""
     ACROSS[op] = across
 
     @register_vmap_rule(op)

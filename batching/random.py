@@ -63,7 +63,7 @@ _dispatch_modes = _compat.len_torch_dispatch_stack
 
 def _jit_tracing():
     # jit loads on first use (Note [Lazy parts of the package]): not loaded, nothing traces
-    jit = sys.modules.get("functransforms._jit")  # half imported by another thread: no trace
+    jit = sys.modules.get("functransforms._jit._trace")  # half imported by another thread: no trace
     return getattr(getattr(jit, "_tracing", None), "active", False)
 
 

@@ -52,12 +52,12 @@ with _paused_collector():
 # After the first access the name is a plain module attribute. (The rule families load on
 # first use too: Note [Rule families load on first use], _ops.py.)
 _LAZY = {
-    "jit": "._jit",
+    "jit": "._jit",  # the package; its jit function is the value
     "distributed": ".distributed",
     "batching": ".batching",  # vmap's interpreter and rules: imported by vmap's first call
     "linalg": ".linalg",  # structured operators (also `import functransforms.linalg`)
     "testing": ".testing",  # check_grads, check_vmap, hypothesis strategies
-    "pmap": "._pmap",
+    "pmap": ".distributed._pmap",
     "rearrange": "._rearrange",
     **dict.fromkeys(
         (
@@ -72,7 +72,7 @@ _LAZY = {
             "psum",
             "psum_scatter",
         ),
-        "._collectives",
+        ".distributed._collectives",
     ),
     **dict.fromkeys(
         ("functional_call", "replace_all_batch_norm_modules_", "stack_module_state"), "._module"

@@ -232,7 +232,7 @@ def _vjp_flat(func, primals, has_aux, call, jacobian=None):
     #     outputs' metadata and the primals, never over ``func``, the interpreter or the wrappers:
     #     a module or closure passed as ``func`` is freed with its last user reference, and
     #     dropping the results frees every saved tensor by reference counting alone, with no
-    #     cycle for the collector to find (tests/test_memory_release.py).
+    #     cycle for the collector to find (tests/core/test_memory_release.py).
     def pull(flat_ct, release=False):
         root_cts = []
         for r, c, (shape, dtype, floating) in zip(roots, flat_ct, out_meta):

@@ -2,8 +2,9 @@
 
 Each name below is a private (underscore) torch module, class or function, or lives in one. The
 comment above each says what we use it for and the torch versions it was checked on; a torch
-release that moves or changes one is handled in this file only. ``tests/test_compat.py`` fails
-on a private torch name anywhere else in the library (tests and benchmarks are exempt: they use
+release that moves or changes one is handled in this file only.
+``tests/package/test_compat.py`` fails on a private torch name anywhere else in the library (tests
+and benchmarks are exempt: they use
 torch's internals as oracles, e.g. ``torch.testing._internal``'s OpInfo database), and checks
 that every name here resolves on the installed torch.
 
@@ -22,7 +23,7 @@ Note [Supported torch versions]
     We match PyTorch bit for bit where we can, so where torch changed a formula between
     releases we follow the installed torch (a rule of ours that computed 2.13's formula on 2.15
     would be a silent difference from PyTorch there). Each fact below names the torch
-    change it stands for; docs/design.md "Supported torch versions" lists them with the tests
+    change it stands for; docs/design/torch-versions.md lists them with the tests
     that pin each one. Other version-dependent torch API this library relies on:
     ``torch.autograd.Function.apply`` (a Python classmethod up to 2.14, a C
     ``classmethod_descriptor`` in 2.15: ``_autograd_function._original_apply``) and the
@@ -66,6 +67,7 @@ __all__ = [
     "SetExcludeDispatchKeyGuard",
     "SingleLevelFunction",
     "TensorBase",
+    "binding_homes",
     "TorchDispatchMode",
     "BatchNormBase",
     "compile_fx",
@@ -159,6 +161,10 @@ TensorBase = _C.TensorBase
 # Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
 # a transformed function writes into: Note [Writing into plain tensors]).
 swap_tensor_impl = _C._swap_tensor_impl
+# Where torch's Python bindings of the ATen ops live (``torch.sin``, ``F.linear``'s
+# ``torch._C._nn.linear``, the Tensor methods): the jit's replay calls them directly (Note
+# [Replay through Python bindings], functransforms/_jit/_passes.py). Checked on 2.13.0, 2.15.0.
+binding_homes = (_C._VariableFunctions, _C._nn, _C.TensorBase)
 
 
 def proxy_tracing() -> bool:
@@ -412,8 +418,8 @@ def compile_fx(gm, example_inputs):
 # torch.fx keeps the source of every GraphModule it compiles, for tracebacks, in a process-wide
 # loader (``torch.fx.graph_module._loader``: ``eval_cache`` by key ``<eval_with_key>.<id>``, ids
 # from ``next_id``) and a lazy ``linecache`` entry, and never drops them: a jit retracing
-# forever grew by ~8 KB per trace (Note [Sources of dropped graphs], _jit.py). Checked on 2.13.0,
-# 2.15.0.
+# forever grew by ~8 KB per trace (Note [Sources of dropped graphs], _jit/_trace.py). Checked on
+# 2.13.0, 2.15.0.
 def fx_source_mark() -> int:
     """The id torch.fx gives the next graph source it keeps."""
     from torch.fx import graph_module

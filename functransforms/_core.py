@@ -393,9 +393,8 @@ def _route(interp, func, args, kwargs):
 # Ops torch chooses when nothing requires grad at the call (our wrappers do not, in torch's
 # sense), for their recorded twin with the same schema: torch's autograd refuses to record the
 # forward-only kernel (its integer outputs), as eager torch never asks it to.
-_RECORDED_FORM = {
-    torch.ops.aten._embedding_bag_forward_only.default: torch.ops.aten._embedding_bag.default,
-}
+_aten = torch.ops.aten
+_RECORDED_FORM = {_aten._embedding_bag_forward_only.default: _aten._embedding_bag.default}
 
 
 _graph_mode: list = []  # Note [Outputs torch leaves without a graph] (autodiff/_torch_graph.py)
@@ -436,7 +435,7 @@ def _load_graph_mode():
 #         passes OpOverloads through unchanged).
 #     The result is what ``__torch_dispatch__`` returns, with the container the dispatcher
 #     would give back (a list for ``Tensor[]``, a tuple for several returns). Anything else
-#     takes the ordinary call. tests/test_direct_route.py checks both routes agree.
+#     takes the ordinary call. tests/core/test_direct_route.py checks both routes agree.
 _ABOVE_PYTHON = None  # raw DispatchKeySet of the keys the Python fallback excludes
 _PYTHON_BIT = _compat.DispatchKeySet(_compat.DispatchKey.Python).raw_repr()
 _dispatch_modes = _compat.len_torch_dispatch_stack

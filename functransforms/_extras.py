@@ -85,7 +85,8 @@ def checkpoint(func: Func) -> Func:
         # for the recomputation, inside fork_rng so the global state is not advanced twice.
         # One custom function per call: each call has its own state (a block called in a
         # loop), and it stays out of the residuals, which vmap batches as tensors.
-        jit = sys.modules.get("functransforms._jit")  # half imported by another thread: no trace
+        # half imported by another thread: no trace
+        jit = sys.modules.get("functransforms._jit._trace")
         if getattr(getattr(jit, "_tracing", None), "active", False):
             # jit records ATen ops, not generator states: a recomputation would replay as a
             # second, independent draw. The traced graph keeps the forward's values instead

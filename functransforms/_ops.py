@@ -434,8 +434,9 @@ def _name_key(qualname) -> str:
 #     ``get``, ``register``'s duplicate check, ``decomposition(op)`` for our overrides) loads
 #     them first; reads of the whole registry (iteration, ``len``, ``keys``, coverage,
 #     ``define_pending``) load every family. So a lookup never misses a rule that eager import
-#     would have found, provided the index is current: tests/test_cold_start.py rebuilds it and
-#     compares (``python -m functransforms._rule_index_build --write`` regenerates it).
+#     would have found, provided the index is current: tests/package/test_cold_start.py
+#     rebuilds it and compares (``python -m functransforms._rule_index_build --write`` regenerates
+#     it).
 _LOADED = [0]  # bits of _rule_index.FAMILIES loaded so far
 
 

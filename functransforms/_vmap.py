@@ -83,7 +83,8 @@ def vmap(
                 f"got a {type(axis_name).__name__}."
             ) from None
     axis = (axis_name, axis_size)
-    # Note [vmap's lean path] (docs/design.md): calls that fit skip _vmap_call's generality
+    # Note [vmap's lean path] (docs/design/fast-paths.md): calls that fit skip _vmap_call's
+    # generality
     lean = (
         chunk_size is None
         and axis_size is None
@@ -524,9 +525,10 @@ def _vmap_call(
 
     interp = VmapInterpreter(batch_size, randomness)
     interp.call = call or _call_repr(func, in_dims, out_dims)
-    interp.axis_name = axis_name  # Note [Collectives are ops] (functransforms/_collective_ops.py)
+    # Note [Collectives are ops] (functransforms/distributed/_collective_ops.py)
+    interp.axis_name = axis_name
     interp.chunked = chunked  # a chunk does not see the whole axis: collectives must raise
-    if pmap is not None:  # Note [pmap's collectives] (functransforms/_collective_ops.py)
+    if pmap is not None:  # Note [pmap's collectives] (distributed/_collective_ops.py)
         interp.group, interp.world, interp.rank = pmap
     if randomness == "error":  # Note [Random ops by their tags]
         mode = no_random_ops()

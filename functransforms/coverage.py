@@ -3,7 +3,7 @@ rule anywhere, with how each transform handles it.
 
 Run ``python -m functransforms.coverage`` to rewrite the file of the installed torch
 (``doc_path``: docs/coverage.md for torch 2.13, docs/coverage-torch2.15.md for 2.15);
-tests/test_coverage_doc.py fails when that file is stale.
+tests/package/test_coverage_doc.py fails when that file is stale.
 """
 
 from __future__ import annotations

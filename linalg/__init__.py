@@ -24,6 +24,7 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
         "<clone> --config-settings editable_mode=strict`), which imports from any directory."
     )
 
+from . import _dispatch  # noqa: F401  (binds __torch_function__'s table: Note [The base class's import cycles])
 from ._base import LinearOperator
 from ._batch import BatchSumOperator, repeat, sum_batch
 from ._block import BlockOperator, ZeroOperator, cat

@@ -25,6 +25,7 @@ import functools
 import math
 import pathlib
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -35,6 +36,15 @@ from functransforms._pytree import register_pytree_node
 from functransforms.errors import DenseFallbackWarning
 
 from . import _rules
+
+# Note [The base class's import cycles]: the base class's algebra (A.mT, A @ B, A + B) builds
+# TransposeOperator, ProductOperator and SumOperator, which subclass LinearOperator
+# (_composite.py), and __torch_function__ routes through _dispatch.py's table, which needs every
+# operator module. Neither is imported here (that would be an import cycle): each of those two
+# modules puts its functions into ``_late`` when it is imported, and the package's __init__
+# imports both before any operator can exist. A namespace read per call, no import on the hot
+# path (every torch function on an operator).
+_late = types.SimpleNamespace()
 
 _PROPERTY_NAMES = ("symmetric", "positive_definite", "lower", "upper", "unitary")
 
@@ -199,12 +209,12 @@ class LinearOperator:
         return self._matmul(eye)
 
     def _transpose(self) -> LinearOperator:
-        return _composite.TransposeOperator(self)
+        return _late.TransposeOperator(self)
 
     def _adjoint(self) -> LinearOperator:
         if not self.is_complex:
             return self._transpose()
-        return _composite.AdjointOperator(self)
+        return _late.AdjointOperator(self)
 
     def _conj(self) -> LinearOperator:
         return self._adjoint()._transpose()
@@ -215,17 +225,17 @@ class LinearOperator:
         return self._to_dense()
 
     def matmul(self, other):
-        return _composite.matmul(self, other)
+        return _late.matmul(self, other)
 
     def __matmul__(self, other):
-        return _composite.matmul(self, other)
+        return _late.matmul(self, other)
 
     def __rmatmul__(self, other):
-        return _composite.matmul(other, self)
+        return _late.matmul(other, self)
 
     def __mul__(self, c):
         if isinstance(c, LinearOperator):  # elementwise, as for tensors: `@` is the product
-            return _hadamard.hadamard(self, c)
+            return _late.hadamard(self, c)
         if isinstance(c, torch.Tensor) and c.dim() > 0 and c.numel() != 1:
             raise ValueError(
                 f"{type(self).__name__} * tensor: expected a scalar (Python number or 1-element "
@@ -244,16 +254,16 @@ class LinearOperator:
         return _rules.scale(self, -1.0)
 
     def __add__(self, other):
-        return _composite.add(self, other)
+        return _late.add(self, other)
 
     def __radd__(self, other):
-        return _composite.add(other, self)
+        return _late.add(other, self)
 
     def __sub__(self, other):
-        return _composite.add(self, -other)
+        return _late.add(self, -other)
 
     def __rsub__(self, other):
-        return _composite.add(other, -self)
+        return _late.add(other, -self)
 
     @property
     def mT(self) -> LinearOperator:
@@ -302,11 +312,11 @@ class LinearOperator:
 
     def repeat(self, *sizes) -> LinearOperator:
         """``torch.Tensor.repeat`` semantics, structure kept (`functransforms.linalg.repeat`)."""
-        return _batch.repeat(self, *sizes)
+        return _late.repeat(self, *sizes)
 
     def sum(self, dim: int) -> LinearOperator:
         """The sum over batch dimension ``dim`` (`functransforms.linalg.sum_batch`)."""
-        return _batch.sum_batch(self, dim)
+        return _late.sum_batch(self, dim)
 
     # ----------------------------------------------------------------- indexing
     def __getitem__(self, key):
@@ -403,7 +413,7 @@ class LinearOperator:
     # ----------------------------------------------------------------- torch integration
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.torch_function(func, args, kwargs or {})
+        return _late.torch_function(func, args, kwargs or {})
 
 
 # ------------------------------------------------------------------ the dense fallback
@@ -629,14 +639,3 @@ _EMPTY = torch.Size()
 
 def prod(xs) -> int:
     return math.prod(xs)
-
-
-# Note [The base class's import cycles]: imported last, once every name above exists. The base
-# class's algebra (A.mT, A @ B, A + B) builds TransposeOperator, ProductOperator and SumOperator
-# (cycle _base -> _composite -> _base: they subclass LinearOperator), and __torch_function__
-# routes through _dispatch.py's table (cycle _base -> _dispatch -> _functions -> the operator
-# modules -> _base). Both modules import this one, complete by now; the package imports _base
-# first. `A * B` (Hadamard) and `A.repeat`/`A.sum` build operators of _hadamard.py and
-# _batch.py, imported here for the same reason. Module-level, so the hot paths (every torch
-# function on an operator) pay no import.
-from . import _batch, _composite, _dispatch, _hadamard  # noqa: E402

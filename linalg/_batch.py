@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _base
 from ._base import LinearOperator, _flatten_operator, _unflatten_operator
 from ._dense import DenseOperator, DiagonalOperator, ScaledIdentityOperator, TriangularOperator
 from ._kronecker import KroneckerOperator
@@ -185,3 +186,7 @@ def _trace_batch_sum(A):
 def _scale_batch_sum(A, c):
     # c sum_b A_b = sum_b c A_b
     return BatchSumOperator(scale(A.base, c), A.dim)
+
+
+# the base class reaches these through ``_late`` (Note [The base class's import cycles])
+_base._late.__dict__.update(repeat=repeat, sum_batch=sum_batch)

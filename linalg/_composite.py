@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _base
 from ._base import LinearOperator, broadcast_batch, dense_fallback
 from ._dense import (
     DenseOperator,
@@ -638,3 +639,9 @@ def add(a, b):
     if out is None:
         out = add_rule(b, a)
     return out if out is not None else SumOperator([a, b])
+
+
+# the base class reaches these through ``_late`` (Note [The base class's import cycles])
+_base._late.__dict__.update(
+    TransposeOperator=TransposeOperator, AdjointOperator=AdjointOperator, matmul=matmul, add=add
+)

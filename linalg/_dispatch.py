@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from . import _base, _rules
 from . import _functions as functions
-from . import _rules
-from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
 
 # _warn_once is re-exported: tests clear its cache through this module.
+from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
 from ._block import cat
 from ._iterative import _CONFIG
 
@@ -236,3 +236,7 @@ def torch_function(func, args, kwargs):
         if result is not None:
             return result
     return dense_fallback(func, args, kwargs)
+
+
+# the base class reaches these through ``_late`` (Note [The base class's import cycles])
+_base._late.__dict__.update(torch_function=torch_function)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _base
 from ._base import LinearOperator, broadcast_batch
 from ._block import ZeroOperator
 from ._composite import as_operator
@@ -179,3 +180,7 @@ def _hadamard_props(a, b):
         symmetric=a.symmetric and b.symmetric,
         positive_definite=a.positive_definite and b.positive_definite,
     )
+
+
+# the base class reaches this through ``_late`` (Note [The base class's import cycles])
+_base._late.__dict__.update(hadamard=hadamard)

@@ -17,7 +17,7 @@ _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", derandomize=True, max_examples=30, **_COMMON)
 settings.register_profile("explore", max_examples=200, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-# The stack fuzzer (tests/test_fuzz_stacks_s10.py) draws whole programs under transform stacks:
+# The stack fuzzer (tests/testing/test_fuzz_stacks.py) draws whole programs under transform stacks:
 # a fixed derandomized budget for CI, or FT_FUZZ_EXAMPLES random ones for a long session.
 _FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("fuzz_ci", derandomize=True, max_examples=60, **_FUZZ)

@@ -2,8 +2,9 @@
 under ``torch.use_deterministic_algorithms(True)`` (checked against torch 2.13 and 2.15: the
 docstring of ``torch.use_deterministic_algorithms`` and the alert names of torch's test suite),
 plus the CPU cases measured here. Entries torch documents from some version on carry that
-version (``since``); ``ENTRIES`` holds those of the installed torch. tests/test_deterministic.py
-compares it with the installed torch's own list and fails when torch has an entry we lack.
+version (``since``); ``ENTRIES`` holds those of the installed torch.
+tests/determinism/test_deterministic.py compares it with the installed torch's own list and fails
+when torch has an entry we lack.
 
 Each entry names the ATen overloads it applies to (the ops a mode sees: backward kernels for
 "when attempting to differentiate"), the device it is nondeterministic on, the argument

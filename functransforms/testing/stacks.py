@@ -343,7 +343,7 @@ def _extra(h, x, y, name, dim, k, const):
 
 # not drawn: "layer_norm" (torch's own second derivatives of it are wrong, in functorch and
 # plain autograd alike, so neither oracle can judge a stack holding it; ours match finite
-# differences: tests/test_fuzz_stacks_s10.py)
+# differences: tests/testing/test_fuzz_stacks.py)
 EXTRA = (
     "linear normalize tril roll repeat masked_fill lerp addcmul logcumsumexp cummax "
     "kthvalue median var_mean diag_embed trace outer cdist cross_entropy index_fill masked_fill_ "

@@ -185,7 +185,7 @@ def pytrees_of_tensors(leaves=None, max_leaves=4):
 
 
 # -- misuse: the wrong values users pass to a transform --------------------------------------
-# For property tests of a transform's argument checks (tests/test_errors_properties.py): each
+# For property tests of a transform's argument checks (tests/api/test_errors_properties.py): each
 # call either computes what torch.func computes or raises a clear error at the API edge.
 
 

@@ -48,7 +48,7 @@ from conformance_harness import (
 
 # (op full name, kind) -> what torch.func gets wrong in vjp(jvp); ours is checked against
 # finite differences on every sample where the two differ (Note [vjp(jvp) against finite
-# differences]). The values of one run are in docs/design.md ("vjp(jvp) in the conformance
+# differences]). The values of one run are in docs/design/testing.md ("vjp(jvp) in the conformance
 # suite").
 _NORM = "batch statistics' reverse-over-forward formula (torch 2.13 and 2.15)"
 _DET = "1x1 matrices (torch 2.13; right on 2.15)"

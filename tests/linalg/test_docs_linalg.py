@@ -1,4 +1,4 @@
-"""docs/linalg.md keeps its tour and GP example (tests/test_doctests.py runs its blocks)."""
+"""docs/linalg.md keeps its tour and GP example (tests/package/test_doctests.py runs its blocks)."""
 
 import pathlib
 import re

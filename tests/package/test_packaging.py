@@ -1,0 +1,116 @@
+"""What a fresh clone and its install give a user: the README's install (a strict editable
+install: a tree of links holding only ``functransforms``) imports from any directory, the one
+containing the clone included, without putting the clone's other folders on ``sys.path``; the
+metadata declares the license it ships; the sdist carries the tests, docs and benchmarks."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _link_tree(dest):
+    """What ``pip install -e . --config-settings editable_mode=strict`` builds (setuptools'
+    link tree, under build/ of the clone, put on sys.path by a .pth): functransforms/ whose files
+    link to the clone's, with the mapped subpackages (pyproject's package-dir) inside it."""
+    pkg = dest / "functransforms"
+    pkg.mkdir(parents=True)
+    for f in (ROOT / "functransforms").iterdir():
+        if f.name != "__pycache__":
+            (pkg / f.name).symlink_to(f, target_is_directory=f.is_dir())
+    for sub, src in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
+        if sub != "functransforms":
+            (pkg / sub.split(".")[1]).symlink_to(ROOT / src, target_is_directory=True)
+    return dest
+
+
+def _python(code, cwd, pythonpath=None):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+def test_the_install_imports_beside_the_clone_and_exposes_nothing_else(tmp_path):
+    tree = _link_tree(tmp_path / "tree")
+    beside = tmp_path / "work"
+    beside.mkdir()
+    (beside / "functransforms").symlink_to(ROOT, target_is_directory=True)  # `git clone` gives
+    code = (
+        "import importlib.util, torch, functransforms as ft\n"
+        "print(ft.vmap(torch.sin)(torch.zeros(2, 1)).shape, ft.linalg.__name__)\n"
+        "print([n for n in ('tests', 'benchmarks', 'linalg', 'autodiff', 'batching')\n"
+        "       if importlib.util.find_spec(n) is not None])"
+    )
+    for cwd in (beside, tmp_path):
+        r = _python(code, cwd, pythonpath=tree)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split("\n")[:2] == ["torch.Size([2, 1]) functransforms.linalg", "[]"]
+
+
+def test_a_subpackage_imported_by_its_own_name_says_so():
+    # started in the repository root, `import linalg` finds the folder: not a clone shadowing
+    for sub in ("linalg", "autodiff", "batching"):
+        r = _python(f"import {sub}", ROOT)
+        assert r.returncode != 0
+        assert f"import functransforms.{sub}" in r.stderr and "shadows" not in r.stderr
+
+
+def test_license_is_declared_and_shipped():
+    project = PYPROJECT["project"]
+    assert project["license"] == "BSD-3-Clause"  # PEP 639's SPDX expression
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and "the functransforms authors" in text
+    assert any("Typing :: Typed" in c for c in project["classifiers"])
+
+
+def _imports(path):
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_required_dependencies_are_the_ones_the_library_imports():
+    required = {
+        re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower()
+        for d in PYPROJECT["project"]["dependencies"]
+    }
+    sources = [
+        p
+        for src in PYPROJECT["tool"]["setuptools"]["package-dir"].values()
+        for p in (ROOT / src).rglob("*.py")
+    ]
+    imported = set().union(*(_imports(p) for p in sources))
+    assert required == {"torch", "optree"}
+    assert required <= imported
+    assert "numpy" not in imported  # numpy is a test extra only
+
+
+def test_the_sdist_carries_tests_docs_and_benchmarks():
+    # `python -m build --sdist` lists them (checked by hand); this keeps MANIFEST.in saying so
+    manifest = (ROOT / "MANIFEST.in").read_text().split("\n")
+    for line in (
+        "graft tests",
+        "graft docs",
+        "graft benchmarks",
+        "include LICENSE README.md CHANGELOG.md",
+    ):
+        assert line in manifest
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
