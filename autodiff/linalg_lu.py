@@ -78,6 +78,8 @@ def _lu_jvp_core(dA, P, L, U):
 # bar A2 = P L^-H bar U2. Tall: bar A1 = P (L1^-H triu(bar U U^H - L^H tril_-1(bar L))
 # + tril_-1(bar L1)) U^-H, bar A2 = P bar L2 U^-H.
 def _lu_vjp_core(gL, gU, P, L, U):
+    if gL is None and gU is None:  # a cotangent on P only: the pivots carry no derivative
+        return None
     m, n = L.shape[-2], U.shape[-1]
     k = min(m, n)
     if m == n:

@@ -68,8 +68,29 @@ _ids = itertools.count()
 _grad_enabled = torch.is_grad_enabled
 
 
+# Note [Writes into saved constants]
+#     A node keeps its op's arguments for the backward pass. The values of this level are never
+#     written in place (their in-place ops rebind the wrapper to a new value), but a constant of
+#     the level (a captured tensor, a buffer made inside the function, an outer transform's
+#     value) is the user's object: ``z = x * w; w.add_(1)`` (or a write that promotes ``w``:
+#     Note [Writing into a plain tensor]) changed what the rule of ``x * w`` would read, and the
+#     gradient came out with the new ``w``, silently. As torch's saved variables, each node
+#     notes the version counter (and class: promotion swaps it) of its tensor constants, and
+#     the sweep raises torch's error when one changed. Writes a kernel makes itself (batch
+#     norm's running statistics) do not bump the counter, in torch as here.
 class Node:
-    __slots__ = ("id", "rule", "primals", "kwargs", "out", "inputs", "needs", "name", "__weakref__")
+    __slots__ = (
+        "id",
+        "rule",
+        "primals",
+        "kwargs",
+        "out",
+        "inputs",
+        "needs",
+        "name",
+        "versions",
+        "__weakref__",
+    )
 
     def __init__(self, rule, primals, kwargs, out, inputs, needs):
         self.id = next(_ids)
@@ -79,6 +100,18 @@ class Node:
         self.out = out
         self.inputs = inputs  # per positional arg: None | (Node, idx) | list of those
         self.needs = needs
+        # Note [Writes into saved constants]
+        versions = None
+        for p, i in zip(primals, inputs):
+            if i is None and isinstance(p, _Tensor):
+                try:
+                    version = p._version
+                except RuntimeError:  # an inference tensor: no counter, in torch either
+                    continue
+                if versions is None:
+                    versions = []
+                versions.append((p, p.__class__, version))
+        self.versions = versions
 
 
 class Leaf(Node):
@@ -670,6 +703,8 @@ def backward(roots, leaves, release=False):
             ct = cts[0]
         else:
             ct = tuple(cts)
+        if node.versions is not None:
+            _check_versions(node)
         rule = node.rule
         input_cts = None
         if rule in PHYSICAL_PULLBACKS:  # Note [Pointwise pullbacks on physical values]
@@ -701,6 +736,25 @@ def backward(roots, leaves, release=False):
             if cts is not None:
                 _run_hooks(leaf, cts)
     return [_leaf_ct(acc, leaf) for leaf in leaves]
+
+
+def _check_versions(node):
+    """Note [Writes into saved constants]: torch's error if a constant the node keeps was
+    written after the op read it."""
+    for p, cls, version in node.versions:
+        if p.__class__ is not cls or p._version != version:
+            now = (
+                "promoted to a value of the transform"
+                if p.__class__ is not cls
+                else (f"is at version {p._version}; expected version {version} instead")
+            )
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the {cls.__name__} of shape {list(p.shape)} and dtype "
+                f"{p.dtype} that {GradFn(node).name()} read {now}. It was written in place "
+                "after that op used it, so its derivative would read the new value. Do: write "
+                "into a copy (w = w.clone() before the write), or write before the tensor is used."
+            )
 
 
 # Note [Anomaly detection in the sweep]

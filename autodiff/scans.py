@@ -64,7 +64,7 @@ def cumprod_jvp_rule(primals, tangents, kwargs):
         return out, None
     x, dim = _scan_args(primals, kwargs)
     t = t.to(out.dtype)
-    if x.dim() == 0:
+    if x.dim() == 0 or x.shape[dim] == 1:  # out is x (t / x * x underflows at tiny x)
         return out, t
     half = out.dtype in _HALF  # in float32, as torch's kernels: t / x and C * S underflow
     x, t = (x.float(), t.float()) if half else (x, t)
@@ -84,7 +84,7 @@ def cumprod_jvp_rule(primals, tangents, kwargs):
 def cumprod_vjp_rule(ct, primals, kwargs, out, needs):
     x, dim = _scan_args(primals, kwargs)
     rest = (None,) * (len(primals) - 1)
-    if x.dim() == 0:
+    if x.dim() == 0 or x.shape[dim] == 1:  # out is x (ct * x / x underflows at tiny x)
         return (ct.to(primals[0].dtype),) + rest
     if x.dtype in _HALF:  # in float32, as torch's kernels: ct * C underflows in float16
         x, ct = x.float(), ct.float()

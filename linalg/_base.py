@@ -184,7 +184,10 @@ class LinearOperator:
             fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._tree_fields)
             return f"{type(self).__name__}({fields})"
         props = [k for k, v in self.properties().items() if v]
-        extra = self._repr_extra()
+        try:
+            extra = self._repr_extra()
+        except RuntimeError:  # values unreadable here (another library's batched tensor)
+            extra = ""
         parts = [f"shape={tuple(self._shape)}", f"dtype={self._dtype}"]
         if extra:
             parts.insert(0, extra)

@@ -763,3 +763,45 @@ def test_dropout_under_grad_and_jvp():
     g = ft.grad(lambda x: torch.nn.functional.dropout(x, 0.5).sum())(x)
     torch.manual_seed(1)
     assert torch.equal(g, torch.func.grad(lambda x: torch.nn.functional.dropout(x, 0.5).sum())(x))
+
+
+_W = torch.ones(3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        # a buffer made inside the function, written after an op read it
+        lambda x: [x * (w := torch.ones(3, dtype=x.dtype)), w.add_(1)][0].sum(),
+        # a captured tensor, written after use (the write promotes it)
+        lambda x: [(x * _W).sum(), _W.mul_(3)][0],
+        # a tracked value times a buffer, the buffer overwritten by copy_
+        lambda x: [(x.exp() * (w := torch.ones(3, dtype=x.dtype))).sum(), w.copy_(x.detach())][0],
+    ],
+    ids=["fresh_buffer", "captured", "copy_into"],
+)
+def test_writing_a_saved_constant_raises_as_torch(f):
+    """Note [Writes into saved constants]: the gradient would read the new value (it silently
+    did); torch's autograd raises here, and so does the sweep, with torch's wording."""
+    x = randn(3)
+    _W.fill_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*MulBackward"):
+        ft.grad(f)(x)
+    _W.fill_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|captured Tensor"):
+        torch.func.grad(f)(x)  # the captured case: torch.func refuses the write itself
+    _W.fill_(1)
+
+
+def test_writes_before_use_and_kernel_writes_are_not_refused():
+    x = randn(5, 4)
+
+    def f(x):
+        w = torch.ones(4, dtype=x.dtype)
+        w.mul_(2)  # before its use: the op reads the written value
+        rm, rv = torch.zeros(4, dtype=x.dtype), torch.ones(4, dtype=x.dtype)
+        y = F.batch_norm(x * w, rm, rv, training=True)  # the kernel writes rm, rv itself
+        y = y + F.batch_norm(x, rm, rv, training=True)  # again: torch keeps no version here
+        return (y * rm.sum()).sum()
+
+    torch.testing.assert_close(ft.grad(f)(x), torch.func.grad(f)(x))

@@ -135,3 +135,14 @@ def test_vmap_of_vjp(f, in_dims):
 def test_cumprod_second_order_finite_differences():
     x = _with_zeros(_x((6,)), [(2,)])
     check_grads(lambda x: torch.cumprod(x, 0), (x,), order=2)
+
+
+@pytest.mark.parametrize("x", [1e-200, 1.0, -3.0])
+def test_cumprod_over_a_single_element_is_the_identity(x):
+    # out is x: the formula's ct * x / x underflowed to 0 at tiny x (hessian of cumprod(x)**2
+    # was 4 where torch.func gives 2)
+    x = torch.tensor([[x]], dtype=F64)
+    f = lambda x: (x.cumprod(-1) ** 2).sum()  # noqa: E731
+    torch.testing.assert_close(ft.grad(f)(x), 2 * x, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ft.hessian(f)(x), tf.hessian(f)(x))
+    torch.testing.assert_close(ft.jvp(lambda x: x.cumprod(-1), (x,), (x,))[1], x)

@@ -927,8 +927,22 @@ def _run_beside_clone(tmp_path, code, pythonpath=None):
     )
 
 
+def test_clone_beside_the_working_directory_does_not_shadow_the_install(tmp_path):
+    # The README's strict editable install puts a regular package on sys.path, which wins over
+    # the clone's folder (a namespace portion) found first in the working directory.
+    r = _run_beside_clone(tmp_path, "import functransforms.batching, functransforms as ft; ft.vmap")
+    assert r.returncode == 0, r.stderr
+
+
 def test_clone_shadowing_the_package_is_detected(tmp_path):
-    r = _run_beside_clone(tmp_path, "import functransforms.batching")
+    # What an install that loses to the clone's folder sees (setuptools' default editable
+    # finder runs after the path finder): ``functransforms`` is an empty namespace package.
+    code = (
+        "import sys, types; ns = types.ModuleType('functransforms'); "
+        "ns.__path__ = ['functransforms']; sys.modules['functransforms'] = ns; "
+        "import functransforms.batching"
+    )
+    r = _run_beside_clone(tmp_path, code)
     assert r.returncode != 0
     assert "shadows the installed package" in r.stderr and "editable_mode=strict" in r.stderr
 
