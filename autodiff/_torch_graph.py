@@ -37,7 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from functransforms import _compat
-from functransforms._core import TransformTensor
+from functransforms._core import TransformTensor, copy_as_torch_records
 from functransforms._ops import facts
 
 from ._util import match_dtype
@@ -70,6 +70,9 @@ class TorchGraphMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        recorded = _RECORDED_AS.get(func)
+        if recorded is not None:  # Note [Ops torch's autograd cannot record]
+            return recorded(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except RuntimeError as e:
@@ -90,6 +93,55 @@ class TorchGraphMode(TorchFunctionMode):
         for i, t in zip(aux, new):
             out[i] = t
         return tuple(out)
+
+
+# Note [Ops torch's autograd cannot record]
+#     Our levels run the functional form of every in-place op (``x.copy_(y)`` is ``aten.copy``,
+#     ``x.zero_()`` ``aten.zero``) and rules use the functional scatters. torch's autograd
+#     records some of them with no derivative (``aten.copy``: the backward then raised
+#     "derivative for aten::copy is not implemented") or refuses them for complex values
+#     (``slice_scatter``, ``select_scatter``, ``diagonal_scatter``, ``zero``) or differentiates
+#     them wrongly (``as_strided_scatter``), where eager torch, which runs the in-place
+#     forms, differentiates them right. While torch records, each runs as the in-place form on
+#     a fresh copy: the same values and layout, a graph torch differentiates (``diff(n=0)``,
+#     ``matrix_power(A, 0)``, circular ``pad`` of complex values under ``torch.autograd.grad``
+#     of our results).
+def _written_into_copy(op, view, always=False):
+    """``op(base, src, *args)`` computed as ``base.clone()`` with ``src`` written into
+    ``view(copy, *args)``: for complex values, which torch's autograd refuses in ``op``, or
+    ``always`` (torch's derivative of ``op`` is wrong)."""
+
+    def run(base, src, *args, **kwargs):
+        if not (always or base.is_complex() or src.is_complex()):
+            return op(base, src, *args, **kwargs)
+        out = base.clone()
+        view(out, *args, **kwargs).copy_(src)
+        return out
+
+    return run
+
+
+def _zero_recorded(x):
+    return x.clone().zero_() if x.is_complex() else _aten.zero.default(x)
+
+
+_aten = torch.ops.aten
+_SCATTER_VIEWS = {
+    _aten.slice_scatter.default: _aten.slice.Tensor,
+    _aten.select_scatter.default: _aten.select.int,
+    _aten.diagonal_scatter.default: _aten.diagonal.default,
+}
+_RECORDED_AS = {
+    _aten.copy.default: copy_as_torch_records,
+    _aten.zero.default: _zero_recorded,
+    **{op: _written_into_copy(op, view) for op, view in _SCATTER_VIEWS.items()},
+    # torch's derivative of as_strided_scatter in ``self`` is the transpose of the right one
+    # (it keeps the cotangent at the scattered positions; its OpInfo marks the gradient test an
+    # expected failure): the in-place form's is right
+    _aten.as_strided_scatter.default: _written_into_copy(
+        _aten.as_strided_scatter.default, _aten.as_strided.default, always=True
+    ),
+}
 
 
 _REFUSED = re.compile(r"is not differentiable with respect to argument '(\w+)'")

@@ -12,28 +12,12 @@ run under that torch. At import, EXPECTED becomes the table of the installed tor
 """
 
 EXPECTED: dict[tuple[str, str], str] = {
-    # compositions: Note [Conformance compositions] (conformance_compositions.py)
-    ("as_strided_scatter", "autograd(jvp)"): "wrong value",
-    ("as_strided_scatter", "autograd(jvp)[complex]"): "wrong value",
-    ("as_strided_scatter", "autograd(vjp)"): "wrong value",
-    ("as_strided_scatter", "autograd(vjp)[complex]"): "wrong value",
-    ("diff", "autograd(vjp)"): "crash: RuntimeError",
-    ("diff", "autograd(vjp)[complex]"): "crash: RuntimeError",
-    ("linalg.matrix_power", "autograd(vjp)"): "crash: RuntimeError",
-    ("linalg.matrix_power", "autograd(vjp)[complex]"): "crash: RuntimeError",
-    ("nn.functional.pad.circular", "autograd(vjp)"): "crash: RuntimeError",
-    ("nn.functional.pad.circular", "autograd(vjp)[complex]"): "crash: RuntimeError",
-    ("zero_", "autograd(jvp)[complex]"): "crash: RuntimeError",
-    ("zero_", "autograd(vjp)[complex]"): "crash: RuntimeError",
 }
 
 BASE_TORCH = "2.13"
 # fmt: off
 OVERLAYS: dict[str, dict[tuple[str, str], str | None]] = {
     "2.15": {
-        ("nn.functional.pad.circular", "autograd(vjp)[complex]"): "crash: NotImplementedError",
-        ("zero_", "autograd(jvp)[complex]"): "crash: NotImplementedError",
-        ("zero_", "autograd(vjp)[complex]"): "crash: NotImplementedError",
     },
 }
 # fmt: on
