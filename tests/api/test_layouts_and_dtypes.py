@@ -627,10 +627,9 @@ def test_the_gradient_of_a_mean_can_be_written_in_place():
 
 
 # Found by the explore profile (docs/design/inplace-and-views.md, "Layouts, dtypes and odd
-# inputs"): cumprod's derivative divides by x (as torch's backward does), which overflows at
-# a subnormal x (left: a strict xfail, which a fix makes XPASS) and underflowed in half precision
-# (fixed: float32 inside, as torch's kernels).
-@pytest.mark.xfail(strict=True, reason="cumprod's derivative divides by a subnormal x: nan")
+# inputs"): cumprod's derivative divides by x (as torch's backward does), which overflowed at
+# a subnormal x (fixed for a scan over one element, where out is x: the identity) and
+# underflowed in half precision (fixed: float32 inside, as torch's kernels).
 def test_cumprod_gradient_at_a_subnormal_input():
     z = torch.tensor([2.2251e-309j], dtype=torch.complex128)
     loss = lambda x: x.cumprod(-1).imag.sum()  # noqa: E731
