@@ -1,5 +1,5 @@
 """Forward- and reverse-mode derivative rules, by op family (each family loads on first use:
-Note [Rule families load on first use], functransforms/_ops.py)."""
+Note [Rule families load on first use], functransforms/_core/ops.py)."""
 
 import sys as _sys
 
@@ -21,14 +21,14 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
     )
 
 # The rule families load on first use (Note [Rule families load on first use],
-# functransforms/_ops.py): `from . import elementwise` imports one explicitly.
+# functransforms/_core/ops.py): `from . import elementwise` imports one explicitly.
 from . import _fastpath  # noqa: F401  (fills reverse.GRAD_FAST: F.linear under vmap(grad))
 from ._registry import JVP_RULES, VJP_FORWARD, VJP_RULES, register_jvp_rule, register_vjp_rule
 from .forward import DualTensor, JvpInterpreter
 from .reverse import GradInterpreter, GradTensor
 
 for _registry in (JVP_RULES, VJP_RULES, VJP_FORWARD):
-    _registry.load_lazily()  # Note [Rule families load on first use] (functransforms/_ops.py)
+    _registry.load_lazily()  # Note [Rule families load on first use] (functransforms/_core/ops.py)
 
 __all__ = [
     "JVP_RULES",

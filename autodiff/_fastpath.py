@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from functransforms import _compat
-from functransforms._core import (
+from functransforms._core.levels import (
     TransformTensor,
     below_torch_autograd,
     linear_args,
     metadata,
     metadata_conj,
 )
-from functransforms._ops import facts
+from functransforms._core.ops import facts
 
 from .reverse import GRAD_FAST, NONDIFFERENTIABLE, GradTensorInVmap, Node, _prune, wrap_grad
 

@@ -1,5 +1,5 @@
 """The two derivative registries, keyed by ``OpOverload`` (``make_registry``, Note [One record
-per op] in functransforms/_ops.py), and the decorators that fill them.
+per op] in functransforms/_core/ops.py), and the decorators that fill them.
 
 Frozen rule signatures::
 
@@ -16,7 +16,7 @@ argument. Complex conventions: docs/complex.md.
 
 from __future__ import annotations
 
-from functransforms._ops import make_registry
+from functransforms._core.ops import make_registry
 from functransforms.errors import MissingRuleError, missing_rule
 
 JVP_RULES = make_registry("jvp")

@@ -2,8 +2,8 @@
 
 Note [Outputs torch leaves without a graph]
     When torch's autograd records an op inside one of our rules (Note [Torch autograd through
-    our transforms], functransforms/_core.py), some floating outputs come back without a graph
-    even though their inputs require grad: torch's derivative formula declares them
+    our transforms], functransforms/_core/levels.py), some floating outputs come back without a
+    graph even though their inputs require grad: torch's derivative formula declares them
     non-differentiable. ``native_layer_norm``'s ``mean`` and ``rstd``, the batch-norm kernels'
     saved statistics, ``_linalg_det``'s ``LU``: torch's own backward formulas read them as
     saved values and their double-backward formulas account for how they depend on the input
@@ -37,8 +37,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, copy_as_torch_records
-from functransforms._ops import facts
+from functransforms._core.levels import TransformTensor, copy_as_torch_records
+from functransforms._core.ops import facts
 
 from ._util import match_dtype
 

@@ -6,7 +6,8 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import (
+from functransforms._core.decomp import decomposition
+from functransforms._core.levels import (
     Interpreter,
     TransformTensor,
     data_as_constant,
@@ -15,8 +16,7 @@ from functransforms._core import (
     metadata,
     metadata_conj,
 )
-from functransforms._decomp import decomposition
-from functransforms._ops import facts
+from functransforms._core.ops import facts
 
 from ._registry import decompose, missing_rule
 from ._torch_graph import written_under_no_grad
@@ -105,7 +105,7 @@ class JvpInterpreter(InplaceMixin, Interpreter):
         super().__enter__()
         try:
             _set_fwd(True)
-        except BaseException:  # Note [Entering is all or nothing] (_core.py)
+        except BaseException:  # Note [Entering is all or nothing] (_core/levels.py)
             self.__exit__(None, None, None)
             raise
         return self

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from functransforms import _compat
-from functransforms._core import TransformTensor
+from functransforms._core.levels import TransformTensor
 from functransforms.errors import IllDefinedDerivativeError
 
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule

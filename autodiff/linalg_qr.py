@@ -42,7 +42,7 @@ def _on_physical(rule):
     def physical_rule(*args):
         from functransforms.batching._tensor import BatchedTensor, wrap_batched
 
-        from functransforms._core import TransformTensor, below_torch_autograd
+        from functransforms._core.levels import TransformTensor, below_torch_autograd
 
         interp = None
         for a in args:

@@ -14,7 +14,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from functransforms._decomp import override
+from functransforms._core.decomp import override
 
 from ._registry import JVP_RULES, VJP_RULES, register_jvp_rule, register_vjp_rule
 from ._util import logsumexp_jvp, unbroadcast
@@ -247,7 +247,7 @@ def grid_sampler_3d_vjp_rule(ct, primals, kwargs, out, needs):
 #     itself meets a transform's wrappers (jvp of a vjp, grad of grad, jvp of jvp), the
 #     interpreters find no
 #     rule for it and fall back to its decomposition (Note [Decomposition fallback],
-#     functransforms/_decomp.py): the formulations below, which compute the kernels' numbers
+#     functransforms/_core/decomp.py): the formulations below, which compute the kernels' numbers
 #     with ordinary differentiable ops. This is how grid_sampler_2d gets its second order
 #     (torch's decomposition of it). Batching keeps its own rules for both kernels
 #     (batching/nn.py), so vmap of a first-order backward never reaches them.
@@ -448,7 +448,7 @@ override(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)(_ctc_l
 #     all come from the rules of ordinary ops. torch hands the kernel a sequence-first input
 #     [T, B, I] whatever its batch_first flag says (it transposes before the call). Under a
 #     transform nn.LSTM itself no longer gets here (aten::lstm is a kernel of ours: Note
-#     [Composite kernels of ours], functransforms/_composites.py); direct calls of the op do.
+#     [Composite kernels of ours], functransforms/_core/composites.py); direct calls of the op do.
 def _mkldnn_rnn_layer(
     input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode, hidden_size, *rest
 ):
@@ -482,7 +482,7 @@ def _pack_padded_sequence(input, lengths, batch_first):
     torch's kernel has a backward kernel only (no forward mode, no batching rule). The
     batch sizes, and every check of ``lengths`` with torch's message, come from torch's
     kernel run on a plain stand-in of the input's first two dims (a constant: integers)."""
-    from functransforms._composites import read_sizes
+    from functransforms._core.composites import read_sizes
 
     x = input.transpose(0, 1) if batch_first else input
     # on the CPU whatever the default device: torch's kernel takes CPU lengths

@@ -32,7 +32,8 @@ import torch
 from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
-from functransforms._core import (
+from functransforms._core.decomp import decomposition
+from functransforms._core.levels import (
     DEFERRING,
     SLOW_METADATA,
     Interpreter,
@@ -47,8 +48,7 @@ from functransforms._core import (
     metadata_conj,
     redispatch,
 )
-from functransforms._decomp import decomposition
-from functransforms._ops import facts
+from functransforms._core.ops import facts
 
 from ._registry import decompose, missing_rule
 from ._torch_graph import written_under_no_grad
@@ -338,7 +338,7 @@ class GradInterpreter(InplaceMixin, Interpreter):
         super().__enter__()
         try:
             _compat.set_grad_enabled(True)
-        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core.py)
+        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core/levels.py)
             self.__exit__(None, None, None)
             raise
         return self

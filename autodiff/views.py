@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms._core import copy_as_torch_records
+from functransforms._core.levels import copy_as_torch_records
 
 from ._registry import VJP_FORWARD, register_jvp_rule, register_vjp_rule
 from ._util import select_scatter, slice_scatter, unbroadcast, zeros_shaped

@@ -1,5 +1,5 @@
 """vmap's batching rules, by op family (each family loads on first use: Note [Rule families
-load on first use], functransforms/_ops.py)."""
+load on first use], functransforms/_core/ops.py)."""
 
 import sys as _sys
 
@@ -21,7 +21,7 @@ if getattr(_sys.modules.get("functransforms"), "__file__", None) is None:
     )
 
 # The rule families load on first use (Note [Rule families load on first use],
-# functransforms/_ops.py); these are needed by every vmap: the wrapper classes, the derived
+# functransforms/_core/ops.py); these are needed by every vmap: the wrapper classes, the derived
 # pointwise rule, random draws.
 from . import (  # noqa: F401
     _nested,
@@ -32,6 +32,6 @@ from . import (  # noqa: F401
 from ._registry import VMAP_RULES, register_vmap_rule
 from ._tensor import BatchedTensor, VmapInterpreter
 
-VMAP_RULES.load_lazily()  # Note [Rule families load on first use] (functransforms/_ops.py)
+VMAP_RULES.load_lazily()  # Note [Rule families load on first use] (functransforms/_core/ops.py)
 
 __all__ = ["VMAP_RULES", "BatchedTensor", "VmapInterpreter", "register_vmap_rule"]

@@ -20,7 +20,7 @@ Note [Fast path below torch's autograd]: at top level the function runs above th
 keys, so torch records it on values that require grad. Called from inside a rule (a rule of
 another level applying ``x * y`` to this level's wrappers), it runs below them, where nothing
 is recorded: then, if a value requires grad, the ordinary path is taken, whose dispatch
-re-enables torch's autograd (Note [Torch autograd through our transforms], ``_core.py``).
+re-enables torch's autograd (Note [Torch autograd through our transforms], ``_core/levels.py``).
 
 Metadata queries on a BatchedTensor (``x.shape``, ``x.dim()``) would pass through that Python
 ``__torch_function__`` too (3.5 us each under load); the class shadows them instead (Note
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, below_torch_autograd, linear_args
+from functransforms._core.levels import TransformTensor, below_torch_autograd, linear_args
 
 _aten = torch.ops.aten
 _torch_requires_grad = _compat.tensor_requires_grad  # not a wrapper's property

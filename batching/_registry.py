@@ -1,5 +1,5 @@
 """The one registry of batching rules, keyed by ``OpOverload`` (``make_registry``, Note [One
-record per op] in functransforms/_ops.py).
+record per op] in functransforms/_core/ops.py).
 
 A batching rule has the frozen signature::
 
@@ -19,7 +19,7 @@ Ops without a registered rule may still have one derived from their tags
 
 from __future__ import annotations
 
-from functransforms._ops import make_registry
+from functransforms._core.ops import make_registry
 
 VMAP_RULES = make_registry("vmap", what="a batching rule")
 # ops whose schema marks an argument written although they write it only in some modes (batch

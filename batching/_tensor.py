@@ -8,7 +8,8 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core import (
+from functransforms._core.decomp import decomposition
+from functransforms._core.levels import (
     DEFERRING,
     SLOW_METADATA,
     Interpreter,
@@ -18,9 +19,8 @@ from functransforms._core import (
     is_floating,
     metadata,
 )
+from functransforms._core.ops import draws_random, facts, op_name
 from functransforms._custom import ClosedOverStandIn, _CustomFunction
-from functransforms._decomp import decomposition
-from functransforms._ops import draws_random, facts, op_name
 from functransforms._vmap import vmap
 from functransforms.errors import (  # raise_*: re-exported for rule modules
     FallbackWarning,
@@ -171,7 +171,7 @@ class BatchedTensor(PlainMetadata, TransformTensor):
     #     a BatchedTensor). ``__torch_function__`` never changes what these return, so the class
     #     shadows torch's accessors with ones that read the same C++ fields with subclass torch
     #     functions disabled (torch function *modes* still see them, as before).
-    #     The accessors are PlainMetadata's (functransforms/_core.py), a base of this class.
+    #     The accessors are PlainMetadata's (functransforms/_core/levels.py), a base of this class.
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         v = self._value
@@ -365,7 +365,7 @@ class VmapInterpreter(Interpreter):
     #     An op's output that the rule leaves unbatched (``bdim`` None: lstsq's empty residuals,
     #     an output that does not depend on the batched inputs) goes back as the plain tensor.
     #     When torch's autograd records the op (a plain input requires grad: Note [Torch
-    #     autograd through our transforms], functransforms/_core.py), torch's Autograd kernel
+    #     autograd through our transforms], functransforms/_core/levels.py), torch's Autograd kernel
     #     above this call then gives that plain tensor the history it recorded on the wrappers
     #     (saving them), replacing the real one: ``torch.autograd.grad`` through
     #     ``ft.vmap(lstsq, in_dims=(0, None))`` reached a dead wrapper (EscapedTracerError).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms._ops import facts
+from functransforms._core.ops import facts
 from functransforms.errors import raise_data_dependent
 
 from ._fastpath import ELEMENTWISE_RULES

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms._core import below_torch_autograd
+from functransforms._core.levels import below_torch_autograd
 
 from ._fastpath import SHAPED_FUNCS, _live_value
 from ._registry import register_vmap_rule

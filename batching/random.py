@@ -21,9 +21,9 @@ import threading
 import torch
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, interpreter_stack
-from functransforms._gcpause import collector_paused
-from functransforms._ops import facts, op_name
+from functransforms._core.gcpause import collector_paused
+from functransforms._core.levels import TransformTensor, interpreter_stack
+from functransforms._core.ops import facts, op_name
 from functransforms.errors import (
     RandomnessError,
     raise_random,
@@ -108,7 +108,7 @@ def _random_op_kernel(op):
 def _register_random_kernels():
     # published whole, last, and checked again under the setup lock: another thread's first
     # vmap took a half-filled ``_libs`` for done, and its random ops were let through (Note
-    # [One-time setup under one lock], functransforms/_gcpause.py)
+    # [One-time setup under one lock], functransforms/_core/gcpause.py)
     if _libs:
         return
     libs = []
@@ -339,7 +339,7 @@ class different_randomness:
             for m in modes:
                 m.__enter__()
                 self.modes += (m,)
-        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core.py)
+        except BaseException:  # Note [Entering is all or nothing] (functransforms/_core/levels.py)
             self.__exit__(None, None, None)
             raise
         return self
@@ -352,7 +352,7 @@ class different_randomness:
 
 def _exit_all(modes, exc):
     """``m.__exit__`` of each mode, in order, even if one raises (a KeyboardInterrupt inside the
-    first left the second on the stack: Note [Entering is all or nothing], _core.py)."""
+    first left the second on the stack: Note [Entering is all or nothing], _core/levels.py)."""
     if modes:
         try:
             modes[0].__exit__(*exc)

@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from functransforms import _compat
-from functransforms._core import (
+from functransforms._core.levels import (
     _AUTOGRAD_KEYS,
     SLOW_METADATA,
     TransformTensor,

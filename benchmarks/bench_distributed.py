@@ -245,7 +245,7 @@ def _breakdown_only(rounds):
 
     from functransforms.batching._tensor import VmapInterpreter, wrap_batched
 
-    from functransforms import _core
+    from functransforms._core import levels as _core
 
     torch.set_num_threads(1)
     x = torch.randn(GLOBAL_BATCH, 1024)

@@ -12,9 +12,9 @@ _here = _os.path.dirname(__file__)
 if not _os.path.isdir(_os.path.join(_here, "autodiff")):
     __path__.append(_os.path.dirname(_here))
 
-from ._gcpause import paused_collector as _paused_collector  # noqa: E402
+from ._core.gcpause import paused_collector as _paused_collector  # noqa: E402
 
-# Note [Long-lived setup without young collections] (_gcpause.py)
+# Note [Long-lived setup without young collections] (_core/gcpause.py)
 with _paused_collector():
     from . import (  # noqa: E402, F401  (the interpreters of grad/vjp/jvp; determinism)
         autodiff,
@@ -37,8 +37,9 @@ with _paused_collector():
     from ._vmap import vmap
 
     _install_autograd_function()  # Note [autograd.Function under transforms]
-    if "torch._dynamo" in _sys.modules:  # Note [torch.compile inside our transforms] (_core.py)
-        from ._core import keep_dynamo_out as _keep_dynamo_out
+    # Note [torch.compile inside our transforms] (_core/levels.py)
+    if "torch._dynamo" in _sys.modules:
+        from ._core.levels import keep_dynamo_out as _keep_dynamo_out
 
         _keep_dynamo_out()
 
@@ -50,7 +51,7 @@ with _paused_collector():
 # imports it; a first ``grad`` does not need it), and the ``linalg`` and ``testing`` packages
 # (``ft.linalg.KroneckerOperator`` works without ``import functransforms.linalg``).
 # After the first access the name is a plain module attribute. (The rule families load on
-# first use too: Note [Rule families load on first use], _ops.py.)
+# first use too: Note [Rule families load on first use], _core/ops.py.)
 _LAZY = {
     "jit": "._jit",  # the package; its jit function is the value
     "distributed": ".distributed",

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from . import _pytree as pt
-from ._batched_like import batched_like, vmap_levels
-from ._core import TransformTensor, dtype_of, eager_under_compile, is_floating, metadata
+from ._core.batched_like import batched_like, vmap_levels
+from ._core.levels import TransformTensor, dtype_of, eager_under_compile, is_floating, metadata
 from ._typing import ArgNums, Func, PyTree, Randomness
 from .errors import describe
 
@@ -288,7 +288,7 @@ def _write_back(given, call):
 
 
 def _unwrap_level(tree, interp):
-    from functransforms._core import TransformTensor
+    from functransforms._core.levels import TransformTensor
 
     def un(x):
         while isinstance(x, TransformTensor) and x._interp is interp:

@@ -25,7 +25,7 @@ import torch
 
 from . import _compat
 from . import _pytree as pt
-from ._core import TransformTensor, _state
+from ._core.levels import TransformTensor, _state
 from ._custom import _CustomFunction
 
 _Function = torch.autograd.Function
@@ -313,7 +313,7 @@ def _vmap_staticmethod_rule(cls):
     """PyTorch's ``vmap(info, in_dims, *args) -> (out, out_dims)`` as a custom_vmap rule."""
 
     def rule(axis_size, in_batched, *args):
-        from ._core import interpreter_stack
+        from ._core.levels import interpreter_stack
 
         interp = interpreter_stack()[-1]
         flat, spec = pt.tree_flatten(args)

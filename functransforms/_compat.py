@@ -194,7 +194,7 @@ def dynamo_skip_paths(paths) -> None:
     ending in ``/``) as it runs torch's own internals: never trace into it, call it eagerly (a
     graph break where a traced frame calls in). What ``torch._dynamo.trace_rules.add`` does per
     module, with one recompile of the pattern for all (``add`` costs ~10 ms each). Checked on
-    2.13.0, 2.15.0 (Note [torch.compile inside our transforms], _core.py)."""
+    2.13.0, 2.15.0 (Note [torch.compile inside our transforms], _core/levels.py)."""
     trace_rules = importlib.import_module("torch._dynamo.trace_rules")
     trace_rules.SKIP_DIRS.extend(p.replace("\\", "/") for p in paths)
     trace_rules._recompile_re()
@@ -267,12 +267,12 @@ dispatch_tls_is_dispatch_key_included = _C._dispatch_tls_is_dispatch_key_include
 dispatch_tls_set_dispatch_key_excluded = _C._dispatch_tls_set_dispatch_key_excluded
 dispatch_tls_set_dispatch_key_included = _C._dispatch_tls_set_dispatch_key_included
 # The keys below one key: what a kernel registered at that key redispatches to (Note [RNN
-# kernels under transforms], functransforms/_rnn.py).
+# kernels under transforms], functransforms/_core/rnn.py).
 dispatch_keyset_full_after = _C._dispatch_keyset_full_after
 
 
 # -- per-op subclass dispatch rules (checked on 2.13.0, 2.15.0) ---------------------------------
-# Note [Entering through registered rules] (functransforms/_core.py). torch's C++ subclass
+# Note [Entering through registered rules] (functransforms/_core/levels.py). torch's C++ subclass
 # dispatch (``dispatch_on_subclass``) first asks ``torch._library.simple_registry`` for a rule
 # registered for (op, type) -- the table behind ``torch.library.register_torch_dispatch`` --
 # and only when there is none checks the argument for DTensor, which imports

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import _pytree as pt
-from ._core import innermost
+from ._core.levels import innermost
 
 _SCALARS = (int, float, bool, complex, str, type(None))
 
@@ -153,13 +153,13 @@ class ClosedOverStandIn:
     """Stands in for a vmap level whose custom-function pieces are running (see the Note)."""
 
     def __init__(self, dead):
-        from ._core import interpreter_stack
+        from ._core.levels import interpreter_stack
 
         self.dead = dead  # the replaced VmapInterpreter
         self.depth = len(interpreter_stack())  # its pieces' levels are pushed above this
 
     def _replacement(self):
-        from ._core import interpreter_stack
+        from ._core.levels import interpreter_stack
         from .errors import EscapedTracerError
 
         for interp in interpreter_stack()[self.depth :]:

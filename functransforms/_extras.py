@@ -119,7 +119,7 @@ def _foreign_vmaps_hidden(inputs):
     randomness='error') the replayed draws: while the forward re-runs, every vmap level that
     batches none of the inputs is dead (its wrappers are not touched: the inputs do not hold
     them, and the cotangents enter afterwards)."""
-    from ._core import TransformTensor, interpreter_stack
+    from ._core.levels import TransformTensor, interpreter_stack
 
     batching = sys.modules.get("functransforms.batching._tensor")
     # vmap never ran (or another thread's first vmap is importing it): no level to hide
@@ -179,7 +179,7 @@ def debug_unwrap(tensor: Any, *, recurse: bool = True) -> Any:
         >>> shapes                                        # the physical [B, D]
         [torch.Size([4, 3])]
     """
-    from ._core import TransformTensor
+    from ._core.levels import TransformTensor
 
     while isinstance(tensor, TransformTensor):
         tensor = tensor._value if hasattr(tensor, "_value") else tensor._primal

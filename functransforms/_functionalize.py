@@ -33,8 +33,8 @@ import torch
 
 from . import _compat
 from . import _pytree as pt
-from ._core import Interpreter, TransformTensor, eager_under_compile, metadata
-from ._ops import facts, op_name
+from ._core.levels import Interpreter, TransformTensor, eager_under_compile, metadata
+from ._core.ops import facts, op_name
 from ._typing import Func
 
 _REMOVE = ("mutations", "mutations_and_views")
@@ -345,7 +345,7 @@ def _run(func, args, kwargs, call, copy_views):
 
     global _interpreter_class
     if _interpreter_class is None:
-        from ._gcpause import paused_collector
+        from ._core.gcpause import paused_collector
 
         with paused_collector():  # Note [One-time setup under one lock]: one class
             if _interpreter_class is None:

@@ -26,10 +26,10 @@ _copied = [0]
 
 
 def _copy_torch_registrations():
-    from ._gcpause import paused_collector
+    from ._core.gcpause import paused_collector
 
     # two threads' first calls both copied, and the second registration raised "already
-    # registered" (Note [One-time setup under one lock], _gcpause.py)
+    # registered" (Note [One-time setup under one lock], _core/gcpause.py)
     with paused_collector():
         _copy_locked()
 

@@ -8,13 +8,13 @@ from collections.abc import Hashable
 
 import torch
 
-from . import _core
 from . import _pytree as pt
 from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
 from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
 from ._compat import functorch_interpreter as _functorch_interpreter
-from ._core import eager_under_compile
-from ._gcpause import collector_paused
+from ._core import levels as _core
+from ._core.gcpause import collector_paused
+from ._core.levels import eager_under_compile
 from ._typing import Dims, Func, Randomness
 from .errors import describe
 
@@ -260,7 +260,7 @@ def _import_batching():
     )
 
     # one store: another thread reads it without the lock (a 5-tuple seen between two stores
-    # failed its unpacking: Note [One-time setup under one lock], _gcpause.py)
+    # failed its unpacking: Note [One-time setup under one lock], _core/gcpause.py)
     batching = (wrap_nested, BatchedTensor, VmapInterpreter, wrap_batched, different_randomness)
     _BATCHING = batching + (no_random_ops, error_guard_key)
     return _BATCHING
@@ -372,7 +372,7 @@ def _lean_call(func, facts, out_dims, axis_name, args, kwargs):
                 _set_included(key, prev)
     finally:
         popped = stack.pop()
-        if popped is not interp:  # Note [Entering is all or nothing] (_core.py)
+        if popped is not interp:  # Note [Entering is all or nothing] (_core/levels.py)
             _core.unwind_to(interp, popped)
         interp.alive = False
         if interp._on_exit:

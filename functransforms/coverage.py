@@ -15,7 +15,7 @@ import torch
 
 
 def _vmap_kind(op):
-    from functransforms._decomp import decomposition
+    from functransforms._core.decomp import decomposition
     from functransforms.batching import VMAP_RULES
 
     if op in VMAP_RULES:
@@ -28,7 +28,7 @@ def _vmap_kind(op):
 
 
 def _ad_kind(op, table):
-    from functransforms._decomp import decomposition
+    from functransforms._core.decomp import decomposition
 
     if op in table:
         return "rule"

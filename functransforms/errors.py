@@ -3,7 +3,7 @@ what was expected and what was received, then what to do."""
 
 from __future__ import annotations
 
-from ._ops import facts, load_all_families, op_name
+from ._core.ops import facts, load_all_families, op_name
 
 
 class TransformError(RuntimeError):
@@ -63,7 +63,7 @@ def describe(value):
     if value is None:
         return "None"
     if isinstance(value, torch.Tensor):
-        from ._core import metadata
+        from ._core.levels import metadata
 
         if value.is_nested:
             return f"a nested tensor of dtype {value.dtype}"
@@ -96,14 +96,14 @@ def missing_rule(func, call, kind, decorator, path=()):
             "support automatic differentiation (as in torch and PyTorch). Do: drop `out=` "
             "and use the return value."
         )
-    # Note [Rule families load on first use] (_ops.py): before reporting a missing rule, load
+    # Note [Rule families load on first use] (_core/ops.py): before reporting a missing rule, load
     # every family; a rule found then means the index that names each op's family is stale
     load_all_families()
     if getattr(facts(func), f"{kind}_rule", None) is not None:
         return RuntimeError(
-            f"{call}: {name} has a {kind} rule in a family that functransforms/_rule_index.py "
+            f"{call}: {name} has a {kind} rule in a family that functransforms/_core/rule_index.py "
             "does not name for it (the index is stale). Do: run `python -m "
-            "functransforms._rule_index_build --write` (a source checkout) or reinstall."
+            "functransforms._core.rule_index_build --write` (a source checkout) or reinstall."
         )
     via = ""
     if path:

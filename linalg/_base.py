@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from functransforms._core import TransformTensor
+from functransforms._core.levels import TransformTensor
 from functransforms._pytree import register_pytree_node
 from functransforms.errors import DenseFallbackWarning
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from functransforms import _compat
-from functransforms._core import TransformTensor
+from functransforms._core.levels import TransformTensor
 from functransforms._pytree import tree_flatten, tree_unflatten
 
 from ._base import LinearOperator

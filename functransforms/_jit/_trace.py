@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _compat, _core
+from .. import _compat
+from .._core import levels as _core
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import JitFallbackWarning
 from ._buffers import Spares, call_with_buffers, replay_target, with_output_buffers

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from functransforms._compat import torch_pytree as pytree
-from functransforms._ops import facts
+from functransforms._core.ops import facts
 
 from ._mode import TransformAwareMode
 

@@ -30,7 +30,7 @@ import sys
 import traceback
 
 from functransforms import _compat
-from functransforms._core import TransformTensor, _innermost
+from functransforms._core.levels import TransformTensor, _innermost
 
 
 def _library_dirs():

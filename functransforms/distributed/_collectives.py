@@ -18,7 +18,7 @@ import torch
 from .. import _pytree as pt
 from .._compat import len_torch_dispatch_stack as _modes
 from .._compat import tensor_requires_grad as _requires_grad
-from .._core import (
+from .._core.levels import (
     _ADINPLACE,
     TransformTensor,
     _excluded,
@@ -126,7 +126,7 @@ def lift(x, interp):
 #     reach. It keeps the dispatcher when something else may need to see the op: a dispatch
 #     mode is active (a user's mode, the determinism checker, randomness='different'), or we
 #     run below torch's autograd (inside a rule) where ``__torch_dispatch__`` would re-enable
-#     it (Note [Torch autograd through our transforms], functransforms/_core.py). A value of
+#     it (Note [Torch autograd through our transforms], functransforms/_core/levels.py). A value of
 #     another level (a grad inside the vmap, a vmap inside it) or one not varying along the
 #     axis takes the dispatcher too: the levels in between must see the op.
 def bind(op, x, level, *params):

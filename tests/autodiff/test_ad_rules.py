@@ -606,7 +606,7 @@ def test_inplace_into_untrackable_tensor_raises():
 
 # -- names in errors --------------------------------------------------------------------------
 def test_op_names_keep_their_namespace():
-    from functransforms._ops import op_name
+    from functransforms._core.ops import op_name
 
     assert op_name(torch.ops.prims.abs.default) == "prims.abs.default"
     assert op_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"

@@ -2,7 +2,7 @@
 
 torch runs each of nn.RNNCell, GRUCell, LSTMCell, RNN, GRU and LSTM as one composite C++ kernel
 that writes into buffers it holds; ours replace those kernels by out-of-place formulas whenever a
-transform's value is an argument (Note [RNN kernels under transforms], functransforms/_rnn.py).
+transform's value is an argument (Note [RNN kernels under transforms], functransforms/_core/rnn.py).
 Every transform is checked against torch.func where torch.func computes, and against plain
 autograd / a loop of plain calls where it raises (vmap of LSTMCell and of whole sequences,
 packed sequences). float32 LSTMs outside the transforms' kernels still run torch's oneDNN layer
@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils._pytree import tree_map
 
 import functransforms as ft
-from functransforms import _composites
+from functransforms._core import composites as _composites
 from functransforms.errors import DataDependentError
 
 I, H, B, T = 3, 4, 2, 4

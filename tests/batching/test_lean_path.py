@@ -8,7 +8,8 @@ import torch
 from functransforms.batching._tensor import VmapInterpreter
 
 import functransforms as ft
-from functransforms import _core, _vmap
+from functransforms import _vmap
+from functransforms._core import levels as _core
 from functransforms.errors import RandomnessError
 
 BIG = 1000  # a chunk_size above every batch here: one chunk, the general path

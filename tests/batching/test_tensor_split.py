@@ -1,6 +1,6 @@
 """torch.tensor_split with a tensor of split points under the transforms. torch's composite
 kernel reads the points' memory directly; ours reads them through the transforms (Note
-[Composite kernels of ours], functransforms/_composites.py). torch.func has no batching rule
+[Composite kernels of ours], functransforms/_core/composites.py). torch.func has no batching rule
 for this overload at all; ours computes with unbatched points and refuses batched ones with a
 DataDependentError (a RuntimeError, as torch.func's), never an internal error."""
 

@@ -5,8 +5,8 @@ Note [Conformance of torch autograd over our transforms]
     MAML, learned optimizers, hypernetworks and implicit layers differentiate what a transform
     returns with torch's own autograd: the inputs are plain tensors that require grad, and
     ``torch.autograd.grad`` (or ``backward``) runs over the transform's result (Note [Torch
-    autograd through our transforms], functransforms/_core.py). Each of the three compositions
-    runs on the samples of its inner derivative (float64 and complex128; ops with
+    autograd through our transforms], functransforms/_core/levels.py). Each of the three
+    compositions runs on the samples of its inner derivative (float64 and complex128; ops with
     ``supports_autograd``, or ``supports_forward_ad`` for autograd(jvp)); classification is
     Note [Conformance suite]'s, and the outer ``torch.autograd.grad`` takes random
     grad_outputs (``materialize_grads``: an input the result does not depend on gets zeros).

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import functransforms as ft
-from functransforms._core import interpreter_stack
+from functransforms._core.levels import interpreter_stack
 
 
 def _api(lib):

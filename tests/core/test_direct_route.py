@@ -1,4 +1,4 @@
-"""Note [Direct route to the inner level] (functransforms/_core.py): an op a grad level hands
+"""Note [Direct route to the inner level] (functransforms/_core/levels.py): an op a grad level hands
 down goes straight to the inner interpreter only when torch would send it there, and gives what
 the ordinary call gives (values, containers, torch autograd through the transform)."""
 
@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functransforms as ft
-from functransforms import _core
+from functransforms._core import levels as _core
 
 
 def _ordinary(monkeypatch):

@@ -1,5 +1,6 @@
-"""The rule registries and the per-op record (Note [One record per op], functransforms/_ops.py),
-and the one route of custom functions into rules (Note [Custom rules across levels])."""
+"""The rule registries and the per-op record (Note [One record per op],
+functransforms/_core/ops.py), and the one route of custom functions into rules (Note [Custom
+rules across levels])."""
 
 import warnings
 
@@ -13,7 +14,7 @@ from functransforms.batching import _tensor as batching_tensor
 from functransforms.batching._tensor import VmapInterpreter
 
 import functransforms as ft
-from functransforms._ops import facts
+from functransforms._core.ops import facts
 from functransforms.errors import FallbackWarning, MissingRuleError
 
 aten = torch.ops.aten

@@ -24,7 +24,8 @@ import torch
 import torch.func as tf
 
 import functransforms as ft
-from functransforms import _compat, _core
+from functransforms import _compat
+from functransforms._core import levels as _core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,9 +104,9 @@ _FRESH = textwrap.dedent(
 
 
 def test_first_calls_of_eight_threads_in_a_fresh_process():
-    # crash: the one-time setup raced (Note [One-time setup under one lock], _gcpause.py): a
+    # crash: the one-time setup raced (Note [One-time setup under one lock], _core/gcpause.py): a
     # rule record published before its rules were filled ("has a vjp rule in a family that
-    # _rule_index.py does not name"), the randomness guard's fallback registered twice,
+    # _core/rule_index.py does not name"), the randomness guard's fallback registered twice,
     # torch's pytree registrations copied twice ("already registered")
     env = {**os.environ, "PYTHONPATH": ROOT}
     out = subprocess.run(
@@ -341,7 +342,7 @@ def test_levels_of_other_threads_stay_out_of_the_stack():
 
     def f(y):
         barrier.wait()  # all three threads inside their transform
-        seen.append(len(ft._core.interpreter_stack()))
+        seen.append(len(ft._core.levels.interpreter_stack()))
         barrier.wait()
         return y.sin().sum()
 

@@ -1,4 +1,4 @@
-"""Cold start (Note [Entering through registered rules], functransforms/_core.py): the first
+"""Cold start (Note [Entering through registered rules], functransforms/_core/levels.py): the first
 transform calls of a fresh process must not make torch import ``torch.distributed.tensor``
 (and sympy), which its C++ subclass dispatch does for a wrapper op without a registered rule.
 No timing here: the benchmark measures the time; this checks the mechanism."""
@@ -56,7 +56,7 @@ def test_registered_entry_is_the_class_dispatch():
     # the rule torch finds for a wrapper op is the class's own __torch_dispatch__: same code path
     from torch._library.simple_registry import find_torch_dispatch_rule
 
-    from functransforms._core import TransformTensor
+    from functransforms._core.levels import TransformTensor
 
     ft.grad(torch.sin)(torch.tensor(1.0))  # installs the rules
     for cls in TransformTensor.__subclasses__():
@@ -145,7 +145,7 @@ def test_ops_torch_defines_after_the_first_call_enter_through_registered_rules()
     assert _fresh(code) == ["False", "False"]
 
 
-# -- Note [Rule families load on first use] (functransforms/_ops.py) ------------------------------
+# -- Note [Rule families load on first use] (functransforms/_core/ops.py) ---------------------
 def _run(code):
     return subprocess.run(
         [sys.executable, "-c", f"import sys, torch\n{code}"],
@@ -159,7 +159,7 @@ def _run(code):
 def test_import_loads_no_rule_family_and_a_first_grad_only_its_own():
     # would fail if the import went back to registering every family eagerly
     code = (
-        "from functransforms._rule_index_build import FAMILIES\n"
+        "from functransforms._core.rule_index_build import FAMILIES\n"
         "import functransforms as ft\n"
         "loaded = lambda: sorted(m for m in FAMILIES if 'functransforms.' + m in sys.modules)\n"
         "print(*loaded(), 'functransforms.batching' in sys.modules, sep=',')\n"
@@ -178,17 +178,17 @@ def test_import_loads_no_rule_family_and_a_first_grad_only_its_own():
 
 def test_rule_index_is_current():
     # the index names the family of every rule; a family changed without regenerating it fails
-    from functransforms import _rule_index
-    from functransforms._rule_index_build import _OUT, FAMILIES, build
+    from functransforms._core import rule_index as _rule_index
+    from functransforms._core.rule_index_build import _OUT, FAMILIES, build
 
     assert tuple(_rule_index.FAMILIES) == FAMILIES
     assert build() == _OUT.read_text(), (
-        "stale: run python -m functransforms._rule_index_build --write"
+        "stale: run python -m functransforms._core.rule_index_build --write"
     )
 
 
 _REGISTRY_DUMP = (
-    "from functransforms import _ops\n"
+    "from functransforms._core import ops as _ops\n"
     "import functransforms.batching\n"
     "for slot, r in sorted(_ops._REGISTRIES.items()):\n"
     "    print(slot, sorted(str(op) for op in dict.keys(r)))\n"
@@ -210,7 +210,7 @@ def test_forced_loading_gives_the_eager_registry():
         + _REGISTRY_DUMP
     )
     lazy = _run(
-        "import functransforms.batching\nfrom functransforms._ops import load_all_families\n"
+        "import functransforms.batching\nfrom functransforms._core.ops import load_all_families\n"
         "load_all_families()\n" + _REGISTRY_DUMP
     )
     assert lazy == eager
@@ -221,7 +221,8 @@ def test_lookups_find_the_rule_of_the_full_registry():
     # registry holds once every family is loaded; the decomposition overrides likewise
     code = (
         "import functransforms.batching\n"
-        "from functransforms import _decomp, _ops, _rule_index\n"
+        "from functransforms._core import decomp as _decomp, ops as _ops\n"
+        "from functransforms._core import rule_index as _rule_index\n"
         "found = {}\n"
         "for slot, table in _rule_index.INDEX.items():\n"
         "    for key in table:\n"
@@ -257,7 +258,7 @@ def test_a_duplicate_of_a_lazily_loaded_rule_still_raises_at_once():
     assert out[0] == "raised True" and out[1] == "True True"
 
 
-# Note [Long-lived setup without young collections] (functransforms/_gcpause.py)
+# Note [Long-lived setup without young collections] (functransforms/_core/gcpause.py)
 _UNTIL_FULL_GC = """
 import gc, sys, torch
 full = []

@@ -19,7 +19,7 @@ double-vjp trick, vmap as a loop): the math, not another implementation. torch.f
 on several of these programs (its vmap of a gradient through batch/layer norm, its forward mode
 through the norms' statistics; docs/torch_func_differences.md), so it is not the oracle.
 float64 throughout; agreement is 1e-6 relative.
-See Note [Torch autograd through our transforms] in functransforms/_core.py."""
+See Note [Torch autograd through our transforms] in functransforms/_core/levels.py."""
 
 import warnings
 

@@ -57,7 +57,7 @@ class OpFacts:
         )
         self.random = torch.Tag.nondeterministic_seeded in tags
         # the container the dispatcher hands back (Note [Direct route to the inner level],
-        # _core.py): 1 a list (one ``Tensor[]`` return), 2 a tuple (several returns), else 0
+        # _core/levels.py): 1 a list (one ``Tensor[]`` return), 2 a tuple (several returns), else 0
         rets = schema.returns
         self.returns = 2 if len(rets) > 1 else int(len(rets) == 1 and "[]" in str(rets[0].type))
         # attention kernels carry the random tag but draw only when dropout_p > 0
@@ -160,10 +160,10 @@ def facts(func) -> OpFacts:
 def _new_facts(func) -> OpFacts:
     """Make, fill and publish ``func``'s record. Published last, under the setup lock: another
     thread read a record whose rules were not filled yet as "no rule" (a missing-rule error at
-    two threads' first ``grad``; Note [One-time setup under one lock], _gcpause.py). While it
+    two threads' first ``grad``; Note [One-time setup under one lock], _core/gcpause.py). While it
     is filled, this thread (a registry's derive, a family's registrations) finds it in
     ``_FILLING``."""
-    from ._gcpause import paused_collector
+    from .gcpause import paused_collector
 
     with paused_collector():
         f = _FACTS.get(func) or _FILLING.get(func)
@@ -269,7 +269,7 @@ class Registry(dict):
         families load on first use]); records made before are refreshed (and their families
         loaded). Called by the registry's package at the end of its import, when the families
         can import it."""
-        from ._rule_index import INDEX
+        from .rule_index import INDEX
 
         self._lazy = INDEX.get(self.slot)
         self._refresh_all()
@@ -428,15 +428,15 @@ def _name_key(qualname) -> str:
 #     with torch's heap, that pushed the first transform call of a process past the garbage
 #     collector's threshold for a full collection (~75 ms: Note [Cold start and torch's
 #     garbage] in benchmarks/bench_core.py). Now most families load when a rule of one of their
-#     ops is first looked up: a generated index (functransforms/_rule_index.py, keyed by
+#     ops is first looked up: a generated index (functransforms/_core/rule_index.py, keyed by
 #     ``"ns::name.overload"`` per registry) names the families that register each op's rule, and
 #     every read of a registry (the record fill of ``facts``, ``op in RULES``, ``RULES[op]``,
 #     ``get``, ``register``'s duplicate check, ``decomposition(op)`` for our overrides) loads
 #     them first; reads of the whole registry (iteration, ``len``, ``keys``, coverage,
 #     ``define_pending``) load every family. So a lookup never misses a rule that eager import
 #     would have found, provided the index is current: tests/package/test_cold_start.py
-#     rebuilds it and compares (``python -m functransforms._rule_index_build --write`` regenerates
-#     it).
+#     rebuilds it and compares (``python -m functransforms._core.rule_index_build --write``
+#     regenerates it).
 _LOADED = [0]  # bits of _rule_index.FAMILIES loaded so far
 
 
@@ -447,8 +447,8 @@ def load_families(mask):
         return
     import importlib
 
-    from ._gcpause import paused_collector
-    from ._rule_index import FAMILIES
+    from .gcpause import paused_collector
+    from .rule_index import FAMILIES
 
     with paused_collector():  # Note [Long-lived setup without young collections]
         for i, name in enumerate(FAMILIES):
@@ -461,7 +461,7 @@ def load_families(mask):
 def load_for(kind, op):
     """Load the families that register something for ``op`` in the index's table ``kind``
     (a registry's slot, or ``"decomposition"``: our overrides of torch's decompositions)."""
-    from ._rule_index import INDEX
+    from .rule_index import INDEX
 
     key = _key(op)
     mask = INDEX.get(kind, {}).get(key) if key is not None else None
@@ -471,7 +471,7 @@ def load_for(kind, op):
 
 def load_all_families():
     """Import every rule family (Note [Rule families load on first use])."""
-    from ._rule_index import FAMILIES
+    from .rule_index import FAMILIES
 
     load_families((1 << len(FAMILIES)) - 1)
 
@@ -479,8 +479,8 @@ def load_all_families():
 def rule_names():
     """``(packets, exact)``: the ops that have a rule in some registry, loaded or not, as packet
     names (``"aten::sin"``), and the rules registered by name for ops torch may not define yet
-    (``"ns::name.overload"``): Note [Entering through registered rules] in _core.py."""
-    from ._rule_index import BY_NAME, INDEX
+    (``"ns::name.overload"``): Note [Entering through registered rules] in _core/levels.py."""
+    from .rule_index import BY_NAME, INDEX
 
     packets = {
         key.partition(".")[0]

@@ -5,7 +5,7 @@ Note [Composite kernels of ours]
     so no rule of ours ever sees it whole. Most such kernels are harmless: their pieces reach
     the rules. A few are not, because the C++ kernel does something with a wrapper that only
     works on a real tensor: the recurrent kernels write a transformed value into a buffer they
-    keep computing with in C++ (Note [RNN kernels under transforms], ``_rnn.py``);
+    keep computing with in C++ (Note [RNN kernels under transforms], ``_core/rnn.py``);
     ``_pad_packed_sequence`` copies into a buffer it made, the same way; ``tensor_split`` with
     a tensor of split points reads that tensor's memory directly (a wrapper has none: torch's
     internal "data is not allocated" error). The autodiff wrappers
@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat, _rnn
-from ._core import TransformTensor
-from .errors import DataDependentError
+from .. import _compat
+from ..errors import DataDependentError
+from . import rnn as _rnn
+from .levels import TransformTensor
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 aten = torch.ops.aten
 _TABLE = None
@@ -119,7 +119,7 @@ def decomposition(func):
     """torch's decomposition of ``func``, or None."""
     d = _CACHE.get(func, False)
     if d is False:
-        from ._ops import load_for
+        from .ops import load_for
 
         load_for("decomposition", func)  # Note [Rule families load on first use]
         global _TABLE

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from functransforms._core import TransformTensor
+from functransforms._core.levels import TransformTensor
 
 
 def vmap_levels(x):
@@ -28,7 +28,7 @@ def vmap_levels(x):
     batching = sys.modules.get("functransforms.batching._tensor")
     # no vmap has run: nothing is batched (and grad alone stays lean). The class, not the
     # module: another thread's first vmap may be importing it (Note [One-time setup under one
-    # lock], _gcpause.py), and until the class exists no value can be batched
+    # lock], _core/gcpause.py), and until the class exists no value can be batched
     BatchedTensor = getattr(batching, "BatchedTensor", None)
     if BatchedTensor is None:
         return []

@@ -24,10 +24,10 @@ import threading
 
 import torch
 
-from . import _compat
-from ._gcpause import collector_paused
-from ._ops import facts
-from .errors import EscapedTracerError, TransformError
+from .. import _compat
+from ..errors import EscapedTracerError, TransformError
+from .gcpause import collector_paused
+from .ops import facts
 
 
 class _State(threading.local):
@@ -150,7 +150,7 @@ def _install_entry():
         return
     # cleared last (truthy meanwhile): another thread's first call waits for this one under
     # the setup lock instead of running before the probe and the registrations (Note
-    # [One-time setup under one lock], _gcpause.py); a class defined meanwhile sets it True
+    # [One-time setup under one lock], _core/gcpause.py); a class defined meanwhile sets it True
     _entry_pending = _INSTALLING
     try:
         _install_entry_locked()
@@ -166,7 +166,9 @@ _INSTALLING = "installing"
 
 def _install_entry_locked():
     global _ABOVE_PYTHON
-    from . import _compat, _composites, _ops
+    from .. import _compat
+    from . import composites as _composites
+    from . import ops as _ops
 
     if _ABOVE_PYTHON is None:
         _ABOVE_PYTHON = _probe_above_python()  # Note [Direct route to the inner level]
@@ -724,7 +726,7 @@ def keep_dynamo_out() -> None:
         return  # another thread is importing dynamo: importing its parts here could deadlock
     from importlib.util import find_spec  # finds the folders without importing (cold start)
 
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # functransforms/
     paths = [
         os.path.dirname(os.path.abspath(find_spec(f"functransforms.{name}").origin)) + "/"
         for name in ("batching", "autodiff")

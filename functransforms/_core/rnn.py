@@ -8,9 +8,9 @@ Note [RNN kernels under transforms]
     weights: grad or jvp with respect to the input, vmap over the input), that write puts a
     wrapper into a plain buffer the kernel keeps computing with in C++, where no rule sees it:
     the transforms refuse it (Note [Buffers held by kernels], ``autodiff/_util.py``). So these ops
-    are composite kernels of ours (Note [Composite kernels of ours], ``_composites.py``): with a
-    transform's value among the arguments they run the recurrence below with out-of-place ops,
-    each of which goes through the transforms' rules.
+    are composite kernels of ours (Note [Composite kernels of ours], ``_core/composites.py``):
+    with a transform's value among the arguments they run the recurrence below with out-of-place
+    ops, each of which goes through the transforms' rules.
 
     The formulas and gate orders are torch's (the C++ cells in ``aten/src/ATen/native/RNN.cpp``,
     as ``torch/_decomp/decompositions.py`` restates them): RNN ``h' = act(W_ih x + b_ih + W_hh h
@@ -214,7 +214,7 @@ def _sequence(name, step):
         return _run(name, step, input, hx, params, flags, batch_first, None)
 
     def packed(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidir):
-        from ._composites import read_sizes  # (it imports this module)
+        from .composites import read_sizes  # (it imports this module)
 
         sizes = read_sizes(batch_sizes, f"{name} on a packed sequence: the batch_sizes")
         flags = (has_biases, num_layers, dropout, train, bidir)

@@ -3,8 +3,8 @@
 Note [Long-lived setup without young collections]
     ``import functransforms`` and the first transform calls build objects that live as long as
     the process: modules, rule tables, torch's per-op dispatch entries (Note [Entering through
-    registered rules], _core.py), the randomness guard's kernels. ~13k container objects in all
-    for a first ``vmap(grad)``. Built with the collector running, they go through ~19 young
+    registered rules], _core/levels.py), the randomness guard's kernels. ~13k container objects in
+    all for a first ``vmap(grad)``. Built with the collector running, they go through ~19 young
     collections that cannot free any of them, and they advance the generation counters
     ``import torch`` leaves just short of a full collection over torch's ~166k objects (Note
     [Cold start and torch's garbage], benchmarks/bench_core.py): the library's first call
