@@ -1,6 +1,7 @@
 """Did a change tax the common path? The same workloads, timed against two revisions of the library.
 
     python benchmarks/bench_regression.py [--baseline 2e1e6e6] [--rounds 5] [--repeats 31]
+    python benchmarks/bench_regression.py --baseline REV --harness 2e1e6e6   # a later baseline
 
 Issues 9 (autograd interop) and 10 (torch.func parity) require that the suite's (a)-(e) ratios
 (ours / torch.func) get no worse than 5% against the code before them. The benchmark suite has
@@ -67,6 +68,12 @@ def _run(tree, harness, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default="2e1e6e6", help="revision before the change")
+    ap.add_argument(
+        "--harness",
+        default=None,
+        help="revision whose bench_core.py workloads run (default: the baseline's; its case "
+        "functions must take the signatures of 2e1e6e6's)",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="subprocess pairs")
     ap.add_argument("--repeats", type=int, default=31, help="timed calls per workload")
     ns = ap.parse_args(argv)
@@ -77,16 +84,26 @@ def main(argv=None):
             cwd=_ROOT,
             check=True,
         )
+        cases = os.path.join(tmp, "harness")
+        subprocess.run(
+            ["git", "worktree", "add", "-q", "--detach", cases, ns.harness or ns.baseline],
+            cwd=_ROOT,
+            check=True,
+        )
         try:
-            harness = os.path.join(old, "benchmarks", "bench_core.py")
+            harness = os.path.join(cases, "benchmarks", "bench_core.py")
             runs = {"baseline": [], "current": []}
             for _ in range(ns.rounds):
                 runs["baseline"].append(_run(old, harness, ns.repeats))
                 runs["current"].append(_run(_ROOT, harness, ns.repeats))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", old], cwd=_ROOT, check=True)
-    print(f"baseline {ns.baseline}'s workloads, ours / torch.func (thread CPU time, medians of")
-    print(f"{ns.rounds} rounds x {ns.repeats} calls); change = current / baseline - 1\n")
+            for tree in (old, cases):
+                remove = ["git", "worktree", "remove", "--force", tree]
+                subprocess.run(remove, cwd=_ROOT, check=True)
+    cases_of = ns.harness or ns.baseline
+    print(f"{cases_of}'s workloads against baseline {ns.baseline}, ours / torch.func (thread CPU")
+    print(f"time, medians of {ns.rounds} rounds x {ns.repeats} calls); change = current / baseline")
+    print("- 1\n")
     print("| workload | baseline | current | change |")
     print("|---|---:|---:|---:|")
     for name in runs["baseline"][0]:
