@@ -728,7 +728,7 @@ def backward(roots, leaves, release=False):
                 _push(acc, heap, seen, inp, match_dtype(c, node.primals[i]))
         del acc[node]  # free cotangents as soon as they are consumed
         if release:  # Note [Releasing saved values]
-            node.primals = node.out = None
+            node.primals = node.out = node.versions = None
             input_cts = ct = cts = out = None
     if hooked:
         for leaf in leaves:
