@@ -1,4 +1,4 @@
-"""vmap cases of issue 8 that crashed, looped or returned wrong results, against torch.func.
+"""vmap cases that are easy to get wrong (a crash, a loop, a wrong value), against torch.func.
 
 Each case runs ``ft.vmap`` and ``torch.vmap`` on the same inputs (``check``: equal values, no
 per-example fallback) over the in_dims mixes that matter for the bug.
