@@ -658,7 +658,7 @@ def test_fallback_pinv_complex():
     ids=["conj_sum", "mH_sum", "vecdot_2d"],
 )
 def test_lazy_conj_reductions(f):
-    """Lazy conj views reaching reductions (they were silently unconjugated before bcb25d0)."""
+    """Lazy conj views reaching reductions are resolved, not silently read unconjugated."""
     check(f, (rand((B, N, N), CDT, gen(11)),))
 
 
