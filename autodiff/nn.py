@@ -506,8 +506,8 @@ override(aten._pack_padded_sequence.default)(_pack_padded_sequence)
 # -- nn.MultiheadAttention's fast path ---------------------------------------------------------
 # In eval mode with parameters that do not require grad, nn.MultiheadAttention calls the fused
 # aten._native_multi_head_attention when no argument has a __torch_function__ and none requires
-# grad: the values inside jvp (found by the session 9 probe: jvp/jacfwd of a frozen attention
-# layer raised MissingRuleError; functorch computes them). Its math, checked against the kernel
+# grad: the values inside jvp (jvp/jacfwd of a frozen attention layer reach it, and functorch
+# computes them, so it needs rules here). Its math, checked against the kernel
 # for every mask type, bool and float masks, need_weights and average_attn_weights
 # (tests/interop/test_autograd_both_sides.py); a row with every key masked is NaN, as the kernel's.
 def _native_multi_head_attention(

@@ -235,21 +235,21 @@ _Tensor = torch.Tensor
 _no_torch_function = _compat.disabled_torch_function_impl
 
 # Note [Torch functions at the grad level under vmap]
-#     Under ``vmap(grad(f))`` every op of ``f`` pays two levels of dispatch (grad, then vmap),
-#     and a composite function pays them for each op it decomposes into: ``F.linear`` of one
-#     example is view, t, addmm, view, four tape nodes and four trips through both levels,
-#     ~70% of the per-sample-gradient MLP's forward at B=8 (issue 13). A grad level entered
-#     directly inside a vmap therefore wraps its values in ``GradTensorInVmap``, whose
+#     Under ``vmap(grad(f))`` every op of ``f`` pays two levels of dispatch (grad, then vmap), and a
+#     composite function pays them for each op it decomposes into: ``F.linear`` of one example is
+#     view, t, addmm, view, four tape nodes and four trips through both levels, ~70% of the
+#     per-sample-gradient MLP's forward at B=8 (benchmarks/bench_core.py, row (a)). A grad level
+#     entered directly inside a vmap therefore wraps its values in ``GradTensorInVmap``, whose
 #     ``__torch_function__`` sees such functions whole: a function in ``GRAD_FAST``
 #     (autodiff/_fastpath.py) may record it as one node whose vjp rule computes what the
-#     decomposition's rules would, and run it once on the unwrapped values (where the vmap
-#     level's own fast paths apply); anything it declines, and every other function, goes
-#     on as before (``_disabled_torch_function_impl``: the C++ dispatch and
-#     ``__torch_dispatch__``). Only there: a grad level elsewhere keeps the plain GradTensor,
-#     with no Python call before dispatch (the grad-only rows of issues 9/10 pay nothing).
-#     BatchedTensor's ``__torch_function__`` declines a ``GRAD_FAST`` function when a
-#     GradTensorInVmap is among the arguments (``F.linear(x, w, b)`` with a batched ``x`` and
-#     tracked ``w``), so the grad level, the innermost, sees it first.
+#     decomposition's rules would, and run it once on the unwrapped values (where the vmap level's
+#     own fast paths apply); anything it declines, and every other function, goes on as before
+#     (``_disabled_torch_function_impl``: the C++ dispatch and ``__torch_dispatch__``). Only there:
+#     a grad level elsewhere keeps the plain GradTensor, with no Python call before dispatch (the
+#     grad-only rows of benchmarks/bench_regression.py pay nothing). BatchedTensor's
+#     ``__torch_function__`` declines a ``GRAD_FAST`` function when a GradTensorInVmap is among the
+#     arguments (``F.linear(x, w, b)`` with a batched ``x`` and tracked ``w``), so the grad level,
+#     the innermost, sees it first.
 GRAD_FAST: dict = {}  # torch function -> fast(args, kwargs): the result, or None to decline
 
 

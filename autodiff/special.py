@@ -138,8 +138,8 @@ for _op, _px, _py in (
     (aten.copysign.Tensor, lambda g, x, y, o: _copysign_pullback(g, x, o), _zero_partial),
     # torch's derivatives, as sigmoids (_log_add_partial: its decomposition's jvp is finite at
     # x = y = +inf, torch's nan), except at x = y = -inf, where the output is a constant -inf
-    # (masked.logaddexp's masked-out elements): 0, not torch's nan (issue 8,
-    # test_masked_logaddexp_jvp_is_finite)
+    # (masked.logaddexp's masked-out elements): 0, not torch's nan
+    # (test_masked_logaddexp_jvp_is_finite)
     (
         aten.logaddexp.default,
         lambda g, x, y, o: _log_add_partial(g, x, y),

@@ -488,8 +488,8 @@ def _linear(func, args, kwargs, batched_cls, wrap):
     order. torch decomposes the call into ``view(addmm(b, view(x, [1, n]), w.t()), [m])``
     (``_flatten_nd_linear``), and addmm's vmap rule computes ``matmul(xv, w.t()) + b`` on the
     ``[B, 1, n]`` view: three dispatched ops and two wrappers saved per layer of a per-sample
-    MLP (issue 13). Other shapes, layouts, dtype or device mixes, lazy conjugates: the ordinary
-    path (its errors)."""
+    MLP (benchmarks/bench_core.py, row (a)). Other shapes, layouts, dtype or device mixes,
+    lazy conjugates: the ordinary path (its errors)."""
     args = linear_args(args, kwargs)
     if args is None:
         return None

@@ -52,13 +52,13 @@ _DATA_GET = torch.Tensor.data.__get__
 _STRIDED = torch.strided
 _NO_RESULT = object()  # the inline fast path did not apply
 # Note [Logical metadata without torch.Size]
-#     A new wrapper's logical sizes are its value's minus the batch dim. Slicing the
-#     ``torch.Size`` that ``.shape`` returns builds another ``torch.Size`` through a call of
-#     the type (~0.2 us warm per wrapper, several times that right after a large kernel has
-#     flushed the caches: issue 14 (a)); ``tuple.__getitem__`` slices it into a plain tuple,
-#     which ``_make_wrapper_subclass`` reads the same (an int sequence; SymInts too). A CPU
-#     value's device is always ``device(type='cpu')``: the one built here is passed instead of
-#     a new one per wrapper (``is_cpu`` reads a flag, ``.device`` allocates).
+#     A new wrapper's logical sizes are its value's minus the batch dim. Slicing the ``torch.Size``
+#     that ``.shape`` returns builds another ``torch.Size`` through a call of the type (~0.2 us warm
+#     per wrapper, several times that right after a large kernel has flushed the caches, as in
+#     bench_distributed.py's (a)); ``tuple.__getitem__`` slices it into a plain tuple, which
+#     ``_make_wrapper_subclass`` reads the same (an int sequence; SymInts too). A CPU value's device
+#     is always ``device(type='cpu')``: the one built here is passed instead of a new one per
+#     wrapper (``is_cpu`` reads a flag, ``.device`` allocates).
 _tuple_item = tuple.__getitem__
 _FROM_1 = slice(1, None)
 _CPU = torch.device("cpu")
@@ -123,11 +123,11 @@ class BatchedTensor(PlainMetadata, TransformTensor):
                 if out is not _NO_RESULT:
                     if type(out) is not _Tensor:
                         return out
-                    # wrap_batched's common case, inline (a call is ~0.1 us of the ~4 us an op
-                    # pays: issue 13's pointwise row), without its check for lazy conjugate or
+                    # wrap_batched's common case, inline (a call is ~0.1 us of the ~4 us an op pays
+                    # in bench_core's 20-op pointwise row), without its check for lazy conjugate or
                     # negative bits: ``out`` is the fresh result of a function of the pointwise
-                    # table (one new tensor, no alias) applied to values that enter wrappers
-                    # without such bits, so it has none; its batch dim is the one of ``a``
+                    # table (one new tensor, no alias) applied to values that enter wrappers without
+                    # such bits, so it has none; its batch dim is the one of ``a``
                     bdim = a._bdim
                     st = out.stride()
                     if bdim == 0:  # Note [Logical metadata without torch.Size]

@@ -424,7 +424,7 @@ def linalg_check_errors_vmap_rule(interp, args, bdims, kwargs):
     return None, None
 
 
-# -- LU family, legacy cholesky, cholesky_inverse (issue 8, lu helper) -------------------------
+# -- LU family, legacy cholesky, cholesky_inverse -----------------------------------------------
 # Matrix ops with one operand: the vmap dim is one more batch dim (def_matrix_op).
 def_matrix_op(aten.cholesky_inverse.default)
 if hasattr(aten, "cholesky"):  # removed in torch 2.15
@@ -443,7 +443,7 @@ def lu_unpack_vmap_rule(interp, args, bdims, kwargs):
     return out, tuple(0 if o.dim() > 0 and o.shape[0] == B else None for o in out)
 
 
-# -- least squares and the pseudo-inverse (issue 8, qr helper) ---------------------------------
+# -- least squares and the pseudo-inverse -------------------------------------------------------
 def _run_conj_safe(op, *args, **kwargs):
     """Run ``op`` with the Conjugate/Negative keys on for complex inputs: pinv and lstsq build
     lazy conj views inside their kernels (Note [Conjugate views], batching/_tensor.py)."""

@@ -571,7 +571,8 @@ def run_case(make, repeats, inductor, only=None):
     return row
 
 
-# Targets of issue 13 (ratios to torch.func eager unless stated).
+# The performance targets (CONTRIBUTING.md, "Benchmarks and performance targets"): ratios to
+# torch.func eager unless stated.
 def targets(row):
     out = {}
     if "na" in row:
@@ -598,7 +599,7 @@ _COLD = {
     "import + first vmap(grad)": (
         "import functransforms as ft; ft.vmap(ft.grad(lambda x: x.sin().sum()))(torch.randn(2, 3))"
     ),
-    # issue: import + first jit call <= 300 ms (a static-shape trace; benchmarks/bench_jax.py
+    # target: import + first jit call <= 300 ms (a static-shape trace; benchmarks/bench_jax.py
     # times it on the per-sample-gradient MLP beside jax.jit's first call)
     "import + first jit(vmap(grad))": (
         "import functransforms as ft; "
@@ -640,7 +641,7 @@ _GC_PROBE = (
 )
 
 
-# issue 13: <= 100 ms each (the first transform call of a process, whichever it is)
+# target: <= 100 ms each (the first transform call of a process, whichever it is)
 _COLD_TARGETS = ("import functransforms", "import + first grad", "import + first vmap(grad)")
 _COLD_JIT_TARGETS = ("import + first jit(vmap(grad))",)  # <= 300 ms
 
@@ -900,7 +901,7 @@ BEGIN, END = "<!-- bench_core: generated -->", "<!-- bench_core: end -->"
 
 
 def _kept_sections(path):
-    """Sections other helpers wrote after the generated table (kept verbatim)."""
+    """The hand-written sections after the generated table (kept verbatim)."""
     try:
         old = open(path).read()
     except FileNotFoundError:
@@ -1013,7 +1014,8 @@ def main(argv=None):
             "subclass floor: the workload's own ATen ops (its jit graph) replayed on a "
             "do-nothing `__torch_dispatch__` wrapper, the least any eager subclass design pays; "
             "Python loop: one eager `torch.autograd` call per example / row.\n"
-            "- targets (issue 13): eager ours / torch.func <= 1.3 per row, geometric mean <= 1.0; "
+            '- targets (CONTRIBUTING.md, "Benchmarks and performance targets"): '
+            "eager ours / torch.func <= 1.3 per row, geometric mean <= 1.0; "
             "jit / torch.func <= 0.6 per row and <= 0.4 for per-sample grads B=8 and hessian, or "
             "<= 1.1x hand-written where hand-written code itself is above 0.6 of torch.func; "
             "jit inductor / torch.compile <= 1.0; jit per-call overhead <= 10 us; a new "

@@ -1,4 +1,4 @@
-"""Named axes and pmap benchmark (issue 14).
+"""Named axes and pmap benchmark.
 
     python benchmarks/bench_distributed.py [--quick] [--procs 1,2,4] [--allocator default]
                                            [--runs 3]

@@ -592,7 +592,7 @@ def main(argv=None):
             f'- "results kept": the caller holds its last {_KEEP} results, so no column can '
             "reuse a result's memory (every call writes fresh pages); the row above it drops "
             "each result.\n"
-            "- target (issue: ahead of JAX on CPU): jit / jax.jit <= 1.0 on every row; import "
+            "- target (ahead of JAX on CPU): jit / jax.jit <= 1.0 on every row; import "
             "+ first jit call <= 300 ms CPU.\n\n"
         )
         with open(a.out, "w") as fh:

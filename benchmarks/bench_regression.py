@@ -3,9 +3,9 @@
     python benchmarks/bench_regression.py [--baseline 2e1e6e6] [--rounds 5] [--repeats 31]
     python benchmarks/bench_regression.py --baseline REV --harness 2e1e6e6   # a later baseline
 
-Issues 9 (autograd interop) and 10 (torch.func parity) require that the suite's (a)-(e) ratios
-(ours / torch.func) get no worse than 5% against the code before them. The benchmark suite has
-changed since, so this runs the BASELINE's own workloads (its benchmarks/bench_core.py cases)
+The autograd interop and the torch.func parity of vmap must not make the suite's (a)-(e) ratios
+(ours / torch.func) more than 5% worse than the code before them (2e1e6e6). The benchmark suite
+has changed since, so this runs the BASELINE's own workloads (its benchmarks/bench_core.py cases)
 against both library trees: a git worktree of the baseline revision and this checkout. Each
 round runs one subprocess per tree (alternating, so machine load hits both alike); a subprocess
 times ours and torch.func interleaved, single thread, in thread CPU time (robust to other

@@ -1,4 +1,4 @@
-"""vmap of view ops: ours against torch.func (issue 10: views instead of copies).
+"""vmap of view ops: ours against torch.func (views instead of copies).
 
     python benchmarks/bench_views.py [--quick]
 

@@ -553,7 +553,7 @@ def _vmap_call(
     # the commonest result, one plain value of this level with its batch dim already where
     # out_dims puts it: what _unwrap_outputs returns for it, and _as_views_of_inputs too when
     # it shares no storage with an input (a fresh result), without their loops and pytrees
-    # (with them, 6 us of issue 14's 60 us of overhead on a cold cache: docs/performance.md)
+    # (with them, 6 us of the ~60 us overhead of bench_distributed.py's (a) on a cold cache)
     if (
         type(out) is BatchedTensor
         and out._interp is interp

@@ -112,7 +112,7 @@ class Interpreter:
 #     makes anyway, and skips the DTensor check: no cost per op (bench_core --per-op, same
 #     numbers before and after). An op outside the table (an ``out=`` variant, a custom op, a
 #     rare decomposed op) takes the old path: correct, and the first such op in a process pays
-#     the import. The alternative prototyped in issue 13, a dispatch mode as the single entry
+#     the import. The alternative, a dispatch mode as the single entry
 #     point (the mode path has no DTensor check), costs a Python call for every plain op run
 #     inside a nested transform, where subclass dispatch costs nothing.
 _entry_pending = True

@@ -202,15 +202,15 @@ def _bindings(axis_name, call):
 
 # Note [A reduction at its own level]
 #     The commonest collective is a reduction of a per-example value of the vmap that binds the
-#     axis: ``psum(t, "i")`` with ``t`` one of that vmap's BatchedTensors. Its batching rule is
-#     then one reduction of the physical value over the batch dim, with an unbatched result
+#     axis: ``psum(t, "i")`` with ``t`` one of that vmap's BatchedTensors. Its batching rule is then
+#     one reduction of the physical value over the batch dim, with an unbatched result
 #     (``batching/collectives.py``, ``REDUCE``), and the way there (the pytree map, the call's
 #     string for errors, ``_bind``, ``process``'s unwrapping and op records) cost more than the
-#     reduction on a small batch: 7 of a vmapped psum's 11 us, and issue 14's normalisation is
-#     a few such calls around kernels. So the public function applies that same reduction to
-#     the physical value itself when the conditions of Note [Collectives skip the dispatcher]
-#     hold for a plain BatchedTensor (not a lazy conjugate: its rules read the resolved value)
-#     of a vmap that is not a pmap's (whose rule also communicates). Anything else takes
+#     reduction on a small batch: 7 of a vmapped psum's 11 us, and bench_distributed.py's
+#     normalisation (a) is a few such calls around kernels. So the public function applies that same
+#     reduction to the physical value itself when the conditions of Note [Collectives skip the
+#     dispatcher] hold for a plain BatchedTensor (not a lazy conjugate: its rules read the resolved
+#     value) of a vmap that is not a pmap's (whose rule also communicates). Anything else takes
 #     ``_bind``.
 #     Its commonest case is tested first with no Python call at all: ``t``'s vmap is the top
 #     of the interpreter stack (then it is the innermost binding of ``axis_name`` exactly when
@@ -218,10 +218,10 @@ def _bindings(axis_name, call):
 #     reduction is the closure's own Tensor method. Below torch's autograd only a physical
 #     value requiring grad needs the dispatcher (the one case where ``__torch_dispatch__``
 #     re-enables torch's autograd: ``_torch_autograd_wanted``), so the thread-local query (a
-#     pybind11 call) is made only for such a value, as the pointwise fast path does. Issue 14
-#     (a) runs its collectives after 1 MB kernels, where every Python frame, dict lookup and
-#     pybind11 call runs cache-cold: ours / hand-written 1.37-1.38 -> 1.34-1.35 with the
-#     collectives as before and as now (one process, load 15; the reductions written on the
+#     pybind11 call) is made only for such a value, as the pointwise fast path does. The
+#     benchmark's (a) runs its collectives after 1 MB kernels, where every Python frame, dict
+#     lookup and pybind11 call runs cache-cold: ours / hand-written 1.34-1.35 with the
+#     collectives' inline path (one process, load 15; the reductions written on the
 #     physical value by hand, the floor of any collective: 1.31-1.33). The rest is vmap's.
 def _reduction(op, name):
     # (BatchedTensor, REDUCE[op]: a Tensor method), set at the first call (imported then:

@@ -261,7 +261,8 @@ def examples(draw, dtype=_DTYPES, kinds=fts.LAYOUTS, nonempty=True):
 
 # -- the harness -------------------------------------------------------------------------------
 # One hypothesis test per program, so that each program meets every layout and dtype (a test
-# drawing the program too found none of this session's bugs in the examples CI can afford).
+# drawing the program too reaches too few layout and dtype mixes per program within the examples
+# CI can afford).
 _NAMES = sorted(PROGRAMS)
 
 

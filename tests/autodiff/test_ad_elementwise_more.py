@@ -1,7 +1,7 @@
 """Pointwise derivatives written as torch writes them (Note [Rounding as torch]): float32 results
-equal torch.func's bitwise; complex and second-order results agree with torch.func; the wrong
-results of issue 8 (norm at zero, xlogy at x = 0, index_fill, normal, masked.logaddexp, cumsum
-on 0-d examples) stay fixed."""
+equal torch.func's bitwise; complex and second-order results agree with torch.func; the special
+cases (norm at zero, xlogy at x = 0, index_fill, normal, masked.logaddexp, cumsum on 0-d
+examples) give the right values."""
 
 import pytest
 import torch

@@ -128,8 +128,8 @@ def test_as_strided(dtype):
 
 
 def test_as_strided_of_a_noncontiguous_input():
-    # each element read is mapped back to the element of x stored there (session 9 probe:
-    # this raised, torch.func computes)
+    # each element read is mapped back to the element of x stored there (torch.func computes
+    # these; a rule that assumed a contiguous input raised)
     base = _x(4, 6)
     for x in (base.T, base[1:, 2:], base.T[1:]):
         compare_with_torch_func(lambda x: x.as_strided((2, 2), (1, 2)), (x,), order=2)

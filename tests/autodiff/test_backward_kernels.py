@@ -1,4 +1,4 @@
-"""ctc_loss and 3-d grid_sample to second order (issue 8, Note [Differentiable backward kernels]
+"""ctc_loss and 3-d grid_sample to second order (Note [Differentiable backward kernels]
 in autodiff/nn.py). Their first-order vjps are torch's backward kernels; second order runs the
 differentiable formulations of those kernels. torch has no double backward for either op, so
 second order is checked against finite differences (functransforms.testing.check_grads and

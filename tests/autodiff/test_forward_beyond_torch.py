@@ -1,4 +1,4 @@
-"""Forward mode beyond torch (issue 8): torch has no forward-mode formula for these ops on CPU
+"""Forward mode beyond torch: torch has no forward-mode formula for these ops on CPU
 (OpInfo supports_forward_ad=False), so there is no torch.func oracle. Ours is checked against
 central finite differences: the jvp against differences of the function, and the jvp of the
 pullback (forward over reverse, the Hessian-vector-product pattern) against differences of
@@ -89,8 +89,8 @@ CASES = {
 }
 
 
-# Not met yet (issue 8, "jvp-over-vjp" of the forward mode beyond torch): the vjp is torch's
-# backward kernel, which has no derivative rule of ours (nor of torch's)
+# Not covered: jvp over the vjp of these ops. Their vjp is torch's backward kernel, which has
+# no derivative rule of ours (nor of torch's)
 def _moved(args, ts, s):
     return tuple(a + s * EPS * t for a, t in zip(args, ts))
 

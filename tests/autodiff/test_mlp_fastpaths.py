@@ -1,4 +1,4 @@
-"""The per-sample-gradient MLP's shortcuts (issue 13's B=8 row) give what the ordinary path
+"""The per-sample-gradient MLP's shortcuts (bench_core's row (a) at B=8) give what the ordinary path
 gives: outer products as broadcast products (Note [Outer products as products])."""
 
 import pytest

@@ -1,7 +1,7 @@
-"""Second order through the layer families and the linalg decompositions (issue 8, "Second
-order"): grad(grad), jacfwd(jacrev) and hessian of a scalar function against torch.func, in
-float64 at small sizes. Each function's scalar is gauge-invariant where the decomposition has
-a gauge (eigenvector and singular-vector signs/phases)."""
+"""Second order through the layer families and the linalg decompositions: grad(grad),
+jacfwd(jacrev) and hessian of a scalar function against torch.func, in float64 at small sizes.
+Each function's scalar is gauge-invariant where the decomposition has a gauge (eigenvector and
+singular-vector signs/phases)."""
 
 import pytest
 import torch

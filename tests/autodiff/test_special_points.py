@@ -318,7 +318,7 @@ if TORCH_VERSION >= (2, 15):  # torch 2.15's samples differ (p = 1 cdist, sdpa w
     )
 
 # ours on purpose: at x = y = -inf (masked.logaddexp's masked-out elements) the derivative is 0
-_MASKED_LOGADDEXP = "derivative 0 at x = y = -inf, torch nan (issue 8: masked.logaddexp)"
+_MASKED_LOGADDEXP = "derivative 0 at x = y = -inf, torch nan (masked-out elements)"
 SKIP_INF = {name: _MASKED_LOGADDEXP for name in ("logaddexp", "logaddexp2", "masked.logaddexp")}
 
 

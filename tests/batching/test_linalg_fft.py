@@ -277,7 +277,7 @@ def test_solve_fast_path_matches_ordinary_path(dtype, monkeypatch):
 
 
 def test_solve_fast_path_is_one_batched_call(monkeypatch):
-    """The benchmarked case (issue 13 row (i)) never reaches the dispatcher; a value of another
+    """The benchmarked case (bench_core's row (i)) never reaches the dispatcher; a value of another
     level, or a keyword the fast path does not cover, takes the ordinary path."""
     A, b = general((B,)), torch.randn(B, N, dtype=DT)
     out, calls = _dispatched_ops(torch.linalg.solve, (A, b), 0, monkeypatch)
@@ -658,7 +658,7 @@ def test_fallback_pinv_complex():
     ids=["conj_sum", "mH_sum", "vecdot_2d"],
 )
 def test_lazy_conj_reductions(f):
-    """Lazy conj views reaching reductions (they were silently unconjugated before bcb25d0)."""
+    """Lazy conj views reaching reductions are resolved, not silently read unconjugated."""
     check(f, (rand((B, N, N), CDT, gen(11)),))
 
 

@@ -1,4 +1,4 @@
-"""vmap cases of issue 8 that crashed, looped or returned wrong results, against torch.func.
+"""vmap cases that are easy to get wrong (a crash, a loop, a wrong value), against torch.func.
 
 Each case runs ``ft.vmap`` and ``torch.vmap`` on the same inputs (``check``: equal values, no
 per-example fallback) over the in_dims mixes that matter for the bug.
@@ -165,7 +165,7 @@ def test_multilabel_margin_loss_terminator(reduction, shape):
 
 
 def test_multilabel_margin_loss_paper_value():
-    """The example of the issue: 1.294 is torch's value (15.15 was ours)."""
+    """Under vmap, the loss of this input is torch's value (1.294), per example."""
     torch.manual_seed(0)
     x = torch.randn(4, 5, dtype=DT)
     t = torch.tensor([[3, 0, -1, 1, 2]] * 4)

@@ -1,4 +1,4 @@
-"""Views and aliasing under vmap against torch.func (issue 10): many-view ops (unbind, split,
+"""Views and aliasing under vmap against torch.func: many-view ops (unbind, split,
 chunk, tensor_split) and views of a lazy conjugate. Each test runs ours and torch.func on the
 same input and compares values, strides, ``_base``, ``is_conj()`` and memory sharing."""
 

@@ -218,11 +218,11 @@ _PRIORITY = [
     "no vjp rule",
 ]
 # Note [No loop where torch.func batches]
-#     vmap's per-example loop is correct but slow. Where torch.func.vmap batches a sample
-#     without its own fallback (its "performance drop" warning, switched on for the call), a
-#     FallbackWarning of ours fails the case as LOOP, unless every looping op is allowed below
-#     (with the reason; the lead prunes the list as rules land). Where torch.func loops too,
-#     ours may loop: the outcome stays ``fallback``.
+#     vmap's per-example loop is correct but slow. Where torch.func.vmap batches a sample without
+#     its own fallback (its "performance drop" warning, switched on for the call), a FallbackWarning
+#     of ours fails the case as LOOP, unless every looping op is allowed below (with the reason; an
+#     entry goes when the op's batching rule lands). Where torch.func loops too, ours may loop: the
+#     outcome stays ``fallback``.
 LOOP = "loop where torch.func batches"
 ALLOWED_LOOPS: dict[str, str] = {}
 

@@ -1,4 +1,4 @@
-"""Named axes and collectives under vmap (issue 14): values against hand-written batched
+"""Named axes and collectives under vmap: values against hand-written batched
 references, derivatives against the same functions written with explicit batch reductions
 (torch.func as the oracle) and finite differences, composition at depth, and errors."""
 

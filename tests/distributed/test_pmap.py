@@ -1,4 +1,4 @@
-"""pmap over local gloo processes (issue 14): every collective, derivatives in every
+"""pmap over local gloo processes: every collective, derivatives in every
 composition, DP-SGD, errors and worker failures, against the same per-example functions run
 under vmap in this process (whose collectives tests/distributed/test_collectives.py checks against
 explicit batch reductions and torch.func)."""

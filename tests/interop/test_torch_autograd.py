@@ -47,7 +47,8 @@ def _assert_same_outer_grads(build, *shapes, device="cpu"):
 # -- 1. torch's autograd sees through our transforms ---------------------------------------------
 # Tests taking the `device` fixture (tests/conftest.py) run on CUDA too where it exists.
 def test_backward_through_vmap_with_captured_weight(device):
-    """The issue's first example: W.grad gets the vmapped term, not only the decay term."""
+    """A weight used inside vmap and outside it: W.grad gets the vmapped term, not only the decay
+    term."""
     torch.manual_seed(0)
     W0 = torch.randn(3, 3, dtype=torch.float64, device=device)
     xs = torch.randn(5, 3, dtype=torch.float64, device=device)
@@ -158,7 +159,8 @@ def _eye3(a):
     return torch.eye(3, dtype=a.dtype, device=a.device)
 
 
-# the issue's list: wrong (or no) dependence on the primal in torch.autograd over ft.grad
+# ops whose derivative rules are easy to write without their dependence on the primal, which
+# torch.autograd over ft.grad then sees as wrong (or no) second derivative
 _DOUBLE = {
     "addcmul": (lambda a: torch.addcmul(a, a, a, value=0.5), (4,)),
     "addcdiv": (lambda a: torch.addcdiv(a, a, a.exp(), value=0.5), (4,)),
@@ -183,7 +185,7 @@ def test_double_backward_through_ft_grad(op, device):
 
 
 def test_addcmul_double_backward_value():
-    """The issue's example: d/dx sum(grad(addcmul(a, a, a, value=.5))) = 1 (not 0.5)."""
+    """The value itself: d/dx sum(grad(addcmul(a, a, a, value=.5))) = 1 (not 0.5)."""
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
     g = ft.grad(lambda a: torch.addcmul(a, a, a, value=0.5).sum())(x)
     _close(torch.autograd.grad(g.sum(), x)[0], torch.ones(4, dtype=torch.float64))

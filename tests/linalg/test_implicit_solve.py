@@ -1,5 +1,5 @@
 """Structured solves and inverses are differentiated implicitly (Note [Implicit differentiation
-of structured solves]), in every mode, against dense torch.func and finite differences (issue 8)."""
+of structured solves]), in every mode, against dense torch.func and finite differences."""
 
 import pytest
 import torch
@@ -172,9 +172,9 @@ def test_logdet_second_order_matches_dense():
 
 @pytest.mark.parametrize("how", ["solve", "inv"])
 def test_forward_mode_on_the_64x64_grid(how):
-    # The case of issue 8: 64x64 RBF factors (length scales 0.3, 0.25) plus 0.01 I. Forward mode
-    # through the factors' eigendecompositions was wrong by a factor 4 for solve and of the wrong
-    # sign for inv(K) @ y; the implicit rule agrees with the gradient and finite differences in
+    # 64x64 RBF factors (length scales 0.3, 0.25) plus 0.01 I: forward mode through the factors'
+    # eigendecompositions is wrong here (by a factor 4 for solve, of the wrong sign for inv(K) @ y),
+    # so the rule must be the implicit one, which agrees with the gradient and finite differences in
     # both modes (dense torch.func at N = 4096 is too slow for a test).
     ours, _ = _setup(64, how=how)
     t = torch.tensor([1.0, -0.5], dtype=DT)

@@ -1,5 +1,6 @@
 """The style guide's checkable parts: the public API is typed and ships py.typed, every package
-on disk is installed, and hypothesis is configured in one place."""
+on disk is installed, hypothesis is configured in one place, and the repository names things by
+subject, not by the history of their making."""
 
 from __future__ import annotations
 
@@ -65,3 +66,99 @@ def test_hypothesis_profiles_are_registered_once():
         and pattern.search(p.read_text())
     ]
     assert not offenders, f"hypothesis settings outside tests/conftest.py: {offenders}"
+
+
+# What names history rather than a subject (CONTRIBUTING.md, "Code style": history lives in git
+# and in issue notes): issue and session numbers, a helper agent named by its task ("lu
+# helper"; a helper *function* is named by what it does: "family helper", "timing helper"),
+# audit rounds, and narration of when ("this session", "at the end of the session"). English
+# uses stay legal: "an interactive session (>>>)", "a long random session", "the leading dim".
+HISTORY = re.compile(
+    r"\bsessions?[\s-]+\d+"
+    r"|\bissues?\s*#?\d+"
+    r"|\b(?!(?:a|an|the|one|each|this|that|its|our|family|timing|shape|testing|test|module"
+    r"|private|public|small|internal|pytree|rule|wrapper)\b)[a-z][a-z0-9]*\s+helper\b"
+    r"(?!\s+(?:function|functions|method|methods|class|module)\b)"
+    r"|\bhelpers?\s+(?:wrote|finished)\b"
+    r"|\baudit\s+rounds?\b"
+    r"|\bthis\s+session\b"
+    r"|\bthe\s+lead(?:'s)?\b"
+    r"|\bat\s+the\s+(?:last|end\s+of\s+the)\s+(?:stop|session)\b"
+    r"|\bend\s+of\s+session\b",
+    re.IGNORECASE,
+)
+_SKIPPED_DIRS = {"build", "dist", "__pycache__"}
+
+
+def _history_lines(paths):
+    for path in paths:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            m = HISTORY.search(line)
+            if m:
+                yield f"{path.relative_to(ROOT).as_posix()}:{n}: {m.group(0)!r}: {line.strip()}"
+
+
+def _repository_files():
+    """The .py, .md and .toml files of the repository and CI's script; not CHANGELOG.md (release
+    notes), build outputs, hidden folders, nor this file (it spells the patterns out)."""
+    for path in sorted(ROOT.rglob("*")):
+        parts = path.relative_to(ROOT).parts
+        if any(p in _SKIPPED_DIRS or p.endswith(".egg-info") for p in parts[:-1]):
+            continue
+        if any(p.startswith(".") for p in parts[:-1]) and parts[:-1] != (".ci",):
+            continue
+        if path.suffix in (".py", ".md", ".toml") or parts == (".ci", "run"):
+            if path.name != "CHANGELOG.md" and path != Path(__file__).resolve():
+                yield path
+
+
+def test_no_history_in_names_docs_or_comments():
+    files = list(_repository_files())
+    assert len(files) > 100 and ROOT / "docs" / "performance.md" in files
+    found = list(_history_lines(files))
+    assert not found, (
+        "history (issue or session numbers, helper agents, audit rounds) in the repository; "
+        "say what the thing is or why, and leave when and by whom to git:\n" + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "# -- LU family (issue 8, lu helper) ---",
+        "found by the session 9 probe: jvp of a frozen attention",
+        "Found by the session-10 stack fuzzer",
+        "the grad-only rows of issues 9/10 pay nothing",
+        "targets (issue #13)",
+        "## jit signature walk (jitsig helper; 2026-11-25)",
+        "Sections other helpers wrote after the generated table",
+        "none of this session's bugs",
+        "after the second audit round",
+        "the full run on a quieter machine is the lead's",
+        "measured at the end of the session",
+        "Quiet-machine run at the end of session 10",
+    ],
+)
+def test_the_history_scanner_finds_history(line):
+    # guards the test above against passing because its pattern matches nothing
+    assert HISTORY.search(line), line
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'Blocks written as an interactive session (">>>") run as doctests',
+        "``FT_FUZZ_EXAMPLES=5000`` runs a long, random session",
+        "one line through a family helper (`def_unary`, `def_dims`, ...)",
+        "from bench_core import median_time  # one timing helper for the suite",
+        "the collectives, `pmap`, `rearrange` and the module helper functions load at first use",
+        "its level there with the helper its `process` uses",
+        "Test helpers: numerical derivative checks; Small shape helpers shared by the rules",
+        "tx, ty = stacks.probe(x, 0.2), stacks.probe(y, 0.2)",
+        "dims = list(range(lead)); the batch dim folds into the leading dim",
+        "with ft.deterministic.audit() as report: every nondeterministic op",
+        "the ops it issues; an issue note in git",
+    ],
+)
+def test_the_history_scanner_leaves_english_alone(line):
+    assert not HISTORY.search(line), HISTORY.search(line).group(0)
