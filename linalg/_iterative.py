@@ -133,14 +133,22 @@ def resolve_method(kind: str, method, options):
     return method, options
 
 
+_ADVICE = {
+    None: "raise maxiter or add a preconditioner",
+    "lsmr": "raise maxiter, or damp an ill-conditioned problem",
+    "eigsh": "raise steps",
+}
+
+
 def _record(info: SolverInfo) -> None:
     ctx = _CONFIG.get()
     if ctx is not None:
         ctx.infos.append(info)
     if info.converged is False:
+        advice = _ADVICE.get(info.method, _ADVICE[None])
         warnings.warn(
             f"{info.method}: did not converge in {info.iterations} iterations (relative residual "
-            f"{info.residual:.3g} > tol {info.tol:.3g}); raise maxiter or add a preconditioner.",
+            f"{info.residual:.3g} > tol {info.tol:.3g}); {advice}.",
             stacklevel=4,
         )
 
@@ -176,15 +184,16 @@ def _preconditioner(A, M, call="cg"):
     )
 
 
-def require_symmetric(A, call: str, method: str) -> None:
+_GENERAL_SOLVE = "for a general square operator use method='gmres' or method='bicgstab'"
+
+
+def require_symmetric(A, call: str, method: str, instead: str = _GENERAL_SOLVE) -> None:
     """Refuse a method that needs a symmetric (Hermitian) operator on one not declared so."""
     if isinstance(A, LinearOperator) and not A.symmetric:
-        name = method.upper() if method != "minres" else "MINRES"
         raise ValueError(
-            f"{call}: {name} needs a symmetric (Hermitian) operator, received {A!r}, which is "
-            "not declared symmetric. For a general square operator use method='gmres' or "
-            "method='bicgstab'; if it is symmetric, declare it (e.g. DenseOperator(M, "
-            "symmetric=True), or positive_definite=True for CG)."
+            f"{call}: {method} needs a symmetric (Hermitian) operator, received {A!r}, which is "
+            f"not declared symmetric. Expected: {instead}; if it is symmetric, declare it (e.g. "
+            "DenseOperator(M, symmetric=True), or positive_definite=True)."
         )
 
 
@@ -223,7 +232,7 @@ def cg(
         >>> x.tolist(), info.converged
         ([1.0, 0.5], True)
     """
-    require_symmetric(A, "cg(A, B)", "cg")
+    require_symmetric(A, "cg(A, B)", "CG")
     vec = B.dim() == 1 or (isinstance(A, LinearOperator) and B.dim() == A.ndim - 1)
     Bm = B.unsqueeze(-1) if vec else B
     n = Bm.shape[-2]

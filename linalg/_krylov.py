@@ -126,7 +126,7 @@ def minres(
         >>> x.tolist(), info.converged
         ([0.5, -1.0], True)
     """
-    require_symmetric(A, "minres(A, B)", "minres")
+    require_symmetric(A, "minres(A, B)", "MINRES")
     vec, Bm = _columns(A, B)
     n = Bm.shape[-2]
     maxiter = 10 * n if maxiter is None else int(maxiter)
@@ -401,7 +401,7 @@ def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) 
             f"allowed {sorted(allowed)}."
         )
     if method in SYMMETRIC_METHODS:
-        require_symmetric(A, f"torch.linalg.solve(A, B) with method={method!r}", method)
+        require_symmetric(A, f"solve(A, B, method={method!r})", method.upper())
     opts = tuple((k, v) for k, v in options.items() if k in allowed)
     return implicit_solve(A, B, SolveMethod(method, opts))
 
