@@ -274,7 +274,7 @@ def gmres(
         zero = torch.zeros_like(g[0])
         H = torch.stack(
             [torch.stack(cols[j] + [zero] * (m - j - 1), dim=-1) for j in range(m)], dim=-1
-        ).squeeze(-3)  # (..., k, m, m): H[..., i, j] = cols[j][i]
+        ).squeeze(-4)  # (..., k, m, m): H[..., i, j] = cols[j][i]
         y = torch.linalg.solve_triangular(
             H, torch.stack(g[:m], dim=-1).squeeze(-3).unsqueeze(-1), upper=True
         )  # (..., k, m, 1)
