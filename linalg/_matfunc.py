@@ -3,20 +3,23 @@
 # Note [Differentiating Lanczos approximations]
 ``lanczos_matfunc`` and ``eigsh`` run the Lanczos recurrence (``_iterative.lanczos``) and the
 ``eigh`` of its small tridiagonal as ordinary torch code, so our transforms (and torch's) go
-through them step by step: the derivative is the derivative of the approximation, which is the
-exact derivative of ``f(A) V`` when ``steps >= n`` (the approximation is then exact for every A
-near the given one). Unlike solves (Note [Implicit differentiation of iterative solves]), no
-fixed-point identity pins the derivative of a truncated Krylov approximation; the recurrence
-divides by the ``beta`` coefficients, so under a vmap, where the early stop on an invariant
-subspace cannot read its test, a start vector lying in a small invariant subspace gives nan:
-start from generic vectors there.
+through them step by step: the derivative is the derivative of the approximation. It is the
+exact derivative of ``f(A) V`` when ``steps >= n`` and the Krylov space of each column of V is
+all of R^n: the approximation is then exact for every A near the given one. When that space is
+smaller (A has repeated eigenvalues, or a column of V lies in an invariant subspace, and the
+recurrence stops early) the value is exact but the derivative is not: a perturbed A splits the
+eigenvalues and its Krylov space grows. Unlike solves (Note [Implicit differentiation of
+iterative solves]), no fixed-point identity pins the derivative of a truncated Krylov
+approximation. The recurrence divides by its ``beta`` coefficients, so under a vmap, where the
+early stop cannot read its test, a start vector in a small invariant subspace gives nan: start
+from generic vectors there.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._base import LinearOperator
+from ._base import LinearOperator, broadcast_batch
 from ._iterative import SolverInfo, _readable_float, _record, _tridiag, lanczos, require_symmetric
 
 _GENERAL_MATFUNC = (
@@ -82,6 +85,7 @@ def lanczos_matfunc(A: LinearOperator, V: torch.Tensor, f, *, steps: int = 30) -
     Vm = V.unsqueeze(-1) if vec else V
     if Vm.shape[-2] != n:
         raise ValueError(f"{call}: expected V with {n} rows, received shape {tuple(V.shape)}.")
+    Vm = Vm.expand(*broadcast_batch(A.batch_shape, Vm.shape[:-2]), *Vm.shape[-2:])
     Q, alpha, beta = lanczos(A, Vm, min(int(steps), n))  # Q: (..., p, m, n)
     theta, U = torch.linalg.eigh(_tridiag(alpha, beta))  # (..., p, m), (..., p, m, m)
     fe1 = (U * (f(theta) * U[..., 0, :]).unsqueeze(-2)).sum(-1)  # f(T) e_1: (..., p, m)
@@ -143,7 +147,8 @@ def eigsh(
     if v0 is None:
         g = generator if generator is not None else torch.Generator().manual_seed(0)
         v0 = torch.randn(n, generator=g, dtype=torch.float64).to(A.dtype).to(A.device)
-    Q, alpha, beta = lanczos(A, v0.unsqueeze(-1), steps)  # Q: (..., 1, m, n)
+    v0 = v0.expand(*broadcast_batch(A.batch_shape, v0.shape[:-1]), n).unsqueeze(-1)
+    Q, alpha, beta = lanczos(A, v0, steps)  # Q: (..., 1, m, n)
     m = Q.shape[-2]
     if m < k:
         raise ValueError(
