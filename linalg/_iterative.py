@@ -216,7 +216,8 @@ def cg(
     Not differentiated (use `solve(A, B, method="cg")` for implicit derivatives).
 
     Args:
-        A: operator (or callable ``X -> A X``) ``(..., n, n)``. B: ``(..., n)`` or ``(..., n, k)``.
+        A: operator declared symmetric (or callable ``X -> A X``) ``(..., n, n)``; one that is
+            not declared symmetric is refused. B: ``(..., n)`` or ``(..., n, k)``.
         tol, atol: stop when ``|r| <= max(tol |b|, atol)`` for every column.
         maxiter: default 10 n (inside a vmap every iteration runs, see Note [Data-dependent
             stopping under vmap]).

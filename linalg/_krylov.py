@@ -45,10 +45,23 @@ from ._iterative import (
 )
 
 
-def _columns(A, B):
-    """``(vec, Bm)``: B as columns ``(..., n, k)``, and whether it was a (batch of) vector(s)."""
+def _columns(A, B, call):
+    """``(vec, Bm)``: B as columns ``(..., n, k)``, and whether it was a (batch of) vector(s);
+    a non-square A or a B of the wrong height refused."""
     vec = B.dim() == 1 or (isinstance(A, LinearOperator) and B.dim() == A.ndim - 1)
-    return vec, (B.unsqueeze(-1) if vec else B)
+    Bm = B.unsqueeze(-1) if vec else B
+    if isinstance(A, LinearOperator):
+        if not A.is_square:
+            raise ValueError(
+                f"{call}: expected a square operator, received {A!r}; for least squares use "
+                "lsmr(A, B)."
+            )
+        if Bm.shape[-2] != A.shape[-1]:
+            raise ValueError(
+                f"{call}: expected B with {A.shape[-1]} rows for {A!r}, received shape "
+                f"{tuple(B.shape)}."
+            )
+    return vec, Bm
 
 
 def _safe(d):
@@ -127,7 +140,7 @@ def minres(
         ([0.5, -1.0], True)
     """
     require_symmetric(A, "minres(A, B)", "MINRES")
-    vec, Bm = _columns(A, B)
+    vec, Bm = _columns(A, B, "minres(A, B)")
     n = Bm.shape[-2]
     maxiter = 10 * n if maxiter is None else int(maxiter)
     Minv = _minv(A, preconditioner, "minres")
@@ -224,7 +237,7 @@ def gmres(
         >>> [round(v, 12) for v in x.tolist()], info.converged
         ([1.0, 1.0], True)
     """
-    vec, Bm = _columns(A, B)
+    vec, Bm = _columns(A, B, "gmres(A, B)")
     n = Bm.shape[-2]
     restart = min(n, 30 if restart is None else int(restart))
     if restart < 1:
@@ -321,7 +334,7 @@ def bicgstab(
         >>> [round(v, 12) for v in x.tolist()], info.converged  # x: [2]
         ([1.0, 1.0], True)
     """
-    vec, Bm = _columns(A, B)
+    vec, Bm = _columns(A, B, "bicgstab(A, B)")
     n = Bm.shape[-2]
     maxiter = 10 * n if maxiter is None else int(maxiter)
     Minv = _minv(A, preconditioner, "bicgstab")

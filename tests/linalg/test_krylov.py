@@ -314,6 +314,15 @@ def test_bad_options_and_methods_fail_loudly():
         L.iterative(lstsq="lsqr")
     with pytest.raises(ValueError, match=r"gmres\(\.\.\., preconditioner='ilu'\)"):
         L.gmres(op, torch.ones(5, dtype=DT), preconditioner="ilu")
+    rect = L.DenseOperator(torch.ones(4, 3, dtype=DT))
+    for name, fn in SOLVERS.items():
+        with pytest.raises(ValueError, match=rf"{name}\(A, B\): expected a square operator.*lsmr"):
+            fn(
+                rect if name != "minres" else L.DenseOperator(torch.ones(4, 3), symmetric=True),
+                torch.ones(4),
+            )
+        with pytest.raises(ValueError, match=rf"{name}\(A, B\): expected B with 5 rows"):
+            fn(L.DenseOperator(torch.eye(5, dtype=DT), symmetric=True), torch.ones(4, dtype=DT))
 
 
 # ------------------------------------------------------------------ LSMR
