@@ -79,7 +79,9 @@ from ._iterative import (
 from ._kernel import KernelOperator, inv_quad_logdet, matern52, rbf
 from ._kronecker import KroneckerOperator, KroneckerPlusScaledIdentityOperator
 from ._kronecker_sum import KroneckerSumOperator
+from ._krylov import NormalOperator, bicgstab, gmres, lsmr, minres
 from ._lowrank import LowRankOperator, LowRankPlusDiagonalOperator
+from ._matfunc import eigsh, lanczos_matfunc
 from ._roots import (
     estimate_diagonal,
     pivoted_cholesky,
@@ -113,6 +115,7 @@ __all__ = [
     "LinearOperator",
     "LowRankOperator",
     "LowRankPlusDiagonalOperator",
+    "NormalOperator",
     "PermutationOperator",
     "ProductOperator",
     "RootOperator",
@@ -126,6 +129,7 @@ __all__ = [
     "ZeroOperator",
     "add",
     "as_operator",
+    "bicgstab",
     "cat",
     "cg",
     "cholesky",
@@ -134,9 +138,11 @@ __all__ = [
     "det",
     "diagonal",
     "eigh",
+    "eigsh",
     "eigvalsh",
     "estimate_diagonal",
     "frobenius_norm",
+    "gmres",
     "hadamard",
     "hutchinson_trace",
     "hutchpp_trace",
@@ -144,9 +150,12 @@ __all__ = [
     "inv_quad_logdet",
     "iterative",
     "lanczos",
+    "lanczos_matfunc",
     "logdet",
+    "lsmr",
     "matern52",
     "matmul",
+    "minres",
     "pivoted_cholesky",
     "pivoted_cholesky_preconditioner",
     "rbf",

@@ -15,7 +15,8 @@ from . import _functions as functions
 # _warn_once is re-exported: tests clear its cache through this module.
 from ._base import LinearOperator, _func_name, _warn_once, dense_fallback  # noqa: F401
 from ._block import cat
-from ._iterative import _CONFIG
+from ._iterative import _CONFIG, resolve_method
+from ._krylov import iterative_lstsq
 
 
 def _is_op(x) -> bool:
@@ -43,6 +44,18 @@ def _solve_triangular(A, B, *, upper, left=True, unitriangular=False, out=None):
     if out is not None or not _is_op(A):
         return None
     return functions.solve_triangular(A, B, upper=upper, left=left, unitriangular=unitriangular)
+
+
+def _lstsq(A, B, rcond=None, *, driver=None):
+    # Only inside ``iterative(lstsq="lsmr")``; otherwise the dense default (which warns).
+    if not _is_op(A) or rcond is not None or driver is not None:
+        return None
+    method, options = resolve_method("lstsq", None, {})
+    if method is None:
+        return None
+    X = iterative_lstsq(A, B, method, **options)
+    empty = X.new_empty(0)  # residuals, rank and singular values: not computed (as gelsy)
+    return torch.return_types.linalg_lstsq((X, empty, empty.long(), empty))
 
 
 def _cholesky(A, *, upper=False, out=None):
@@ -182,6 +195,7 @@ _TABLE = {
     torch.Tensor.__rmatmul__: _rmatmul,
     torch.linalg.solve: _solve,
     torch.linalg.solve_triangular: _solve_triangular,
+    torch.linalg.lstsq: _lstsq,
     torch.linalg.cholesky: _cholesky,
     torch.cholesky: _cholesky_old,
     torch.cholesky_solve: _cholesky_solve,

@@ -27,9 +27,9 @@ from ._iterative import (
     hutchinson_trace,
     hutchpp_trace,
     iterative_logdet,
-    iterative_solve,
     resolve_method,
 )
+from ._krylov import iterative_solve
 
 
 def _with_rules(rule):
@@ -89,8 +89,10 @@ def solve(A, B, *, left: bool = True, method: str | None = None, **options):
         A: a square LinearOperator ``(..., n, n)``.
         B: ``(..., n)`` or ``(..., n, k)``.
         left: solve ``A X = B`` (True) or ``X A = B`` (False), as ``torch.linalg.solve``.
-        method: None (exact, unless an `iterative` context asks otherwise) or ``"cg"``.
-        **options: for iterative methods (``tol``, ``maxiter``, ``preconditioner``).
+        method: None (exact, unless an `iterative` context asks otherwise), ``"cg"``,
+            ``"minres"``, ``"gmres"`` or ``"bicgstab"`` (implicitly differentiated).
+        **options: for iterative methods (``tol``, ``maxiter``, ``preconditioner``,
+            ``restart`` for GMRES).
 
     Example:
         >>> import torch

@@ -91,16 +91,20 @@ def _constant(t):
     return t.detach() if isinstance(t, torch.Tensor) else t
 
 
-def implicit_solve(A, B: torch.Tensor, method=None, order: int = 1) -> torch.Tensor:
+def implicit_solve(A, B: torch.Tensor, method=None, order: int = 1, forward=None) -> torch.Tensor:
     """``A^{-1} B`` (``B`` of shape ``(..., n, k)``) with implicit derivatives (Note [Implicit
     differentiation of structured solves]). ``method``: None (exact, A's structure rule) or
-    an iterative method ``(A, B) -> X`` (run on constants; it records its info). ``order``: the
-    derivative order the result is built for (1 from users, one more in S's rules)."""
+    an iterative method ``(A, B) -> X`` (run on constants; it records its info). A method with
+    an ``adjoint()`` gives the method for the adjoint solves of a non-symmetric A (its
+    preconditioner adjointed, say). ``order``: the derivative order the result is built for (1
+    from users, one more in S's rules). ``forward``: a callable ``() -> X`` computing the value
+    on constants by another route (LSMR on ``min |A0 X - B0|`` for the normal equations
+    ``A = A0^H A0``, ``B = A0^H B0``); the derivatives are still ``method``'s solves with A."""
     leaves, spec = tree_flatten(A)
     if not differentiable([B, *_tensors(leaves)]):
-        return _forward_solve(A, B, method)
+        return forward() if forward is not None else _forward_solve(A, B, method)
     Ac = _op(spec, [_constant(t) for t in leaves])
-    Xc = _forward_solve(Ac, B.detach(), method)
+    Xc = forward() if forward is not None else _forward_solve(Ac, B.detach(), method)
     # Two corrections: exact to second order (Note [Second-order exactness of the implicit
     # solve]).
     R = B - A._matmul(Xc)
@@ -150,8 +154,12 @@ class ImplicitSolve(torch.autograd.Function):
         none = (None, None, None, None) + (None,) * len(leaves)
         _check_order(ctx)
         A = _op(ctx.spec, leaves)
-        AH = A if A.symmetric and not A.is_complex else A._adjoint()
-        return (implicit_solve(AH, G, ctx.method, ctx.order // 2 + 1),) + none[1:]
+        if A.symmetric and not A.is_complex:
+            AH, method = A, ctx.method
+        else:
+            AH = A._adjoint()
+            method = ctx.method.adjoint() if hasattr(ctx.method, "adjoint") else ctx.method
+        return (implicit_solve(AH, G, method, ctx.order // 2 + 1),) + none[1:]
 
     @staticmethod
     def jvp(ctx, R_dot, *_):

@@ -1,5 +1,8 @@
 """Iterative algorithms, used only when asked: CG, Lanczos, SLQ logdet, Hutchinson/Hutch++ trace.
 
+MINRES, GMRES, BiCGStab and LSMR are in ``_krylov.py``; matrix functions and top-k eigenpairs
+by Lanczos in ``_matfunc.py``.
+
 # Note [Implicit differentiation of iterative solves]
 ``X = A^{-1} B`` is computed by CG on *constant* copies of A's tensors (nothing is recorded
 through the iterations) and differentiated as the exact solves are (Note [Implicit
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import functools
 import warnings
 
 import torch
@@ -24,12 +26,21 @@ import torch
 from functransforms._pytree import tree_map
 
 from ._base import LinearOperator, _try_bool
-from ._implicit import implicit_solve
 from ._rules import diagonal, solve
 
 _CONFIG: contextvars.ContextVar = contextvars.ContextVar(
     "functransforms_linalg_iterative", default=None
 )
+
+# The iterative methods each operation accepts (the solvers themselves: ``_krylov.py``).
+METHODS = {
+    "solve": ("cg", "minres", "gmres", "bicgstab"),
+    "lstsq": ("lsmr",),
+    "logdet": ("slq",),
+    "trace": ("hutchinson", "hutchpp"),
+}
+# The solve methods that need a symmetric (Hermitian) operator.
+SYMMETRIC_METHODS = ("cg", "minres")
 
 
 @dataclasses.dataclass
@@ -57,11 +68,15 @@ class iterative:
     """Context manager: use iterative methods for the operations named, and record their info.
 
     Args:
-        solve: ``"cg"`` (preconditioned conjugate gradients; symmetric positive definite A).
+        solve: ``"cg"`` (preconditioned conjugate gradients; symmetric positive definite A),
+            ``"minres"`` (symmetric, possibly indefinite A), ``"gmres"`` (restarted, any
+            square A) or ``"bicgstab"`` (any square A).
         logdet: ``"slq"`` (stochastic Lanczos quadrature).
         trace: ``"hutchinson"`` or ``"hutchpp"``.
+        lstsq: ``"lsmr"`` (``torch.linalg.lstsq`` of an operator by LSMR, `lsmr`).
         **options: ``tol``, ``maxiter``, ``preconditioner`` (an operator ≈ A, a callable
-            ``R -> M^{-1} R`` or ``"jacobi"``), ``num_probes``, ``lanczos_steps``, ``generator``.
+            ``R -> M^{-1} R`` or ``"jacobi"``), ``restart`` (GMRES), ``damp`` (LSMR),
+            ``num_probes``, ``lanczos_steps``, ``generator``.
 
     Attributes:
         infos: the `SolverInfo` of every iterative call made inside the block.
@@ -81,12 +96,14 @@ class iterative:
         solve: str | None = "cg",
         logdet: str | None = "slq",
         trace: str | None = None,
+        lstsq: str | None = None,
         **options,
     ):
-        _check_method("iterative(solve=...)", solve, ("cg",))
-        _check_method("iterative(logdet=...)", logdet, ("slq",))
-        _check_method("iterative(trace=...)", trace, ("hutchinson", "hutchpp"))
-        self.methods = {"solve": solve, "logdet": logdet, "trace": trace}
+        _check_method("iterative(solve=...)", solve, METHODS["solve"])
+        _check_method("iterative(logdet=...)", logdet, METHODS["logdet"])
+        _check_method("iterative(trace=...)", trace, METHODS["trace"])
+        _check_method("iterative(lstsq=...)", lstsq, METHODS["lstsq"])
+        self.methods = {"solve": solve, "logdet": logdet, "trace": trace, "lstsq": lstsq}
         self.options = options
         self.infos: list[SolverInfo] = []
         self._token = None
@@ -112,9 +129,15 @@ def resolve_method(kind: str, method, options):
         if method is not None:
             options = {**ctx.options, **options}
     if method is not None:
-        allowed = {"solve": ("cg",), "logdet": ("slq",), "trace": ("hutchinson", "hutchpp")}[kind]
-        _check_method(f"{kind}(..., method=...)", method, allowed)
+        _check_method(f"{kind}(..., method=...)", method, METHODS[kind])
     return method, options
+
+
+_ADVICE = {
+    None: "raise maxiter or add a preconditioner",
+    "lsmr": "raise maxiter, or damp an ill-conditioned problem",
+    "eigsh": "raise steps",
+}
 
 
 def _record(info: SolverInfo) -> None:
@@ -122,9 +145,10 @@ def _record(info: SolverInfo) -> None:
     if ctx is not None:
         ctx.infos.append(info)
     if info.converged is False:
+        advice = _ADVICE.get(info.method, _ADVICE[None])
         warnings.warn(
             f"{info.method}: did not converge in {info.iterations} iterations (relative residual "
-            f"{info.residual:.3g} > tol {info.tol:.3g}); raise maxiter or add a preconditioner.",
+            f"{info.residual:.3g} > tol {info.tol:.3g}); {advice}.",
             stacklevel=4,
         )
 
@@ -140,13 +164,13 @@ def _apply(A, X):
     return A._matmul(X) if isinstance(A, LinearOperator) else A(X)
 
 
-def _preconditioner(A, M):
+def _preconditioner(A, M, call="cg"):
     if M is None:
         return None
     if isinstance(M, str):
         if M != "jacobi":
             raise ValueError(
-                f"cg(..., preconditioner={M!r}): expected 'jacobi', an operator or a callable."
+                f"{call}(..., preconditioner={M!r}): expected 'jacobi', an operator or a callable."
             )
         d = diagonal(A).unsqueeze(-1)
         return lambda R: R / d
@@ -155,9 +179,22 @@ def _preconditioner(A, M):
     if callable(M):
         return M
     raise TypeError(
-        f"cg(..., preconditioner=...): expected an operator, a callable or 'jacobi', "
+        f"{call}(..., preconditioner=...): expected an operator, a callable or 'jacobi', "
         f"received {type(M).__name__}."
     )
+
+
+_GENERAL_SOLVE = "for a general square operator use method='gmres' or method='bicgstab'"
+
+
+def require_symmetric(A, call: str, method: str, instead: str = _GENERAL_SOLVE) -> None:
+    """Refuse a method that needs a symmetric (Hermitian) operator on one not declared so."""
+    if isinstance(A, LinearOperator) and not A.symmetric:
+        raise ValueError(
+            f"{call}: {method} needs a symmetric (Hermitian) operator, received {A!r}, which is "
+            f"not declared symmetric. Expected: {instead}; if it is symmetric, declare it (e.g. "
+            "DenseOperator(M, symmetric=True), or positive_definite=True)."
+        )
 
 
 def _dot(X, Y):
@@ -179,7 +216,8 @@ def cg(
     Not differentiated (use `solve(A, B, method="cg")` for implicit derivatives).
 
     Args:
-        A: operator (or callable ``X -> A X``) ``(..., n, n)``. B: ``(..., n)`` or ``(..., n, k)``.
+        A: operator declared symmetric (or callable ``X -> A X``) ``(..., n, n)``; one that is
+            not declared symmetric is refused. B: ``(..., n)`` or ``(..., n, k)``.
         tol, atol: stop when ``|r| <= max(tol |b|, atol)`` for every column.
         maxiter: default 10 n (inside a vmap every iteration runs, see Note [Data-dependent
             stopping under vmap]).
@@ -195,6 +233,7 @@ def cg(
         >>> x.tolist(), info.converged
         ([1.0, 0.5], True)
     """
+    require_symmetric(A, "cg(A, B)", "CG")
     vec = B.dim() == 1 or (isinstance(A, LinearOperator) and B.dim() == A.ndim - 1)
     Bm = B.unsqueeze(-1) if vec else B
     n = Bm.shape[-2]
@@ -242,19 +281,6 @@ def run_cg(A: LinearOperator, B: torch.Tensor, **options) -> torch.Tensor:
     X, info = cg(A, B, **options)
     _record(info)
     return X
-
-
-def iterative_solve(A: LinearOperator, B: torch.Tensor, method: str, **options) -> torch.Tensor:
-    """``A^{-1} B`` by ``method`` with implicit derivatives (see the Note above)."""
-    allowed = {"tol", "atol", "maxiter", "preconditioner"}
-    bad = set(options) - allowed - {"num_probes", "lanczos_steps", "generator"}
-    if bad:
-        raise TypeError(
-            f"solve(A, B, method={method!r}): unexpected options {sorted(bad)}; "
-            f"allowed {sorted(allowed)}."
-        )
-    opts = {k: v for k, v in options.items() if k in allowed}
-    return implicit_solve(A, B, functools.partial(run_cg, **opts))
 
 
 # ------------------------------------------------------------------ Lanczos and SLQ
