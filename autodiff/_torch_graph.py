@@ -10,7 +10,7 @@ Note [Outputs torch leaves without a graph]
     (``layer_norm_double_backward`` recomputes it). Our rules read them too, as outputs with a
     derivative of their own: the layer-norm vjp builds ``xhat = (x - mean) * rstd`` from them,
     its jvp the tangents of all three outputs. torch's autograd, differentiating those ops,
-    took ``mean`` and ``rstd`` for constants: ``torch.autograd.grad`` of ``ft.grad``'s result
+    took ``mean`` and ``rstd`` for constants: the user's outer derivative of ``ft.grad``'s result
     (MAML's meta-gradient through a LayerNorm) was 15-20% off, silently.
 
     The fix is one mechanism, not a rule per op: while torch records the ops of a rule, a
@@ -271,7 +271,7 @@ def written_under_no_grad(below, value):
     changes a tensor's value and keeps its history. Our levels write functionally (the wrapper
     takes ``value``, computed as a constant), so a plain ``below`` that torch differentiates
     hands its history to the new value: torch's ``cosine_similarity`` clamps its norms in place
-    under no_grad, and ``torch.autograd.grad`` of ``ft.grad`` of it lost the norms' graph."""
+    under no_grad, and torch's derivative of ``ft.grad`` of it lost the norms' graph."""
     if type(below) is not torch.Tensor or not below.requires_grad or value.requires_grad:
         return value
     if below.shape != value.shape or below.dtype != value.dtype:

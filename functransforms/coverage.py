@@ -175,7 +175,7 @@ def render() -> str:
         "tests/conformance/expected_failures.py; *skip*: skipped by the suite (random or "
         "uninitialized output); *—*: the OpInfo says torch does not support the transform; "
         "*vmap_dims*: vmap with in_dims / out_dims other than 0 and vmap of vmap; "
-        "*autograd(vjp)*, *autograd(vmap)*, *autograd(jvp)*: torch.autograd.grad over what our "
+        "*autograd(vjp)*, *autograd(vmap)*, *autograd(jvp)*: torch's autograd over what our "
         "vjp, vmap and jvp return (double backward, backward through vmap, over jvp); "
         "**ours only**: torch has no forward-mode formula and our jvp computes (Note [Coverage "
         "over the OpInfo database] in functransforms/coverage.py).\n\n"
