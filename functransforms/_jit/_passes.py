@@ -443,6 +443,64 @@ def _identity_products(gm) -> int:
     return n
 
 
+def _scalar_identities(gm) -> int:
+    """Products and powers by a scalar that change no bit: ``pow(x, 1)`` and ``mul(x, 1)``
+    are ``x``; ``mul(x, -1)`` is ``neg(x)``; ``mul(neg(x), s)`` is ``mul(x, -s)`` (negation
+    is exact and rounding is symmetric, so ``(-x) * s`` and ``x * (-s)`` round to the same
+    float). A transform's derivative rules make these: the vjp of ``x ** 2`` multiplies by
+    ``2 * x ** 1``, of ``a - b`` by ``-1``, and the inner SGD step of MAML scales that by the
+    learning rate (MAML's replay: 9 of 179 ops). Nothing else: folding ``(x * a) * b`` into
+    ``x * (a * b)`` rounds differently in general. A dropped node is kept when it is returned
+    or written (the caller, or the write, needs its own memory), when its source is written
+    later (the node's value was taken before), or when the dtype or layout would change."""
+    root = _roots(gm.graph)
+    outputs, mutated = _outputs_and_mutated(gm.graph)
+    written = {root.get(n, n) for n in mutated}
+
+    def scalar(a):
+        return type(a) in (int, float)
+
+    def same_as(node, src):
+        a, b = src.meta.get("val"), node.meta.get("val")
+        la, lb = _static_layout(a), _static_layout(b)
+        return la is not None and la == lb and b.requires_grad == a.requires_grad
+
+    n = 0
+    for node in list(gm.graph.nodes):
+        t = node.target
+        if node.op != "call_function" or node.kwargs or len(node.args) != 2:
+            continue
+        x, s = node.args
+        if not (isinstance(x, torch.fx.Node) and scalar(s)):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, _Tensor) or not (val.is_floating_point() or val.is_complex()):
+            continue
+        if node in outputs or node in mutated:
+            continue
+        if t in (aten.pow.Tensor_Scalar, aten.mul.Tensor) and s == 1:
+            if root.get(x, x) not in written and same_as(node, x):
+                node.replace_all_uses_with(x)
+                gm.graph.erase_node(node)
+                n += 1
+            continue
+        if t is not aten.mul.Tensor:
+            continue
+        if s == -1 and _static_layout(x.meta.get("val")) is not None:
+            if x.meta["val"].dtype == val.dtype:
+                node.target, node.args = aten.neg.default, (x,)
+                n += 1
+                continue
+        if x.op == "call_function" and x.target is aten.neg.default and len(x.users) == 1:
+            src = x.args[0]
+            sv = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+            if isinstance(sv, _Tensor) and sv.dtype == val.dtype:
+                node.args = (src, -s)
+                gm.graph.erase_node(x)
+                n += 1
+    return n
+
+
 def _clean(gm, dynamic: bool, replay: bool = True, autograd: bool = False):
     """The clean-up of every recorded graph. ``replay``: the graph is replayed op by op, not
     compiled (a compiler fuses the bias add into its own kernels: it gets the plain ops).
@@ -456,6 +514,7 @@ def _clean(gm, dynamic: bool, replay: bool = True, autograd: bool = False):
         if not autograd:
             _common_subexpressions(gm)
             _view_round_trips(gm)
+            _scalar_identities(gm)
         _keepdim_sums(gm)
     _fold_constants(gm, dynamic)
     _identity_products(gm)

@@ -11,7 +11,13 @@ import functransforms as ft
 from functransforms._jit import _passes as passes
 
 aten = torch.ops.aten
-_PASSES = ("_common_subexpressions", "_view_round_trips", "_keepdim_sums", "_python_bindings")
+_PASSES = (
+    "_common_subexpressions",
+    "_view_round_trips",
+    "_keepdim_sums",
+    "_scalar_identities",
+    "_python_bindings",
+)
 
 
 def _targets(gm):
@@ -33,8 +39,9 @@ def _both(monkeypatch, f, *args):
     j = ft.jit(f)
     j(*args)
     out = j(*args)
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)  # bit-identical
-    torch.testing.assert_close(out, f(*args))  # eager: the plain replay's own rewrites round
+    torch.testing.assert_close(out, plain, rtol=0, atol=0, equal_nan=True)  # bit-identical
+    # eager: the plain replay's own rewrites round
+    torch.testing.assert_close(out, f(*args), equal_nan=True)
     return j.graph(*args), plain_gm
 
 
@@ -280,3 +287,45 @@ def test_torch_autograd_through_the_rewritten_replay(monkeypatch, which):
     for a, b, c in zip(got, want, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # bit-identical to the plain replay
         torch.testing.assert_close(a, c)
+
+
+# -- scalar identities -------------------------------------------------------------------------
+def test_scalar_identities_drop_unit_powers_and_fold_negations(monkeypatch):
+    # the vjp of (a - b) ** 2 scaled by a learning rate: pow(x, 1), mul(x, -1), mul(., lr)
+    a, b = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def step(a, b):
+        g = ft.grad(lambda b: ((a - b) ** 2).sum())(b)
+        return b - 0.01 * g
+
+    gm, plain = _both(monkeypatch, step, a, b)
+    assert aten.pow.Tensor_Scalar in _targets(plain)
+    assert aten.pow.Tensor_Scalar not in _targets(gm)
+    assert len(_targets(gm)) < len(_targets(plain))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128])
+def test_scalar_identities_are_bit_identical_at_the_edges(monkeypatch, dtype):
+    x = torch.tensor([0.0, -0.0, 1e-310, 3.0e38, float("inf"), float("nan"), -2.5])
+    x = x.to(dtype) if not dtype.is_complex else torch.complex(x, x.flip(0)).to(dtype)
+    f = lambda x: (x.sin() ** 1 * 1 * -1) * 0.3 + (x.cos() * -1) * -7.0  # noqa: E731
+    gm, plain = _both(monkeypatch, f, x)
+    assert len(_targets(gm)) < len(_targets(plain))
+
+
+def test_scalar_identities_keep_returned_and_written_results():
+    x = torch.randn(4, dtype=torch.float64)
+
+    def f(x):
+        y = x.sin()
+        z = y**1  # z must not alias y: y is written below
+        y.mul_(3)
+        w = x.cos() * 1  # returned: its own memory
+        return z, w
+
+    j = ft.jit(f)
+    j(x)
+    z, w = j(x)
+    torch.testing.assert_close(z, x.sin(), rtol=0, atol=0)
+    assert aten.pow.Tensor_Scalar in _targets(j.graph(x))
+    assert aten.mul.Tensor in _targets(j.graph(x))
