@@ -16,11 +16,12 @@ from functransforms._core.levels import (
     PlainMetadata,
     TransformTensor,
     below_torch_autograd,
+    innermost,
     is_floating,
     metadata,
 )
 from functransforms._core.ops import draws_random, facts, op_name
-from functransforms._custom import ClosedOverStandIn, _CustomFunction
+from functransforms._custom import ClosedOverStandIn, _CustomFunction, _plain
 from functransforms._vmap import vmap
 from functransforms.errors import (  # raise_*: re-exported for rule modules
     FallbackWarning,
@@ -507,14 +508,23 @@ class VmapInterpreter(Interpreter):
         if custom_fn.vmap_rule is not None:
             return self._user_vmap_rule(custom_fn, vals, bdims, spec)
         in_dims = tuple(pt.tree_unflatten(spec, bdims))
-        fn, fwd, bwd, jvp_rule = custom_fn.generic_vmap or (
-            custom_fn.fn,
-            custom_fn.fwd,
-            custom_fn.bwd,
-            custom_fn.jvp_rule,
-        )
         r = self.randomness
-        batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=r))
+        generated = None
+        if custom_fn.generic_vmap is not None:
+            batched, *generated = self._generated_rules(custom_fn.generic_vmap, in_dims)
+            bwd = custom_fn.generic_vmap[2]
+        else:
+            fn, fwd, bwd, jvp_rule = (
+                custom_fn.fn,
+                custom_fn.fwd,
+                custom_fn.bwd,
+                custom_fn.jvp_rule,
+            )
+            batched = _CustomFunction(vmap(fn, in_dims=in_dims, randomness=r))
+            if fwd is not None:
+                batched.fwd = vmap(fwd, in_dims=in_dims, randomness=r)
+            if jvp_rule is not None:
+                batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=r))
         if bwd is not None:
             # one mapped argument holding both: residuals or cotangents may be None (an empty
             # pytree), which an int in_dim of their own would refuse (a user's mistake there)
@@ -525,13 +535,16 @@ class VmapInterpreter(Interpreter):
 
             if any(d is None for d in bdims):
                 batched_bwd = _summed_over_unmapped(batched_bwd, args, bdims)
-            batched.defvjp(vmap(fwd, in_dims=in_dims, randomness=r), batched_bwd)
+            batched.defvjp(batched.fwd, batched_bwd)
             # the residuals are this level's vmap of the original's, the flag with them: an
             # autograd.Function after ctx.set_materialize_grads(False) gets None for an
             # output without a cotangent at every level, as in functorch (not zeros)
             batched.materialize_grads = custom_fn.materialize_grads
-        if jvp_rule is not None:
-            batched.defjvp(vmap(jvp_rule, in_dims=(in_dims, in_dims), randomness=r))
+        if generated is not None:
+            # a vmap nested in this one batches the batched pieces the same way
+            run, residuals, tangents = generated
+            bwd_piece = batched_bwd if bwd is not None else None
+            batched.generic_vmap = (run, residuals, bwd_piece, tangents)
         # Note [Random draws in custom functions under vmap]: the vmapped pieces replace this
         # level (its values are unwrapped), so it must not batch their draws a second time:
         # under randomness='different' the dropout and factory modes batched a draw inside
@@ -545,6 +558,48 @@ class VmapInterpreter(Interpreter):
         finally:
             self.alive, self.level, self.stand_in = True, level, None
         return pt.tree_map(lambda o: wrap_batched(o, 0, self), out)
+
+    def _generated_rules(self, pieces, in_dims):
+        """Note [Generated vmap rules of autograd.Function]
+
+        An ``autograd.Function`` with ``generate_vmap_rule=True`` is batched as functorch does
+        it: a new custom function whose forward is the vmap of the original's ``forward`` and
+        whose rules are the vmaps of its ``setup_context``, ``backward`` and ``jvp``. The
+        levels enclosing this vmap must see that function as their op and use its rules:
+        its forward re-enters it while an enclosing level still wraps the arguments, and runs
+        the vmapped forward's ops only on plain values. Running those ops on values the
+        enclosing levels still wrapped made them differentiate the forward's own ops instead
+        (zero for the implicit solves, whose forward is ``zeros_like``): a second derivative
+        outside a vmap of a structured solve (``hessian(lambda P: vmap(f)(P).sum())``) was
+        wrong, silently. A vmap nested in this one batches the batched function's pieces
+        again (its ``generic_vmap``), never its re-entering forward. Returns ``(batched
+        function, vmapped forward, vmapped setup, vmapped jvp)``."""
+        forward_ops, setup, bwd, tangents_out = pieces
+        r = self.randomness
+        run = vmap(forward_ops, in_dims=in_dims, randomness=r)
+        residuals = vmap(setup, in_dims=(in_dims, 0), randomness=r)
+
+        def fn(*a):
+            if _has_wrapper(a):  # an enclosing level: the batched Function is its op too
+                return batched(*a)
+            return run(*a)
+
+        def fwd(*a):
+            out = fn(*a)
+            return out, residuals(a, out)
+
+        batched = _CustomFunction(fn)
+        batched.fwd = fwd
+        tangents = None
+        if tangents_out is not None:
+            tangents = vmap(tangents_out, in_dims=(0, in_dims, in_dims), randomness=r)
+
+            def jvp_rule(primals, tangents_in):
+                out, ctx = fwd(*primals)
+                return out, tangents(ctx, primals, tangents_in)
+
+            batched.defjvp(jvp_rule)
+        return batched, run, residuals, tangents
 
     def _user_vmap_rule(self, cf, vals, bdims, spec):
         """custom_vmap: the user's rule sees the batched arguments with the mapped dim in
@@ -586,6 +641,10 @@ class VmapInterpreter(Interpreter):
                 )
             wrapped.append(wrap_batched(o, 0, self) if b else o)
         return pt.tree_unflatten(out_spec, wrapped)
+
+
+def _has_wrapper(args) -> bool:
+    return not all(_plain(a) for a in args) and innermost(pt.tree_leaves(args)) is not None
 
 
 def _summed_over_unmapped(batched_bwd, args, bdims):

@@ -213,26 +213,29 @@ def _make_custom_function(cls):
     fn.__name__ = forward_ops.__name__ = cls.__name__
     cf = _CustomFunction(fn)
 
+    def setup(args, out):
+        # every inexact input may be differentiated: a complex one too (False there made a
+        # backward that returns None when not ``needs_input_grad`` give a zero gradient)
+        ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and _inexact(a) for a in args))
+        cls.setup_context(ctx, args, out)
+        dirty = ctx.__dict__.pop("dirty", ())
+        calls = _in_flight.dirty
+        if dirty and calls:  # Note [mark_dirty under transforms]
+            flat_out = pt.tree_leaves(out)
+            calls[-1].extend(
+                (i, j)
+                for t in dirty
+                for i, a in enumerate(args)
+                if a is t
+                for j, o in enumerate(flat_out)
+                if _same_tensor(o, t)
+            )
+        return ctx
+
     def make_fwd(run):
         def fwd(*args):
-            # every inexact input may be differentiated: a complex one too (False there made a
-            # backward that returns None when not ``needs_input_grad`` give a zero gradient)
-            ctx = _Ctx(tuple(isinstance(a, torch.Tensor) and _inexact(a) for a in args))
             out = run(*args)
-            cls.setup_context(ctx, args, out)
-            dirty = ctx.__dict__.pop("dirty", ())
-            calls = _in_flight.dirty
-            if dirty and calls:  # Note [mark_dirty under transforms]
-                flat_out = pt.tree_leaves(out)
-                calls[-1].extend(
-                    (i, j)
-                    for t in dirty
-                    for i, a in enumerate(args)
-                    if a is t
-                    for j, o in enumerate(flat_out)
-                    if _same_tensor(o, t)
-                )
-            return out, ctx
+            return out, setup(args, out)
 
         return fwd
 
@@ -271,10 +274,16 @@ def _make_custom_function(cls):
     if _overrides(cls, "vmap"):
         cf.vmap_rule = _vmap_staticmethod_rule(cls)
     elif getattr(cls, "generate_vmap_rule", False):
-        # the generic custom-function batching (vmap of fn, fwd, bwd, jvp), run on forward's
-        # own ops: re-entering the Function there would batch it again, forever
-        direct_fwd = make_fwd(forward_ops)
-        cf.generic_vmap = (forward_ops, direct_fwd, bwd, make_jvp(direct_fwd) if has_jvp else None)
+        # Note [Generated vmap rules of autograd.Function]: the pieces the batching level vmaps
+        # (forward's own ops: re-entering the Function there would batch it again, forever)
+        def tangents_out(ctx, primals, tangents):
+            ctx.saved_tensors = ctx.saved_for_forward  # torch's ``jvp`` sees these
+            tangents = [
+                t if isinstance(p, torch.Tensor) else None for p, t in zip(primals, tangents)
+            ]
+            return cls.jvp(ctx, *tangents)
+
+        cf.generic_vmap = (forward_ops, setup, bwd, tangents_out if has_jvp else None)
     else:
         cf.vmap_rule = _no_vmap_rule(cls)
     return cf

@@ -1,7 +1,7 @@
 """Matrix functions and extreme eigenpairs of symmetric operators by Lanczos, used only when asked.
 
 # Note [Differentiating Lanczos approximations]
-``lanczos_matfunc`` and ``eigsh`` run the Lanczos recurrence (``_iterative.lanczos``) and the
+``lanczos_matfunc`` runs the Lanczos recurrence (``_iterative.lanczos``) and the
 ``eigh`` of its small tridiagonal as ordinary torch code, so our transforms (and torch's) go
 through them step by step: the derivative is the derivative of the approximation. It is the
 exact derivative of ``f(A) V`` when ``steps >= n`` and the Krylov space of each column of V is
@@ -12,12 +12,15 @@ eigenvalues and its Krylov space grows. Unlike solves (Note [Implicit differenti
 iterative solves]), no fixed-point identity pins the derivative of a truncated Krylov
 approximation. The recurrence divides by its ``beta`` coefficients, so under a vmap, where the
 early stop cannot read its test, a start vector in a small invariant subspace gives nan: start
-from generic vectors there.
+from generic vectors there. ``eigsh`` is differentiated otherwise: its eigenpairs have
+derivatives of their own (Note [Implicit derivatives of eigenpairs], linalg/_eigen.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from functransforms._pytree import tree_flatten, tree_unflatten
 
 from ._base import LinearOperator, broadcast_batch
 from ._iterative import SolverInfo, _readable_float, _record, _tridiag, lanczos, require_symmetric
@@ -99,27 +102,42 @@ def eigsh(
     k: int = 1,
     *,
     which: str = "LA",
+    method: str = "lanczos",
     steps: int | None = None,
     tol: float = 1e-8,
     v0: torch.Tensor | None = None,
+    maxiter: int | None = None,
+    preconditioner=None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest (``which="LA"``) or smallest (``"SA"``) eigenpairs of a symmetric A.
 
-    Lanczos with full reorthogonalization from ``v0`` (a Gaussian draw when None), then the
-    Ritz pairs of the tridiagonal. Exact (to rounding) when ``steps >= n``; otherwise extreme,
-    well separated eigenvalues converge first. A Ritz pair whose residual
-    ``|A y - θ y| > tol max|θ|`` makes the call warn (raise ``steps``); the `SolverInfo`
-    (method ``"eigsh"``) is recorded in an `iterative` block. Derivatives go through the steps
-    (Note [Differentiating Lanczos approximations]).
+    ``method="lanczos"``: Lanczos with full reorthogonalization from ``v0`` (a Gaussian draw
+    when None), then the Ritz pairs of the tridiagonal; exact (to rounding) when ``steps >= n``,
+    otherwise extreme, well separated eigenvalues converge first. ``method="lobpcg"``: LOBPCG
+    (Note [LOBPCG], linalg/_eigen.py) on a block of k vectors (``v0`` of shape ``(..., n, k)``
+    or a Gaussian draw), with an optional symmetric positive definite ``preconditioner``; needs
+    ``n >= 3 k``. A pair whose residual ``|A y - θ y| > tol max|θ|`` makes the call warn; the
+    `SolverInfo` (method ``"eigsh"``) is recorded in an `iterative` block.
+
+    Derivatives are those of the eigenpairs themselves, not of the iterations (Note [Implicit
+    derivatives of eigenpairs]): exact first derivatives of eigenvalues and eigenvectors and
+    second derivatives of eigenvalues, to the tolerance of the MINRES solves that compute them,
+    whatever the number of steps; undefined at a repeated eigenvalue among the k found, as for
+    ``torch.linalg.eigh``.
 
     Args:
         A: operator ``(..., n, n)`` declared symmetric.
         k: how many eigenpairs (``k <= steps``).
         which: "LA" (largest algebraic) or "SA" (smallest algebraic).
+        method: "lanczos" or "lobpcg".
         steps: Lanczos steps, default ``min(n, max(2k + 20, 40))``.
-        tol: the relative residual the warning checks.
-        v0: start vector ``(..., n)``; generator: for the default draw.
+        tol: the relative residual the warning checks (and LOBPCG's stopping test).
+        v0: start vector ``(..., n)`` (Lanczos) or block ``(..., n, k)`` (LOBPCG).
+        maxiter: LOBPCG iterations, default ``max(100, n)``.
+        preconditioner: LOBPCG only: an operator ``M ≈ A`` (positive definite), a callable
+            ``R -> M^{-1} R`` or "jacobi".
+        generator: for the default draw.
 
     Returns:
         ``(eigenvalues, eigenvectors)``: ``(..., k)`` ascending, as ``torch.linalg.eigh``, and
@@ -133,22 +151,47 @@ def eigsh(
         >>> [round(v, 8) for v in vals.tolist()]
         [9.0, 10.0]
     """
+    from ._eigen import default_start, implicit_eigenpairs, lobpcg
+    from ._implicit import _constant
+
     call = f"eigsh(A, k={k}, which={which!r})"
     _require_square_operator(A, call)
     require_symmetric(A, call, "Lanczos", "for a general operator, torch.linalg.eig(A.to_dense())")
     if which not in ("LA", "SA"):
         raise ValueError(f"{call}: expected which='LA' or 'SA', received {which!r}.")
+    if method not in ("lanczos", "lobpcg"):
+        raise ValueError(f"{call}: expected method='lanczos' or 'lobpcg', received {method!r}.")
     n = A.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"{call}: expected 1 <= k <= n = {n}, received k={k}.")
+    if method == "lanczos" and preconditioner is not None:
+        raise ValueError(f"{call}: a preconditioner needs method='lobpcg'; Lanczos takes none.")
+    leaves, spec = tree_flatten(A)
+    Ac = tree_unflatten(spec, [_constant(t) for t in leaves])  # derivatives: implicit
+    if method == "lobpcg":
+        if n < 3 * k:
+            raise ValueError(
+                f"{call}: LOBPCG needs n >= 3 k, received n={n}; use method='lanczos'."
+            )
+        if v0 is None:
+            v0 = default_start((n, k), generator, A.dtype, A.device)
+        elif v0.shape[-2:] != (n, k):
+            raise ValueError(
+                f"{call}: expected v0 of shape (..., {n}, {k}) for LOBPCG, received "
+                f"{tuple(v0.shape)}."
+            )
+        X0 = v0.detach().expand(*broadcast_batch(A.batch_shape, v0.shape[:-2]), n, k)
+        maxiter = max(100, n) if maxiter is None else int(maxiter)
+        vals, vecs, info = lobpcg(Ac, k, which, X0, tol, maxiter, preconditioner)
+        _record(info)
+        return implicit_eigenpairs(A, vals, vecs, tol * 1e-2)
     steps = min(n, max(2 * k + 20, 40)) if steps is None else min(int(steps), n)
     if steps < k:
         raise ValueError(f"{call}: expected steps >= k, received steps={steps}.")
     if v0 is None:
-        g = generator if generator is not None else torch.Generator().manual_seed(0)
-        v0 = torch.randn(n, generator=g, dtype=torch.float64).to(A.dtype).to(A.device)
-    v0 = v0.expand(*broadcast_batch(A.batch_shape, v0.shape[:-1]), n).unsqueeze(-1)
-    Q, alpha, beta = lanczos(A, v0, steps)  # Q: (..., 1, m, n)
+        v0 = default_start((n,), generator, A.dtype, A.device)
+    v0 = v0.detach().expand(*broadcast_batch(A.batch_shape, v0.shape[:-1]), n).unsqueeze(-1)
+    Q, alpha, beta = lanczos(Ac, v0, steps)  # Q: (..., 1, m, n)
     m = Q.shape[-2]
     if m < k:
         raise ValueError(
@@ -159,9 +202,9 @@ def eigsh(
     sel = slice(m - k, m) if which == "LA" else slice(0, k)
     vals = theta[..., 0, sel]  # (..., k)
     vecs = (Q.mT @ U[..., sel].to(Q.dtype))[..., 0, :, :]  # (..., n, k)
-    resid = torch.linalg.vector_norm(A._matmul(vecs) - vecs * vals.unsqueeze(-2), dim=-2)
+    resid = torch.linalg.vector_norm(Ac._matmul(vecs) - vecs * vals.unsqueeze(-2), dim=-2)
     scale = theta.abs().amax(-1).clamp(min=torch.finfo(theta.dtype).tiny)
     rel = _readable_float((resid / scale).max())
     info = SolverInfo("eigsh", m, rel, None if rel is None else rel <= tol, tol)
     _record(info)
-    return vals, vecs
+    return implicit_eigenpairs(A, vals, vecs, tol * 1e-2)

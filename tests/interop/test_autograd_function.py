@@ -267,3 +267,60 @@ def test_grad_fn_is_named_after_the_function_and_the_op():
     assert names == [("NumpySinBackward", "SinBackward")]
     with pytest.raises(RuntimeError, match="requires_grad"):
         ft.grad(lambda a: setattr(a, "requires_grad", False) or a.sum())(x)
+
+
+# -- generated vmap rules under enclosing differentiation levels --------------------------------
+class _ZeroForward(torch.autograd.Function):
+    """Value zero, derivative ``x_dot / a``: its forward's ops alone have no derivative (the
+    shape of linalg's implicit solves), so only its rules give the right one."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, a):
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+        ctx.save_for_forward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return g / a, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, a_dot):
+        (a,) = ctx.saved_for_forward
+        return x_dot / a
+
+
+def _through_zero_forward(p):
+    x = p[0] ** 3 + p[1] * p[0]
+    y = _ZeroForward.apply(x * p[1], p[1] ** 2 + 1)  # its derivative: d(x p1) / (p1²+1)
+    return x + y + 3 * y**2  # y² has the second derivative 2 dy dy^T: both levels' dy
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        lambda f: ft.hessian(f),
+        lambda f: ft.jacrev(ft.jacrev(f)),
+        lambda f: ft.jacfwd(ft.jacfwd(f)),
+        lambda f: ft.jacfwd(ft.jacrev(f)),
+    ],
+    ids=["hessian", "jacrev-jacrev", "jacfwd-jacfwd", "jacfwd-jacrev"],
+)
+def test_generated_vmap_rule_inside_two_differentiation_levels_uses_the_rules(outer):
+    # the enclosing levels see the batched Function as their op, not its forward's ops
+    P = torch.tensor([[0.7, 1.3], [0.4, -2.0], [1.1, 0.2]], dtype=torch.float64)
+    got = outer(lambda P: ft.vmap(_through_zero_forward)(P).sum())(P)
+    # the rows are independent: torch.func's Hessian of each row on the diagonal blocks
+    want = torch.zeros(3, 2, 3, 2, dtype=torch.float64)
+    for i, p in enumerate(P):
+        want[i, :, i, :] = torch.func.hessian(_through_zero_forward)(p)
+    torch.testing.assert_close(got, want)
+    # and a vmap inside that vmap batches the batched Function again
+    got2 = outer(lambda P: ft.vmap(ft.vmap(_through_zero_forward))(P[None]).sum())(P)
+    torch.testing.assert_close(got2, want)

@@ -1,6 +1,7 @@
 """Structured solves and inverses are differentiated implicitly (Note [Implicit differentiation
 of structured solves]), in every mode, against dense torch.func and finite differences."""
 
+import functransforms.linalg as L
 import pytest
 import torch
 from functransforms.linalg import KroneckerOperator, ScaledIdentityOperator
@@ -218,3 +219,22 @@ def test_inverse_is_lazy_under_transforms_and_structured_outside():
     torch.testing.assert_close(
         ft.jvp(ours, (s,), (one,))[1], torch.func.jvp(dense, (s,), (one,))[1]
     )
+
+
+def test_second_derivative_outside_a_vmap_of_a_structured_solve():
+    # the implicit solve's Function inside a vmap inside two differentiation levels: the
+    # enclosing levels use its rules (Note [Generated vmap rules of autograd.Function])
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(4, dtype=torch.float64, generator=g)
+    U = torch.randn(4, 2, dtype=torch.float64, generator=g)
+    P = 0.3 * torch.randn(3, 4, dtype=torch.float64, generator=g)
+
+    def one(p, structured):
+        d = p.exp() + 1
+        A = L.LowRankPlusDiagonalOperator(U, d) if structured else U @ U.mT + torch.diag(d)
+        return (torch.linalg.solve(A, b) ** 2).sum()
+
+    got = ft.hessian(lambda P: ft.vmap(lambda p: one(p, True))(P).sum())(P)
+    for i, p in enumerate(P):
+        want = torch.func.hessian(lambda p: one(p, False))(p)
+        torch.testing.assert_close(got[i, :, i, :], want)
