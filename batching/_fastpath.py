@@ -437,6 +437,16 @@ def _matmul(func, args, kwargs, batched_cls, wrap):
             return None
         va = va if a._bdim == 0 else va.movedim(a._bdim, 0)
         vb = vb if b._bdim == 0 else vb.movedim(b._bdim, 0)
+        if n == 2 and va.shape[2] == vb.shape[1] and va.dtype == vb.dtype:
+            # Note [Batched matrix products as bmm]
+            #     Two batched matrices are one ``bmm`` of the physical values: torch's matmul of
+            #     two 3-d tensors with one batch size runs exactly that bmm (its expand and
+            #     reshapes are no-op views), so the bits are the same. Called directly, it also
+            #     reaches a lower level's wrapper inside as one op: matmul, CompositeImplicit,
+            #     decomposed there into six (expand, view, expand, view, bmm, _unsafe_view),
+            #     each a node of an outer grad level (MAML's grad(vmap(grad)) sweep). Shapes
+            #     or dtypes that do not fit go to matmul, for its error.
+            return wrap(torch.bmm(va, vb), 0, a._interp)
         return wrap(func(va, vb), 0, a._interp)
     w, plain = (a, b) if ba else (b, a)
     if type(plain) is not torch.Tensor:
