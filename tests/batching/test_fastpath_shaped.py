@@ -246,7 +246,9 @@ def test_sdpa_is_one_op(dispatch_count):
 
 
 def _bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and a.stride() == b.stride()
+    return (
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and a.stride() == b.stride()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
