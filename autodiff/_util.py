@@ -27,6 +27,11 @@ def unbroadcast(ct, shape):
         if s == 1 and ct.shape[lead + i] != 1:
             dims.append(lead + i)
     if dims:
+        if len(dims) == lead and ct.shape[lead:] == shape:
+            # only leading dims: their sum without keepdim has the shape already, the same
+            # kernel and bits as the sum with keepdim and its reshape, one op fewer (each op a
+            # node of every outer grad level: the bias cotangents of MAML's inner sweep)
+            return ct.sum(dims)
         ct = ct.sum(dims, keepdim=True)
     return ct.reshape(shape) if lead or ct.shape != shape else ct
 

@@ -279,10 +279,7 @@ def wrap_grad(primal, node, idx, interp, meta=None):
     shape, stride, dtype, device = meta or metadata(primal)  # Note [Reading a wrapper's metadata]
     # positional: parsing keyword arguments costs ~0.3 us per wrapper
     r = _mk(interp.wrapper_cls, shape, stride, None, None, dtype, _STRIDED, device)
-    r._primal = primal
-    r._node = node
-    r._idx = idx
-    r._interp = interp
+    r.__dict__ = {"_primal": primal, "_node": node, "_idx": idx, "_interp": interp}  # one store
     return r
 
 
@@ -360,7 +357,30 @@ class GradInterpreter(InplaceMixin, Interpreter):
             d = composite_implicit(func) or decomposition(func)
             if d is not None:
                 return decompose(self, func, d, args, kwargs)
-        primals, inputs = unwrap_level(self, args, _entry_of)
+        # Note [The grad level's common case]
+        #     Every op at a grad level pays this method, and under grad(vmap(grad)) (MAML) the
+        #     outer level records ~60 ops per call, so its common case is written out: the
+        #     positional arguments unwrapped in one loop (unwrap_level's work, which lists of
+        #     tensors still take), and when nothing of a lower level is left among them (no
+        #     wrapper after unwrapping, no keyword arguments) the op is called directly, which
+        #     is what ``redispatch`` does for such arguments after its own scan.
+        primals = list(args)
+        inputs = [None] * len(primals)
+        direct = not kwargs
+        for i, a in enumerate(args):
+            if isinstance(a, TransformTensor):
+                if a._interp is self:
+                    p = a._primal
+                    primals[i] = p
+                    inputs[i] = (a._node, a._idx)
+                    if direct and isinstance(p, TransformTensor):
+                        direct = False
+                else:
+                    direct = False
+            elif type(a) is list or type(a) is tuple:
+                primals, inputs = unwrap_level(self, args, _entry_of)
+                direct = False
+                break
         # the value: the op itself, or what computes it in its place (VJP_FORWARD: the lazy
         # conj/neg views, Note [No lazy conjugate inside wrappers]; kernels that need the conj
         # keys, def_linalg(forward=) in autodiff/linalg.py)
@@ -370,8 +390,12 @@ class GradInterpreter(InplaceMixin, Interpreter):
         if not self.prev_grad:  # lowered under the caller's no_grad (Note [Grad mode])
             with torch.no_grad():
                 out = run(*primals, **kwargs) if run else redispatch(func, primals, kwargs)
+        elif run is not None:
+            out = run(*primals, **kwargs)
+        elif direct:
+            out = func(*primals)
         else:
-            out = run(*primals, **kwargs) if run else redispatch(func, primals, kwargs)
+            out = redispatch(func, primals, kwargs)
         if rule is None:
             if not any_floating(out):
                 return out

@@ -35,7 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from functransforms import _compat
-from functransforms._core.levels import TransformTensor, below_torch_autograd, linear_args
+from functransforms._core.levels import (
+    OWN_DISPATCH,
+    TransformTensor,
+    below_torch_autograd,
+    linear_args,
+)
 
 _aten = torch.ops.aten
 _torch_requires_grad = _compat.tensor_requires_grad  # not a wrapper's property
@@ -224,10 +229,28 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
     n_tensors = 0
     plain_nd = -1
     requires_grad = False
+    lower = None
     for a in (*args, *values):
         if isinstance(a, TransformTensor):
             if type(a) is not batched_cls:
-                return None
+                # Note [Lower levels' values in the pointwise fast path]
+                #     A Dual/GradTensor of a level below this vmap is a constant here, as a
+                #     plain tensor is: the vmap rule broadcasts it against the logical dims and
+                #     hands the op on to that level, which is what applying ``func`` to it and
+                #     the physical values does (MAML's ``p - lr * g`` under grad(vmap(grad)):
+                #     an unbatched parameter of the outer grad level). Checked like a plain
+                #     operand below; a level above this one (it sees the call first) and the
+                #     classes with their own dispatch decline.
+                if type(a) in OWN_DISPATCH:
+                    return None
+                if lower is None:
+                    lower = []
+                lower.append(a)
+                n_tensors += 1
+                d = a.dim()
+                if d > plain_nd:
+                    plain_nd = d
+                continue
             if interp is None:
                 interp = a._interp
             elif a._interp is not interp:
@@ -253,6 +276,11 @@ def _pointwise_general(func, args, kwargs, batched_cls, wrap):
             return None
     if interp is None or not interp.alive:
         return None
+    if lower is not None:
+        level = interp.level
+        for a in lower:
+            if a._interp.level >= level:
+                return None
     if requires_grad and below_torch_autograd():
         return None  # Note [Fast path below torch's autograd]
     if n_tensors > 1:
@@ -437,6 +465,16 @@ def _matmul(func, args, kwargs, batched_cls, wrap):
             return None
         va = va if a._bdim == 0 else va.movedim(a._bdim, 0)
         vb = vb if b._bdim == 0 else vb.movedim(b._bdim, 0)
+        if n == 2 and va.shape[2] == vb.shape[1] and va.dtype == vb.dtype:
+            # Note [Batched matrix products as bmm]
+            #     Two batched matrices are one ``bmm`` of the physical values: torch's matmul of
+            #     two 3-d tensors with one batch size runs exactly that bmm (its expand and
+            #     reshapes are no-op views), so the bits are the same. Called directly, it also
+            #     reaches a lower level's wrapper inside as one op: matmul, CompositeImplicit,
+            #     decomposed there into six (expand, view, expand, view, bmm, _unsafe_view),
+            #     each a node of an outer grad level (MAML's grad(vmap(grad)) sweep). Shapes
+            #     or dtypes that do not fit go to matmul, for its error.
+            return wrap(torch.bmm(va, vb), 0, a._interp)
         return wrap(func(va, vb), 0, a._interp)
     w, plain = (a, b) if ba else (b, a)
     if type(plain) is not torch.Tensor:

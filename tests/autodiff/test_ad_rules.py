@@ -805,3 +805,45 @@ def test_writes_before_use_and_kernel_writes_are_not_refused():
         return (y * rm.sum()).sum()
 
     torch.testing.assert_close(ft.grad(f)(x), torch.func.grad(f)(x))
+
+
+# -- shortcuts that keep torch's bits ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("exponent", [2, 2.0, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_power_derivatives_are_torchs_bits(exponent, dtype):
+    # the square's derivative is computed as 2 * x, torch's as 2 * x.pow(1), a copy of x
+    x = torch.randn(64, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    v = torch.randn(64, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    f = lambda x: x**exponent  # noqa: E731
+    (ours,) = ft.vjp(f, x)[1](v)
+    (theirs,) = torch.func.vjp(f, x)[1](v)
+    t_ours, t_theirs = ft.jvp(f, (x,), (v,))[1], torch.func.jvp(f, (x,), (v,))[1]
+    for a, b, signs in ((ours, theirs, True), (t_ours, t_theirs, not dtype.is_complex)):
+        # (torch's complex forward formula conjugates twice: zero signs of its own)
+        if dtype.is_complex:
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        assert torch.equal(a.isnan(), b.isnan())
+        keep = ~a.isnan()
+        assert torch.equal(a[keep], b[keep])
+        assert not signs or torch.equal(a[keep].signbit(), b[keep].signbit())
+
+
+@pytest.mark.parametrize(
+    "ct_shape,shape",
+    [((5, 3), (3,)), ((2, 5, 3), (3,)), ((2, 5, 3), (5, 3)), ((4, 1, 3), (1, 3)), ((5, 3), (1, 3))],
+)
+def test_unbroadcast_same_bits_and_layout_as_sum_and_reshape(ct_shape, shape):
+    from functransforms.autodiff._util import unbroadcast
+
+    ct = torch.randn(*ct_shape, generator=torch.Generator().manual_seed(2))
+    lead = len(ct_shape) - len(shape)
+    dims = list(range(lead)) + [
+        lead + i for i, s in enumerate(shape) if s == 1 and ct_shape[lead + i] != 1
+    ]
+    expected = ct.sum(dims, keepdim=True).reshape(shape)
+    got = unbroadcast(ct, torch.Size(shape))
+    assert torch.equal(got, expected) and got.shape == expected.shape
+    assert got.stride() == expected.stride()

@@ -449,3 +449,72 @@ def test_unary_fast_path_complex(linear_paths):
     f = ft.vmap(ft.grad(loss), in_dims=(None, 0))
     _assert_same(*linear_paths(lambda: f(w, zs), taken=False, unary_taken=True))
     torch.testing.assert_close(f(w, zs), tf.vmap(tf.grad(loss), in_dims=(None, 0))(w, zs))
+
+
+# -- Note [Real linear cotangents without the views that cancel] -----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128])
+@pytest.mark.parametrize("w_layout", ["row_major", "column_major"])
+@pytest.mark.parametrize("x_layout", ["vector", "row_major", "column_major"])
+def test_linear_fast_path_cotangents_every_layout(linear_paths, dtype, w_layout, x_layout):
+    # each branch of the real-weight rule (row-major weight or not, column-major x or not, one
+    # example or a batch of rows) against the decomposition's rules: same bits, same strides
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(4, 6, generator=g, dtype=dtype)
+    if w_layout == "column_major":
+        w = torch.randn(6, 4, generator=g, dtype=dtype).t()
+    b = torch.randn(4, generator=g, dtype=dtype)
+    if x_layout == "vector":
+        xs = torch.randn(3, 6, generator=g, dtype=dtype)
+        prep = lambda x: x  # noqa: E731
+    elif x_layout == "row_major":
+        xs = torch.randn(3, 5, 6, generator=g, dtype=dtype)
+        prep = lambda x: x  # noqa: E731
+    else:  # a column-major batch of rows per example
+        xs = torch.randn(3, 6, 5, generator=g, dtype=dtype)
+        prep = lambda x: x.mT  # noqa: E731
+
+    def loss(w, b, x):
+        y = F.linear(prep(x) * 1.5, w, b)
+        return (y * y.conj()).real.sum() if dtype.is_complex else (y * y.tanh()).sum()
+
+    f = ft.vmap(ft.grad(loss, argnums=(0, 1, 2)), in_dims=(None, None, 0))
+    _assert_same(*linear_paths(lambda: f(w, b, xs)))
+    theirs = tf.vmap(tf.grad(loss, argnums=(0, 1, 2)), in_dims=(None, None, 0))(w, b, xs)
+    torch.testing.assert_close(f(w, b, xs), theirs)
+
+
+def test_maml_meta_gradient_same_with_and_without_the_linear_node(linear_paths):
+    # grad(vmap(grad)): the inner level's F.linear node runs its rule on the outer grad level's
+    # values, so the rule's ops are recorded there and differentiated again
+    g = torch.Generator().manual_seed(12)
+    p = {
+        "w0": torch.randn(8, 1, generator=g, dtype=torch.float64),
+        "b0": torch.randn(8, generator=g, dtype=torch.float64),
+        "w1": torch.randn(1, 8, generator=g, dtype=torch.float64),
+        "b1": torch.randn(1, generator=g, dtype=torch.float64),
+    }
+    xs = torch.randn(4, 5, 1, generator=g, dtype=torch.float64)
+    ys = torch.sin(xs)
+
+    def mse(p, x, y):
+        h = torch.relu(F.linear(x, p["w0"], p["b0"]))
+        return ((F.linear(h, p["w1"], p["b1"]) - y) ** 2).mean()
+
+    def task(p, x, y):
+        gr = ft.grad(mse)(p, x, y)
+        return mse({k: p[k] - 0.1 * gr[k] for k in p}, x, y)
+
+    meta = ft.grad(lambda p: ft.vmap(task, in_dims=(None, 0, 0))(p, xs, ys).mean())
+    # the outer sweep differentiates the node's rule, whose ops are not the decomposition's
+    # one for one (its views that cancel are skipped): equal to rounding, not bit for bit
+    fast, ordinary = linear_paths(lambda: meta(p))
+    torch.testing.assert_close(fast, ordinary, rtol=1e-13, atol=1e-15)
+
+    def task_tf(p, x, y):
+        gr = tf.grad(mse)(p, x, y)
+        return mse({k: p[k] - 0.1 * gr[k] for k in p}, x, y)
+
+    theirs = tf.grad(lambda p: tf.vmap(task_tf, in_dims=(None, 0, 0))(p, xs, ys).mean())(p)
+    torch.testing.assert_close(meta(p), theirs)

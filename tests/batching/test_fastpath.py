@@ -301,3 +301,44 @@ def test_pointwise_ops_handed_down_by_other_levels():
     torch.testing.assert_close(
         jv, torch.func.vmap(lambda a, t: torch.func.jvp(f, (a,), (t,))[1])(x, v)
     )
+
+
+# Note [Lower levels' values in the pointwise fast path]
+@pytest.mark.parametrize("case", ["sub", "rsub_scaled", "maximum", "0d", "higher_rank"])
+def test_lower_level_values_are_constants(case, monkeypatch, dispatch_count):
+    # grad(vmap(f)) where f mixes the batched value with an unbatched value of the grad level
+    # (MAML's `p - lr * g`): the fast path hands the op to the grad level as the rule would
+    g = torch.Generator().manual_seed(5)
+    p = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    xs = torch.randn(6, 4, 3, generator=g, dtype=torch.float64)
+    taken = True
+    fn = {
+        "sub": lambda p, x: p - x,
+        "rsub_scaled": lambda p, x: p - 0.1 * (x * p),
+        "maximum": lambda p, x: torch.maximum(x, p),
+        "0d": lambda p, x: p.sum() * x,
+        "higher_rank": lambda p, x: p.unsqueeze(0) * x,  # reaches the batch dim: declined
+    }[case]
+    if case == "higher_rank":
+        xs, taken = xs[:, 0], False
+
+    def loss(p):
+        return ft.vmap(fn, in_dims=(None, 0))(p, xs).sin().sum()
+
+    fast = ft.grad(loss)(p)
+    assert (dispatch_count == []) == taken, dispatch_count
+    _slow(monkeypatch)
+    slow = ft.grad(loss)(p)
+    assert torch.equal(fast, slow) and fast.stride() == slow.stride()
+    theirs = torch.func.grad(lambda p: torch.func.vmap(fn, in_dims=(None, 0))(p, xs).sin().sum())
+    torch.testing.assert_close(fast, theirs(p))
+
+
+def test_higher_level_values_are_not_constants(dispatch_count):
+    # vmap(grad(f)) whose inner function mixes a batched value with its own tracked one: the
+    # grad level is innermost and sees the op first, never the vmap fast path's shortcut
+    x = torch.randn(5, 3, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64)
+    f = lambda w, x: (torch.sub(x, w) * w).sin().sum()  # noqa: E731
+    ours = ft.vmap(ft.grad(f), in_dims=(None, 0))(w, x)
+    torch.testing.assert_close(ours, torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(w, x))

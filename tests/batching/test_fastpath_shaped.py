@@ -240,3 +240,57 @@ def test_sdpa_is_one_op(dispatch_count):
     ref = torch.func.vmap(torch.nn.functional.scaled_dot_product_attention)(q, k, v)
     torch.testing.assert_close(out, ref)
     assert dispatch_count == []
+
+
+# -- Note [Batched matrix products as bmm] ----------------------------------------------------
+
+
+def _bits(a, b):
+    return (
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and a.stride() == b.stride()
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
+@pytest.mark.parametrize("bdims", [(0, 0), (1, 0), (2, 2)])
+def test_batched_matrix_product_is_matmuls_bmm(dtype, bdims, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 3, 7, generator=g, dtype=dtype).movedim(0, bdims[0])
+    b = torch.randn(5, 7, 4, generator=g, dtype=dtype).movedim(0, bdims[1])
+    for fn in (torch.matmul, lambda x, y: x @ y, lambda x, y: x.conj() @ y.mT.mT):
+        fast = ft.vmap(fn, in_dims=bdims)(a, b)
+        with monkeypatch.context() as m:
+            m.setattr(_tensor, "SHAPED_FUNCS", {})
+            slow = ft.vmap(fn, in_dims=bdims)(a, b)
+        loop = torch.stack([fn(a.select(bdims[0], i), b.select(bdims[1], i)) for i in range(5)])
+        assert _bits(fast.resolve_conj(), slow.resolve_conj())
+        torch.testing.assert_close(fast, loop)
+    with pytest.raises(RuntimeError):  # inner sizes that do not match: matmul's error
+        ft.vmap(torch.matmul)(a.movedim(bdims[0], 0), a.movedim(bdims[0], 0))
+
+
+def test_batched_matrix_product_reaches_a_lower_level_whole(monkeypatch):
+    # grad(vmap(f)) with f a product of two batched values that the grad level tracks: one
+    # bmm node there (matmul would arrive decomposed into six), and the same gradient
+    from functransforms.autodiff import reverse
+
+    seen = []
+    process = reverse.GradInterpreter.process
+
+    def counting(self, func, args, kwargs):
+        seen.append(func)
+        return process(self, func, args, kwargs)
+
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(5, 3, 7, generator=g, dtype=torch.float64)
+    b = torch.randn(5, 7, 4, generator=g, dtype=torch.float64)
+    f = lambda a, b: ft.vmap(torch.matmul)(a, b).sin().sum()  # noqa: E731
+    monkeypatch.setattr(reverse.GradInterpreter, "process", counting)
+    fast = ft.grad(f, argnums=(0, 1))(a, b)
+    assert torch.ops.aten.bmm.default in seen and torch.ops.aten.expand.default not in seen
+    monkeypatch.setattr(_tensor, "SHAPED_FUNCS", {})
+    slow = ft.grad(f, argnums=(0, 1))(a, b)
+    theirs = torch.func.grad(lambda a, b: torch.func.vmap(torch.matmul)(a, b).sin().sum(), (0, 1))
+    for x, y, z in zip(fast, slow, theirs(a, b)):
+        assert _bits(x, y)
+        torch.testing.assert_close(x, z)
