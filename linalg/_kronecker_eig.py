@@ -256,8 +256,11 @@ class KroneckerEigSolve(torch.autograd.Function):
         X, s, *tensors = ctx.saved_tensors
         k = ctx.k
         As = tensors[:k]
-        # K symmetric: K^{-H} = K^{-1}
-        B_bar = call(KroneckerEigSolve, X_bar, s, k, ctx.order + 1, *tensors)
+        # B_bar = K^{-T} X_bar: the same eigendecomposition (K is symmetric here), but the
+        # factors transposed, so that a derivative of this solve in a non-symmetric direction
+        # (a second derivative with respect to the factors' entries) is the dense one
+        At = [A.mT for A in As]
+        B_bar = call(KroneckerEigSolve, X_bar, s, k, ctx.order + 1, *At, *tensors[k:])
         # X = K^{-1} B: <X_bar, dX> = -<B_bar, dK X>
         A_bars = [_sum_to(-g, A.shape) for g, A in zip(_pullback(B_bar, X, As), As)]
         s_bar = _sum_to(-(B_bar * X).sum((-2, -1)), s.shape)
