@@ -243,12 +243,14 @@ MARK = "## Gaussian processes"
 GP_NOTES = (
     "Hand-written torch: the factors' eigendecompositions and one weighted solve, "
     "differentiated by torch.autograd through `eigh` (right for this gradient; its forward "
-    "mode is the unstable one). Ours differentiates the solve implicitly (exact in every mode, "
-    "docs/linalg.md, Derivatives): two extra structured solves in the gradient, and each solve "
-    "recomputes the factors' eigendecompositions. Targets not met yet: ft within 1.2x of the "
-    "same code under torch.autograd, <= 1.2x hand-written, vmap within 1.2x of native batch "
-    "dims, block-diagonal <= 1.2x batched dense (a list of 500 block operators, solved block "
-    "by block; no batched-block fast path yet)."
+    "mode is the unstable one). Ours: the solve and the log determinant are one node each in "
+    "the factors' eigenbasis, the eigendecompositions computed once per operator and shared, "
+    "closed-form derivatives (Note [Kronecker plus noise in its eigenbasis], docs/linalg.md, "
+    "Derivatives). ft / hand-written at 32² and 64² is bounded by the per-op cost of our grad "
+    "level on the user's own code (the ~25 ops that build the kernels cost ~0.55 ms under "
+    "ft.value_and_grad against ~0.18 ms under torch.autograd at 32²), not by the linear "
+    "algebra. Block-diagonal: the equal blocks as one (500, 8, 8) operator "
+    "(BatchedBlockDiagonalOperator), solved by one batched Cholesky."
 )
 
 
