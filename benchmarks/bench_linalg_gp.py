@@ -193,6 +193,12 @@ def main():
     b = torch.randn(4000, generator=g, dtype=DT)
 
     def ours_block():
+        # the blocks as one batched operator (a BatchedBlockDiagonalOperator)
+        op = L.BlockDiagonalOperator(L.DenseOperator(blocks, positive_definite=True))
+        return torch.linalg.solve(op, b)
+
+    def ours_block_list():
+        # a list of 500 equal dense blocks: stacked into the same batched operator
         op = L.BlockDiagonalOperator([L.DenseOperator(B, positive_definite=True) for B in blocks])
         return torch.linalg.solve(op, b)
 
@@ -201,13 +207,18 @@ def main():
         return torch.cholesky_solve(b.reshape(500, 8, 1), Lc).reshape(-1)
 
     torch.testing.assert_close(ours_block(), dense_block())
-    t = cpu_median({"ours": ours_block, "dense": dense_block}, max(5, args.repeats // 3))
+    torch.testing.assert_close(ours_block_list(), dense_block())
+    t = cpu_median(
+        {"ours": ours_block, "list": ours_block_list, "dense": dense_block}, args.repeats
+    )
     lines += [
         "",
         "| problem | ours | batched dense torch | ratio |",
         "|---|---|---|---|",
-        f"| block-diagonal, 500 blocks of 8x8, solve | {ms(t['ours'])} | {ms(t['dense'])} "
-        f"| {t['ours'] / t['dense']:.2f} |",
+        f"| block-diagonal, 500 blocks of 8x8 (one (500, 8, 8) operator), solve "
+        f"| {ms(t['ours'])} | {ms(t['dense'])} | {t['ours'] / t['dense']:.2f} |",
+        f"| the same from a list of 500 DenseOperators (built in the timed call), solve "
+        f"| {ms(t['list'])} | {ms(t['dense'])} | {t['list'] / t['dense']:.2f} |",
     ]
     table = "\n".join(lines)
     print(table)
@@ -232,12 +243,14 @@ MARK = "## Gaussian processes"
 GP_NOTES = (
     "Hand-written torch: the factors' eigendecompositions and one weighted solve, "
     "differentiated by torch.autograd through `eigh` (right for this gradient; its forward "
-    "mode is the unstable one). Ours differentiates the solve implicitly (exact in every mode, "
-    "docs/linalg.md, Derivatives): two extra structured solves in the gradient, and each solve "
-    "recomputes the factors' eigendecompositions. Targets not met yet: ft within 1.2x of the "
-    "same code under torch.autograd, <= 1.2x hand-written, vmap within 1.2x of native batch "
-    "dims, block-diagonal <= 1.2x batched dense (a list of 500 block operators, solved block "
-    "by block; no batched-block fast path yet)."
+    "mode is the unstable one). Ours: the solve and the log determinant are one node each in "
+    "the factors' eigenbasis, the eigendecompositions computed once per operator and shared, "
+    "closed-form derivatives (Note [Kronecker plus noise in its eigenbasis], docs/linalg.md, "
+    "Derivatives). ft / hand-written at 32² and 64² is bounded by the per-op cost of our grad "
+    "level on the user's own code (the ~25 ops that build the kernels cost ~0.55 ms under "
+    "ft.value_and_grad against ~0.18 ms under torch.autograd at 32²), not by the linear "
+    "algebra. Block-diagonal: the equal blocks as one (500, 8, 8) operator "
+    "(BatchedBlockDiagonalOperator), solved by one batched Cholesky."
 )
 
 

@@ -205,6 +205,12 @@ def _make_custom_function(cls):
     def fn(*args):
         if _has_wrapper(args, {}):  # an enclosing level: the Function is its op, too
             return cf(*args)
+        if not _torch_differentiates(args):
+            # nothing for torch's autograd to record: the forward itself, under no_grad as
+            # torch runs it (torch's apply binds the arguments through inspect.signature,
+            # ~30 us a call, more than a small Function's forward)
+            with torch.no_grad():
+                return cls.forward(*args)
         return _original_apply(cls, *args)  # plain tensors: torch's own apply and autograd
 
     def forward_ops(*args):  # generate_vmap_rule: vmap batches forward's own ops
@@ -287,6 +293,10 @@ def _make_custom_function(cls):
     else:
         cf.vmap_rule = _no_vmap_rule(cls)
     return cf
+
+
+def _torch_differentiates(args):
+    return any(isinstance(a, torch.Tensor) and _compat.torch_differentiates(a) for a in args)
 
 
 def _inexact(t):

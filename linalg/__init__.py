@@ -31,6 +31,7 @@ from ._block import BlockOperator, ZeroOperator, cat
 from ._circulant import CirculantOperator, circulant_preconditioner
 from ._composite import (
     AdjointOperator,
+    BatchedBlockDiagonalOperator,
     BlockDiagonalOperator,
     ProductOperator,
     SumOperator,
@@ -96,6 +97,7 @@ from ._tridiagonal import TridiagonalOperator
 __all__ = [
     "AdjointOperator",
     "BatchSumOperator",
+    "BatchedBlockDiagonalOperator",
     "BlockDiagonalOperator",
     "BlockOperator",
     "CholeskyOperator",

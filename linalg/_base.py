@@ -392,6 +392,11 @@ class LinearOperator:
         return tuple(0 if isinstance(c, LinearOperator) else 2 for c in children)
 
     # ----------------------------------------------------------------- internal fast paths
+    def _solve_closed_form(self, B: torch.Tensor) -> torch.Tensor | None:
+        """``A^{-1} B`` as one node whose derivatives are exact in every mode and order, or
+        None (then `implicit_solve` differentiates the structure rule's solve implicitly)."""
+        return None
+
     def _logdet_pd(self, scale=1) -> torch.Tensor:
         """``scale * log det`` of a positive definite operator (no sign bookkeeping)."""
         rule = _rules.slogdet.dispatch(type(self))

@@ -100,6 +100,10 @@ def implicit_solve(A, B: torch.Tensor, method=None, order: int = 1, forward=None
     from users, one more in S's rules). ``forward``: a callable ``() -> X`` computing the value
     on constants by another route (LSMR on ``min |A0 X - B0|`` for the normal equations
     ``A = A0^H A0``, ``B = A0^H B0``); the derivatives are still ``method``'s solves with A."""
+    if method is None and forward is None:
+        X = A._solve_closed_form(B)  # Note [Kronecker plus noise in its eigenbasis]
+        if X is not None:
+            return X
     leaves, spec = tree_flatten(A)
     if not differentiable([B, *_tensors(leaves)]):
         return forward() if forward is not None else _forward_solve(A, B, method)

@@ -27,6 +27,7 @@ from ._dense import (
     _transposed_props,
     pd_logdet_sum,
 )
+from ._kronecker_eig import KroneckerEigLogdet, KroneckerEigSolve, call, grid_eigenvalues
 from ._rules import add, cholesky, diagonal, eigh, inv, scale, slogdet, solve, svd, trace
 from ._rules import matmul as matmul_rule
 
@@ -380,7 +381,43 @@ class KroneckerPlusScaledIdentityOperator(LinearOperator):
         lam = kron_vectors([p[0] for p in pairs]) + self._s()
         return lam, [p[1] for p in pairs]
 
+    def _eig_constants(self):
+        """``(k, *A_i, *λ_i, *Q_i, Λ)``: the factors' tensors, eigendecompositions of their
+        constant copies and the eigenvalue grid ``Λ = ⊗ λ_i + s``, for
+        the eigenbasis nodes (Note [Kronecker plus noise in its eigenbasis]): computed once per
+        operator (a solve and a logdet share them) and again only if a factor's tensor was
+        replaced or written in place; None unless every factor is a real symmetric dense one."""
+        fs = self.kron.factors
+        if self.is_complex or not all(type(f) is DenseOperator and f.symmetric for f in fs):
+            return None
+        As = tuple(f.A for f in fs)
+        key = [(id(A), A._version) for A in As] + [(id(self.scale), self.scale._version)]
+        cached = self.__dict__.get("_eig_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        lams, Qs = [], []
+        for A in As:
+            lam, Q = torch.linalg.eigh(A.detach())
+            lams.append(lam)
+            Qs.append(Q)
+        Lam = grid_eigenvalues(lams, self.scale.detach())
+        out = (len(As), *As, *lams, *Qs, Lam)
+        # the tensors themselves are kept in the entry, so the ids in the key stay theirs
+        self._eig_cache = (key, out, self.scale)
+        return out
+
+    def _solve_closed_form(self, B):
+        eig = self._eig_constants() if B.dtype == self.dtype else None
+        if eig is None:
+            return None
+        k, *tensors = eig
+        return call(KroneckerEigSolve, B, self.scale, k, 0, *tensors)
+
     def _logdet_pd(self, scale=1):
+        eig = self._eig_constants()
+        if eig is not None:
+            out = call(KroneckerEigLogdet, self.scale, *eig)
+            return out if scale == 1 else scale * out
         lam, _ = self._factor_eigh()
         return scale * lam.log().sum(-1)
 
@@ -424,6 +461,10 @@ def _inv_kronecker_plus_scaled_identity(A):
 @slogdet.register(KroneckerPlusScaledIdentityOperator)
 def _slogdet_kronecker_plus_scaled_identity(A):
     # det(K + s I) = prod (⊗ Λ_i + s)
+    eig = A._eig_constants()
+    if eig is not None:  # one node (Note [Kronecker plus noise in its eigenbasis])
+        sign = torch.sign(eig[-1]).prod(-1)  # of the constant eigenvalue grid
+        return sign, call(KroneckerEigLogdet, A.scale, *eig)
     lam, _ = A._factor_eigh()
     return torch.sign(lam).prod(-1), lam.abs().log().sum(-1)
 
