@@ -91,6 +91,7 @@ from ._roots import (
     root_inv_decomposition,
     sqrtm,
 )
+from ._sparse import SparseOperator
 from ._structured import CholeskyOperator, RootOperator, ToeplitzOperator
 from ._tridiagonal import TridiagonalOperator
 
@@ -123,6 +124,7 @@ __all__ = [
     "RootOperator",
     "ScaledIdentityOperator",
     "SolverInfo",
+    "SparseOperator",
     "SumOperator",
     "ToeplitzOperator",
     "TransposeOperator",

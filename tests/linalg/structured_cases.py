@@ -1,4 +1,4 @@
-"""Cases for the zero, Kronecker-sum, block, Hadamard, batch, circulant and tridiagonal
+"""Cases for the zero, Kronecker-sum, block, Hadamard, batch, circulant, tridiagonal and sparse
 operators, in the `linalg_cases.Case` shape: parameters, the operator built from them, and an
 independently built dense matrix (the ground truth)."""
 
@@ -33,6 +33,29 @@ def _sym_column(c):
     n = c.shape[-1]
     c = (c + torch.cat([c[..., :1], c[..., 1:].flip(-1)], -1)) / 2
     return c + n * torch.eye(n, dtype=DT)[0]
+
+
+# a fixed sparsity pattern: the diagonal, a few entries off it (one repeated: they add up)
+_SP_N = 6
+_SP_DIAG = torch.arange(_SP_N)
+_SP_I = torch.tensor([0, 1, 3, 2, 5, 0])
+_SP_J = torch.tensor([2, 4, 0, 5, 1, 2])
+
+
+def _sparse_rows_cols():
+    return torch.cat([_SP_DIAG, _SP_I]), torch.cat([_SP_DIAG, _SP_J])
+
+
+def _sparse(values, rows, cols, m, n):
+    if values.dim() > 1:  # a batch sharing the pattern
+        return torch.stack([_sparse(v, rows, cols, m, n) for v in values])
+    return torch.zeros(m, n, dtype=DT).index_put((rows, cols), values, accumulate=True)
+
+
+def _sparse_sym(d, off):
+    rows = torch.cat([_SP_DIAG, _SP_I, _SP_J])
+    cols = torch.cat([_SP_DIAG, _SP_J, _SP_I])
+    return torch.cat([d, off, off], -1), rows, cols
 
 
 def _rn(g, *shape):
@@ -228,6 +251,36 @@ STRUCTURED_CASES = [
         lambda g: (_rn(g, 2, 4) + torch.tensor([4.0, 0, 0, 0], dtype=DT),),
         lambda c: L.CirculantOperator(c),
         _circulant_dense,
+        batched=True,
+    ),
+    Case(
+        "sparse_general",
+        lambda g: (torch.cat([_rn(g, _SP_N).abs() + 3, _rn(g, 6)]),),
+        lambda v: L.SparseOperator(v, *_sparse_rows_cols(), (_SP_N, _SP_N)),
+        lambda v: _sparse(v, *_sparse_rows_cols(), _SP_N, _SP_N),
+    ),
+    Case(
+        "sparse_sym_pd",
+        lambda g: (_rn(g, _SP_N).abs() + 4, _rn(g, 6) * 0.5),
+        lambda d, o: L.SparseOperator(*_sparse_sym(d, o), (_SP_N, _SP_N), positive_definite=True),
+        lambda d, o: _sparse(*_sparse_sym(d, o), _SP_N, _SP_N),
+        pd=True,
+        sym=True,
+    ),
+    Case(
+        "sparse_rect",
+        lambda g: (_rn(g, 5),),
+        lambda v: L.SparseOperator(
+            v, torch.tensor([0, 1, 3, 3, 2]), torch.tensor([4, 0, 1, 2, 2]), (4, 5)
+        ),
+        lambda v: _sparse(v, torch.tensor([0, 1, 3, 3, 2]), torch.tensor([4, 0, 1, 2, 2]), 4, 5),
+        invertible=False,
+    ),
+    Case(
+        "batched_sparse",
+        lambda g: (torch.cat([_rn(g, 2, _SP_N).abs() + 3, _rn(g, 2, 6)], -1),),
+        lambda v: L.SparseOperator(v, *_sparse_rows_cols(), (_SP_N, _SP_N)),
+        lambda v: _sparse(v, *_sparse_rows_cols(), _SP_N, _SP_N),
         batched=True,
     ),
 ]
