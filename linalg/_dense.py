@@ -623,7 +623,7 @@ def dense_solve(A, B):
     if A.unitary:  # A^{-1} = A^H
         return M.mH @ B
     if B.shape[:-2] != M.shape[:-2]:
-        # broadcast explicitly: torch.func's batching rule of linalg.solve mistakes a right-hand
+        # broadcast explicitly: torch's own vmap rule of linalg.solve mistakes a right-hand
         # side without A's batch dims for a wrongly shaped one
         batch = torch.broadcast_shapes(M.shape[:-2], B.shape[:-2])
         M, B = M.expand(batch + M.shape[-2:]), B.expand(batch + B.shape[-2:])

@@ -57,6 +57,7 @@ from functransforms._pytree import tree_flatten, tree_unflatten
 from ._base import LinearOperator
 from ._implicit import _constant, _tensors, differentiable
 from ._iterative import SolverInfo, _apply, _preconditioner, _readable_float, _record
+from ._krylov import minres
 
 _MAX_ORDER = 2  # the derivative order exact (Note [Implicit derivatives of eigenpairs])
 
@@ -65,7 +66,7 @@ def default_start(shape, generator, dtype, device):
     """`eigsh`'s start vectors when none is given. With a ``generator``: a Gaussian draw (a
     random op like any other: inside a vmap, its ``randomness`` decides). Without: a fixed
     pseudo-random vector, ``frac(43758.5453 sin(12.9898 (i + 1))) - 1/2`` over the flat
-    index i, made by ordinary ops, no draw, so the call works inside any vmap (torch.func's
+    index i, made by ordinary ops, no draw, so the call works inside any vmap (torch's own
     too) and traces to a constant; generic enough that no eigenvector is orthogonal to it."""
     if generator is not None:
         return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).to(device)
@@ -81,8 +82,6 @@ def default_start(shape, generator, dtype, device):
 def _deflated_pinv(A, vals, V, R, tol):
     """``(A - λ_i I)^+ r_i`` for each column ``i`` (the pseudo-inverse on the complement of
     ``v_i``): closed form along the other columns of ``V``, MINRES on the complement of all."""
-    from ._krylov import minres
-
     C = V.mH @ R  # (..., k, k): C[j, i] = v_j^H r_i
     gap = vals.unsqueeze(-1) - vals.unsqueeze(-2)  # [j, i] = λ_j - λ_i
     eye = torch.eye(gap.shape[-1], dtype=torch.bool, device=gap.device)

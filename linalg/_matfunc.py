@@ -23,6 +23,8 @@ import torch
 from functransforms._pytree import tree_flatten, tree_unflatten
 
 from ._base import LinearOperator, broadcast_batch
+from ._eigen import default_start, implicit_eigenpairs, lobpcg
+from ._implicit import _constant
 from ._iterative import SolverInfo, _readable_float, _record, _tridiag, lanczos, require_symmetric
 
 _GENERAL_MATFUNC = (
@@ -151,9 +153,6 @@ def eigsh(
         >>> [round(v, 8) for v in vals.tolist()]
         [9.0, 10.0]
     """
-    from ._eigen import default_start, implicit_eigenpairs, lobpcg
-    from ._implicit import _constant
-
     call = f"eigsh(A, k={k}, which={which!r})"
     _require_square_operator(A, call)
     require_symmetric(A, call, "Lanczos", "for a general operator, torch.linalg.eig(A.to_dense())")
