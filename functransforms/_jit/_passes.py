@@ -443,6 +443,31 @@ def _identity_products(gm) -> int:
     return n
 
 
+_ABSOLUTE_OFFSET = {
+    aten.as_strided.default,
+    aten.as_strided_.default,
+    aten.as_strided_scatter.default,
+}
+
+
+def _offset_readers(node) -> bool:
+    """Whether an op reading absolute storage offsets (``as_strided``) uses ``node``'s memory,
+    directly or through views: it would read another tensor's storage if ``node`` became a
+    view of one."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target in _ABSOLUTE_OFFSET:
+                return True
+            if _is_view(u) or u.target is operator.getitem:
+                todo.append(u)
+    return False
+
+
 def _scalar_identities(gm) -> int:
     """Products and powers by a scalar that change no bit: ``pow(x, 1)`` and ``mul(x, 1)``
     are ``x``; ``mul(x, -1)`` is ``neg(x)``; ``mul(neg(x), s)`` is ``mul(x, -s)`` (negation
@@ -461,9 +486,13 @@ def _scalar_identities(gm) -> int:
         return type(a) in (int, float)
 
     def same_as(node, src):
+        # shape, strides and dtype; not the storage offset, which make_fx's values do not
+        # keep for views (a split's pieces all read 0): hence no absolute-offset reader below
         a, b = src.meta.get("val"), node.meta.get("val")
         la, lb = _static_layout(a), _static_layout(b)
-        return la is not None and la == lb and b.requires_grad == a.requires_grad
+        if la is None or lb is None or (la[0], la[1], la[3]) != (lb[0], lb[1], lb[3]):
+            return False
+        return b.requires_grad == a.requires_grad and not _offset_readers(node)
 
     n = 0
     for node in list(gm.graph.nodes):
@@ -476,7 +505,7 @@ def _scalar_identities(gm) -> int:
         val = node.meta.get("val")
         if not isinstance(val, _Tensor) or not (val.is_floating_point() or val.is_complex()):
             continue
-        if node in outputs or node in mutated:
+        if node in outputs or node in written:
             continue
         if t in (aten.pow.Tensor_Scalar, aten.mul.Tensor) and s == 1:
             if root.get(x, x) not in written and same_as(node, x):

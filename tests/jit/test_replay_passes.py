@@ -330,3 +330,18 @@ def test_scalar_identities_keep_returned_and_written_results():
     torch.testing.assert_close(z, x.sin(), rtol=0, atol=0)
     assert aten.pow.Tensor_Scalar in _targets(j.graph(x))
     assert aten.mul.Tensor in _targets(j.graph(x))
+
+
+def test_scalar_identities_keep_a_product_read_by_absolute_offsets():
+    # as_strided reads absolute storage offsets: x * 1 must stay a buffer of its own when the
+    # piece it multiplies is a view at an offset into another tensor
+    x = torch.randn(6, dtype=torch.float64)
+
+    def f(x):
+        y = x.split(2)[1] * 1
+        return y.as_strided((2,), (1,), 0) + 0
+
+    j = ft.jit(f)
+    j(x)
+    torch.testing.assert_close(j(x), f(x), rtol=0, atol=0)
+    assert aten.mul.Tensor in _targets(j.graph(x))
