@@ -26,13 +26,22 @@ def _case(f, primals, seed=0):
     return (f, f), primals, tangents, cts, cot, tan_out, gen
 
 
+# drawn from a generator of their own: the global one's state at import depends on which
+# test modules a worker imported first (a 1% perturbation of a draw near zero passed once)
+_G = torch.Generator().manual_seed(7)
+
+
+def _rn(*shape, dtype=D):
+    return torch.randn(*shape, dtype=dtype, generator=_G)
+
+
 _SMOOTH = {
-    "sin_mul": (lambda x, y: (x.sin() * y,), [torch.randn(4, dtype=D), torch.randn(4, dtype=D)]),
+    "sin_mul": (lambda x, y: (x.sin() * y,), [_rn(4), _rn(4)]),
     "solve": (
         lambda a, b: (torch.linalg.solve(a, b),),
-        [torch.randn(3, 3, dtype=D) + 3 * torch.eye(3, dtype=D), torch.randn(3, dtype=D)],
+        [_rn(3, 3) + 3 * torch.eye(3, dtype=D), _rn(3)],
     ),
-    "complex_exp": (lambda z: (z.exp() * z.conj(),), [torch.randn(3, dtype=torch.complex128)]),
+    "complex_exp": (lambda z: (z.exp() * z.conj(),), [_rn(3, dtype=torch.complex128)]),
 }
 
 
