@@ -69,6 +69,7 @@ __all__ = [
     "TensorBase",
     "binding_homes",
     "TorchDispatchMode",
+    "UncompiledDispatchMode",
     "BatchNormBase",
     "compile_fx",
     "decomposition_table",
@@ -92,6 +93,7 @@ __all__ = [
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
     "set_conj",
+    "set_neg",
     "nested_tensor_from_tensor_list",
     "set_fwd_grad_enabled",
     "set_grad_enabled",
@@ -99,6 +101,7 @@ __all__ = [
     "storage_address",
     "swap_proxy_slots",
     "proxy_tracing",
+    "jit_tracing",
     "swap_tensor_impl",
     "tensor_requires_grad",
     "tensor_set_data",
@@ -110,6 +113,21 @@ __all__ = [
 ]
 
 _C = torch._C
+
+
+class UncompiledDispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch leaves unwrapped. torch wraps
+    a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``, which imports ``torch._dynamo``
+    (and sympy: ~850 modules, ~0.8 s of CPU) at the mode's first op, so dynamo never compiles
+    it. Ours are in our packages, on dynamo's skip list once dynamo is loaded (Note [torch.compile
+    inside our transforms], _core/levels.py): a first ``jit`` call imports none of it (Note
+    [Recording static traces], _jit/_record.py). ``_should_skip_dynamo``: checked on 2.13.0,
+    2.15.0."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
 
 # A context manager that turns every active TorchDispatchMode off (a jit trace, an audit) for
 # bookkeeping that is no part of the computation.
@@ -153,6 +171,9 @@ AutoDispatchBelowADInplaceOrView = _C._AutoDispatchBelowADInplaceOrView
 # Sets a tensor's conjugate bit (a wrapper that stands for a lazy conjugate: Note [Conjugate
 # views under vmap], batching/views.py). Checked on 2.13.0, 2.15.0.
 set_conj = _C._set_conj
+# Sets a tensor's negative bit (the metadata of a jit trace's values: Note [Recording static
+# traces], _jit/_record.py). Checked on 2.13.0, 2.15.0.
+set_neg = _C._set_neg
 DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # The C++ base of torch.Tensor: its metadata accessors (``dtype``, ``shape``, ``stride``, ...)
 # read under DisableTorchFunctionSubclass (Note [Metadata reads without __torch_function__],
@@ -168,10 +189,17 @@ binding_homes = (_C._VariableFunctions, _C._nn, _C.TensorBase)
 
 
 def proxy_tracing() -> bool:
-    """Whether make_fx (``ft.jit``) is tracing: its tracer holds one more reference to each
-    tensor it has seen. Checked on 2.13.0, 2.15.0."""
+    """Whether make_fx (``ft.jit(dynamic=True)``, or a caller's) is tracing: its tracer holds
+    one more reference to each tensor it has seen. Checked on 2.13.0, 2.15.0."""
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
+
+
+def jit_tracing() -> bool:
+    """Whether ``ft.jit`` is tracing on this thread (with make_fx or its own recorder: Note
+    [Recording static traces], _jit/_record.py); False while jit is not loaded."""
+    jit = sys.modules.get("functransforms._jit._trace")  # half imported by another thread: no trace
+    return getattr(getattr(jit, "_tracing", None), "active", False)
 
 
 # The innermost saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``): ``(pack,
@@ -206,6 +234,9 @@ def swap_proxy_slots(a, b, *, share=False):
     impl), else an op on a promoted buffer is recorded on the buffer's old value. With
     ``share``, ``a`` takes ``b``'s record and ``b`` keeps it (a tensor given its memory back
     aliases the holder). Checked on 2.13.0, 2.15.0 (``tracer.tensor_tracker``)."""
+    record = sys.modules.get("functransforms._jit._record")
+    if record is not None:  # jit's own recorder (Note [Recording static traces])
+        record.swap_records(a, b, share)
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     mode = proxy_tensor.get_proxy_mode() if proxy_tensor is not None else None
     if mode is None:

@@ -33,7 +33,6 @@ the first call is not run twice.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import linecache
 import os
@@ -69,6 +68,7 @@ from ._guards import (
     untraced_constants,
 )
 from ._passes import _clean, _for_inductor, _impure, _roots
+from ._record import Recorder, RecordError
 from ._signature import (
     _TENSOR,
     _dict_orders,
@@ -168,12 +168,13 @@ def _data_dependent(func, args) -> str | None:
     return None
 
 
-class _Watch(_compat.TorchDispatchMode):
+class _Watch(_compat.UncompiledDispatchMode):
     """Sees the user's ops during a trace; records the first reason the trace is unfaithful."""
 
-    def __init__(self, symbolic: bool, grad_mode: bool):
+    def __init__(self, symbolic: bool, grad_mode: bool, tracked):
         super().__init__()
         self.symbolic = symbolic
+        self.tracked = tracked  # tensor -> whether the tracer records it
         self.grad_mode = grad_mode
         self.reason = None
         self.devices = set()
@@ -181,15 +182,8 @@ class _Watch(_compat.TorchDispatchMode):
         self.rng = RngWatch(_user_line)  # Note [Replay guards]: f must not seed a generator
 
     def _traced(self, flat):
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
-
-        mode = get_proxy_mode()
         for t in flat:
-            if isinstance(t, _Tensor) and (
-                isinstance(t, _core.TransformTensor)
-                or (mode is not None and has_proxy_slot(t, mode.tracer))
-                or _compat.is_fake_tensor(t)
-            ):
+            if isinstance(t, _Tensor) and (isinstance(t, _core.TransformTensor) or self.tracked(t)):
                 return True
         return False
 
@@ -241,6 +235,14 @@ class _Watch(_compat.TorchDispatchMode):
         with _compat.disable_current_modes():
             torch.rand(1, device=dev)
         self.devices.add(dev.type)
+
+
+def _proxy_tracked(t) -> bool:
+    """Whether make_fx (a symbolic trace) records ``t``."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
+
+    mode = get_proxy_mode()
+    return (mode is not None and has_proxy_slot(t, mode.tracer)) or _compat.is_fake_tensor(t)
 
 
 def _op_name(func) -> str:
@@ -589,10 +591,10 @@ class Jitted:
             return entry, result
 
     def _trace_locked(self, key, tensors, rebuild):
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         grad_mode = torch.is_grad_enabled()
-        watch = _Watch(self.dynamic, grad_mode)
+        recorder = None if self.dynamic else Recorder()  # Note [Recording static traces]
+        tracked = _proxy_tracked if recorder is None else recorder.tracked
+        watch = _Watch(self.dynamic, grad_mode, tracked)
         box = {}
 
         def flat_fn(*ts):
@@ -613,17 +615,11 @@ class Jitted:
         _tracing.active = True
         modules = ModuleWatch()
         try:
-            with _metadata_context(self.dynamic), modules:
-                gm = make_fx(
-                    flat_fn,
-                    # An explicit (empty) table: torch >= 2.15 otherwise rewrites `detach` to
-                    # nothing, and a replay would let gradients through `x.detach()`.
-                    decomposition_table={},
-                    tracing_mode="symbolic" if self.dynamic else "real",
-                    _error_on_data_dependent_ops=False,
-                    # captured tensors (a module's weights) stay real: constants of the graph
-                    _allow_non_fake_inputs=True,
-                )(*tensors)
+            with modules:
+                if recorder is not None:
+                    gm = recorder.run(flat_fn, tensors)
+                else:
+                    gm = _symbolic_trace(flat_fn, tensors)
         except Exception as e:  # noqa: BLE001 - classified below
             _tracing.active = False
             if not self.dynamic and not _trace_machinery_error(e):
@@ -765,17 +761,26 @@ def _inductor(gm, tensors, dynamic, spares):
     return torch.compile(gm, backend="inductor", dynamic=dynamic)
 
 
-def _metadata_context(dynamic: bool):
-    """A real-mode trace records each node's metadata as a fake tensor, and without a fake
-    mode in the tracing context make_fx builds a new ``FakeTensorMode`` per node (each
-    capturing a Python stack: ~40% of a trace). One shared mode per trace."""
-    if dynamic:
-        return contextlib.nullcontext()
-    return _compat.tracing_context(_compat.fake_tensor_mode(allow_fallback_kernels=True))
+def _symbolic_trace(flat_fn, tensors):
+    """``make_fx`` with symbolic shapes (``dynamic=True``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(
+        flat_fn,
+        # An explicit (empty) table: torch >= 2.15 otherwise rewrites `detach` to nothing, and
+        # a replay would let gradients through `x.detach()`.
+        decomposition_table={},
+        tracing_mode="symbolic",
+        _error_on_data_dependent_ops=False,
+        # captured tensors (a module's weights) stay real: constants of the graph
+        _allow_non_fake_inputs=True,
+    )(*tensors)
 
 
 def _trace_machinery_error(e) -> bool:
-    """True if ``e`` is make_fx failing to trace, not ``f`` failing to run."""
+    """True if ``e`` is the tracer failing to trace, not ``f`` failing to run."""
+    if isinstance(e, RecordError):
+        return True
     mod = type(e).__module__ or ""
     return mod.startswith(("torch.fx", "torch._subclasses", "torch._dynamo")) or "tracing" in str(e)
 
