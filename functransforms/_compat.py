@@ -101,7 +101,6 @@ __all__ = [
     "storage_address",
     "swap_proxy_slots",
     "proxy_tracing",
-    "jit_tracing",
     "swap_tensor_impl",
     "tensor_requires_grad",
     "tensor_set_data",
@@ -189,17 +188,16 @@ binding_homes = (_C._VariableFunctions, _C._nn, _C.TensorBase)
 
 
 def proxy_tracing() -> bool:
-    """Whether make_fx (``ft.jit(dynamic=True)``, or a caller's) is tracing: its tracer holds
-    one more reference to each tensor it has seen. Checked on 2.13.0, 2.15.0."""
+    """Whether a tracer records ATen ops below our wrappers: make_fx (``ft.jit(dynamic=True)``,
+    or a caller's) or jit's own recorder (Note [Recording static traces], _jit/_record.py).
+    Its mode declines an op on a wrapper, and torch's dispatch then holds one more reference
+    to each argument while the wrapper's ``__torch_dispatch__`` runs. Checked on 2.13.0,
+    2.15.0."""
+    record = sys.modules.get("functransforms._jit._record")
+    if record is not None and record.recording():
+        return True
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
-
-
-def jit_tracing() -> bool:
-    """Whether ``ft.jit`` is tracing on this thread (with make_fx or its own recorder: Note
-    [Recording static traces], _jit/_record.py); False while jit is not loaded."""
-    jit = sys.modules.get("functransforms._jit._trace")  # half imported by another thread: no trace
-    return getattr(getattr(jit, "_tracing", None), "active", False)
 
 
 # The innermost saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``): ``(pack,

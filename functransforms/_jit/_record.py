@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import autograd_would_have_decomposed
 
 from .. import _compat
 
-__all__ = ["Recorder", "RecordError", "swap_records"]
+__all__ = ["Recorder", "RecordError", "recording", "swap_records"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -119,6 +119,11 @@ class _Active(threading.local):
 
 
 _active = _Active()
+
+
+def recording() -> bool:
+    """Whether a recorder is active on this thread (``_compat.proxy_tracing``)."""
+    return _active.recorder is not None
 
 
 def swap_records(a, b, share=False) -> None:

@@ -573,6 +573,8 @@ class Jitted:
         # jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Misses only; a
         # jitted f called while tracing runs as is (_tracing.active), so the lock never nests
         # across threads.
+        if not _core.DYNAMO_KEPT_OUT and "torch._dynamo" in sys.modules:
+            _core.keep_dynamo_out()  # our modes' frames too (_compat.UncompiledDispatchMode)
         with _TRACE_LOCK:
             mark = _compat.fx_source_mark()
             try:
