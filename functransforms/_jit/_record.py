@@ -2,44 +2,56 @@
 
 Note [Recording static traces]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A static trace (``jit(f)``, ``dynamic=False``) used to be ``make_fx`` in real mode. Its entry
-imports ``torch._inductor.config`` and its real-mode metadata builds a ``FakeTensorMode``:
-either pulls in ``torch._dynamo`` and sympy, ~850 modules and ~1 s of CPU on the first ``jit``
-call of a process, for a trace whose graph holds only plain ATen ops on concrete shapes.
-``Recorder`` does what make_fx's proxy mode does in real mode, and nothing else, with
-``torch.fx`` (already imported by ``import torch``) and ``torch.utils._python_dispatch``:
+A static trace (``jit(f)``, ``dynamic=False``) runs ``f`` once for real and records the plain
+ATen ops it issues, on concrete shapes. ``make_fx`` in real mode records that graph too, but
+its entry imports ``torch._inductor.config`` and its real-mode metadata builds a
+``FakeTensorMode``: either pulls in ``torch._dynamo`` and sympy, ~850 modules and ~1 s of CPU
+on the first ``jit`` call of a process (import + first call: ~1150 ms CPU with make_fx, ~125
+ms with the recorder; jax's import + first ``jax.jit`` call: ~1500 ms). ``Recorder`` does
+what make_fx's proxy mode does in real mode, and nothing else, with ``torch.fx`` (imported by
+``import torch``) and ``torch.utils._python_dispatch``:
 
 * It is a ``TorchDispatchMode`` pushed before ``f`` runs, so it is the innermost mode: the
   transforms' wrappers unwrap above it (an op with a wrapper argument it does not know is
   returned ``NotImplemented``, so the wrapper's ``__torch_dispatch__`` runs and its plain ops
   come back here), and it sees plain ATen ops only.
 * Each op runs for real and becomes a ``call_function`` node of its ``OpOverload`` with the
-  arguments as called. Tensors map to nodes by the identity of their Python object, as make_fx's
-  tracker (weak references: the trace keeps no intermediate alive): the flat inputs are
-  placeholders ``arg<i>_1``; a tensor an op returned is that node (``operator.getitem`` nodes for
-  each element of a tuple or list result, as make_fx's proxies index them); an in-place op
-  returns its argument, which from then on is the in-place node; any other tensor (a module's
-  weight, a closure's tensor) is a constant: a ``get_attr`` of ``_param_constant<i>``
-  (``nn.Parameter``) or ``_tensor_constant<i>``, one attribute per tensor, one node per use.
-* make_fx's rules that change what is recorded are kept: CompositeImplicitAutograd ops that
-  reach the mode (autograd was skipped) are decomposed with the mode active; ``lift_fresh``
-  (``torch.tensor`` literals) is recorded and run as ``lift_fresh_copy``; ``is_nonzero`` is
-  recorded as ``ne`` + ``_local_scalar_dense``; ``prim.device`` is not recorded; a
-  data-dependent op (``.item()``) whose tracked inputs are all constants (one-element tensors
-  made from literals, and what is computed from them alone) runs unrecorded, its value frozen
-  (a captured tensor's ``.item()`` as well, as make_fx does). The autocast cache is off for the
-  trace (a cached cast of a weight would enter the graph as a constant).
+  arguments as called. Tensors map to nodes by the identity of their Python object, as
+  make_fx's tracker (weak references: the trace keeps no intermediate alive): the flat inputs
+  are placeholders ``arg<i>_1``; a tensor an op returned is that node (``operator.getitem``
+  nodes for each element of a tuple or list result, as make_fx's proxies index them); an
+  in-place op returns its argument, which from then on is the in-place node; any other tensor
+  (a module's weight, a closure's tensor) is a constant: a ``get_attr`` of
+  ``_param_constant<i>`` (``nn.Parameter``) or ``_tensor_constant<i>``, one attribute per
+  tensor, one node per use; a ``torch.Generator`` argument is an ``_opaque_obj<i>`` attribute.
+* make_fx's rules that change what is recorded are kept: ``lift_fresh`` (``torch.tensor``
+  literals) is recorded and run as ``lift_fresh_copy``; ``is_nonzero`` is recorded as ``ne`` +
+  ``_local_scalar_dense``; ``prim.device`` is not recorded; a data-dependent op (``.item()``)
+  whose tracked inputs are all constants (one-element tensors made from literals, and what is
+  computed from them alone) runs unrecorded, its value frozen (a captured tensor's ``.item()``
+  as well); the autocast cache is off (a cached cast of a weight would enter the graph as a
+  constant). A CompositeImplicitAutograd op that reaches the mode (a rule ran it below
+  autograd) is decomposed with the mode active, by torch's C++ kernel, what eager runs;
+  make_fx prefers the Python decompositions some ops have (``matmul``, ``dropout``, the RNNs),
+  which import sympy. Same ops but for reshapes (``matmul``'s C++ kernel returns
+  ``_unsafe_view`` where the Python one returns ``view``), which the clean-up drops alike.
 * ``node.meta["val"]`` (the passes read layouts from it) is a data-less wrapper tensor with the
   value's sizes, strides, storage offset, dtype, device and conj/neg bits, made when the node
   is: later in-place changes of the real value's metadata do not reach it. make_fx's real-mode
-  values were fake tensors made by ``empty_strided``: the same but for the storage offset
-  (always 0 there) and the conj/neg bits (always clear there).
+  values are fake tensors made by ``empty_strided``: the same but for the storage offset (always
+  0 there) and the conj/neg bits (always clear there).
+* The modes of a trace (this one, ``_Watch``, the binding check's ``_Record``) subclass
+  ``_compat.UncompiledDispatchMode``: torch wraps a mode's ``__torch_dispatch__`` in
+  ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``, sympy and all.
 
-What the library read from make_fx while tracing now also asks the recorder: whether a tensor
-is traced (``_Watch``), the exchange of two tensors' records when a buffer is promoted
-(``_compat.swap_proxy_slots``). ``dynamic=True`` still traces with make_fx: symbolic shapes
-need its fake tensors and shape environment, and importing them is the price of asking for
-them. ``tests/jit/test_record.py`` compares the graphs of both tracers op by op.
+What the library asks of make_fx while tracing it asks of the recorder too: whether a tensor is
+traced (``_Watch``); the exchange of two tensors' records when a buffer is promoted
+(``_compat.swap_proxy_slots``); whether a tracer is active (``_compat.proxy_tracing``: while a
+tracer's mode declines an op on a wrapper, torch's dispatch holds one more reference to each
+argument, which promotion's use count allows for). ``dynamic=True`` traces with make_fx:
+symbolic shapes need its fake tensors and shape environment, and importing them is the price of
+asking for them. ``tests/jit/test_record.py`` compares the replayed graphs of both tracers op
+by op (the benchmark workloads of benchmarks/bench_jax.py were all identical).
 """
 
 from __future__ import annotations

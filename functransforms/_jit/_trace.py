@@ -2,22 +2,26 @@
 
 Note [Trace and replay]
 ~~~~~~~~~~~~~~~~~~~~~~~
-``make_fx`` traces through our wrapper subclasses unmodified: a wrapper's
-``__torch_dispatch__`` unwraps and runs ordinary ops on what it holds, and those ops reach the
-proxy mode, so the graph of ``vmap(grad(loss))`` holds only plain ATen ops, no transform
-machinery. Replaying that graph costs what the ops cost plus one Python call per op.
+The tracer is the innermost dispatch mode and traces through our wrapper subclasses
+unmodified: a wrapper's ``__torch_dispatch__`` unwraps and runs ordinary ops on what it holds,
+and those ops reach the tracer's mode, so the graph of ``vmap(grad(loss))`` holds only plain
+ATen ops, no transform machinery. Replaying that graph costs what the ops cost plus one Python
+call per op.
 
-* A static trace runs in make_fx's *real* mode: ``f`` runs once for real, its outputs are the
-  first call's result (nothing runs twice, side effects happen once) and every host-side check
-  of the library (vmap's ``randomness='error'`` RNG snapshot, shape checks) behaves as eagerly.
-* ``dynamic=True`` traces with symbolic shapes (fake tensors, nothing runs); the first result
-  comes from replaying the graph. The shape environment's guards are compiled into one
-  expression checked per call, so one graph serves every batch size that satisfies them.
+* A static trace is recorded by ``Recorder`` (Note [Recording static traces], ``_record.py``):
+  ``f`` runs once for real, its outputs are the first call's result (nothing runs twice, side
+  effects happen once) and every host-side check of the library (vmap's ``randomness='error'``
+  RNG snapshot, shape checks) behaves as eagerly. It builds the graph make_fx's real mode built,
+  op for op, without importing torch's symbolic-shapes stack (~1 s of a process's first call).
+* ``dynamic=True`` traces with ``make_fx`` and symbolic shapes (fake tensors, nothing runs);
+  the first result comes from replaying the graph. The shape environment's guards are compiled
+  into one expression checked per call, so one graph serves every batch size that satisfies
+  them.
 
 Note [Jit fallbacks]
 ~~~~~~~~~~~~~~~~~~~~
 A graph replays faithfully only if nothing in ``f`` depended on tensor *values* on the host.
-``_Watch``, a dispatch mode pushed on top of make_fx's for the duration of the trace, sees the
+``_Watch``, a dispatch mode pushed on top of the tracer's for the duration of the trace, sees the
 user's ops and records the first one that reads values (``.item()``, ``bool(x)``,
 ``torch.equal``; tag ``data_dependent_output``) or makes a data-dependent shape (``nonzero``,
 ``masked_select``, boolean indexing; tag ``dynamic_output_shape``), with the user's source line,
@@ -25,9 +29,8 @@ and a change of grad mode around tensors that require grad (``torch.no_grad()`` 
 ``autograd.Function`` inside ``f``: a replayed ATen graph would not keep them). A scan of the
 finished graph is the safety net for ops issued deeper down. Such a signature is recorded as
 *eager*: ``f`` runs as is for it from then on, with one ``JitFallbackWarning``; no graph that
-would replay wrongly is ever cached. In real mode the trace has already computed the right
-result (data-dependent reads return real values, ``_error_on_data_dependent_ops=False``), so
-the first call is not run twice.
+would replay wrongly is ever cached. A static trace has already computed the right result
+(data-dependent reads return real values), so the first call is not run twice.
 """
 
 from __future__ import annotations
@@ -568,9 +571,10 @@ class Jitted:
 
     # -- tracing
     def _trace(self, key, tensors, rebuild):
-        # Note [One trace at a time]: torch's tracer (make_fx) keeps its patcher in a module
-        # global and patches nn.Module methods process-wide: two threads' first calls of
-        # jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Misses only; a
+        # Note [One trace at a time]: torch's tracer (make_fx, dynamic=True) keeps its patcher
+        # in a module global and patches nn.Module methods process-wide: two threads' first
+        # calls of jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Our recorder
+        # needs no lock, but the watch's hooks and seeding wrappers are process-wide too. A
         # jitted f called while tracing runs as is (_tracing.active), so the lock never nests
         # across threads.
         if not _core.DYNAMO_KEPT_OUT and "torch._dynamo" in sys.modules:
@@ -843,8 +847,8 @@ def jit(
     ``f`` is any composition of this library's transforms or a plain function of pytrees of
     tensors. The first call with a new *signature* (pytree structure; each tensor's shape,
     strides, dtype, device and requires_grad; the value of every non-tensor leaf; grad mode,
-    default dtype and deterministic-algorithms mode) runs ``f`` once under ``make_fx`` and
-    records the ATen ops it issues; later calls with that signature replay the recorded graph,
+    default dtype and deterministic-algorithms mode) runs ``f`` once and records the ATen ops it
+    issues; later calls with that signature replay the recorded graph,
     with no transform machinery left. See docs/jit.md.
 
     Args:
