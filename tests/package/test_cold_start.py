@@ -372,6 +372,17 @@ def test_static_first_jit_call_does_not_import_sympy():
     assert out == ["False", "False", "False"]  # torch._dynamo, torch.distributed.tensor, sympy
 
 
+def test_first_vmap_with_different_randomness_does_not_import_sympy():
+    # its dispatch mode is an UncompiledDispatchMode too (torch would import torch._dynamo at
+    # the mode's first op); inside jit as well
+    code = (
+        "import functransforms as ft\n"
+        "f = ft.vmap(lambda x: x + torch.rand(()), randomness='different')\n"
+        "f(torch.ones(3)); ft.jit(f)(torch.ones(3))"
+    )
+    assert _fresh(code) == ["False", "False"]
+
+
 def test_dynamic_first_jit_call_still_traces_with_make_fx():
     # guards the check above: dynamic=True needs make_fx's symbolic shapes (and sympy)
     code = _FIRST_JIT.replace("ft.jit(", "ft.jit(dynamic=True)(")
