@@ -40,7 +40,11 @@ import torch
 import torch.utils._pytree as torch_pytree  # checked on 2.13.0, 2.15.0; arg_tree_leaves, tree_map
 
 # -- dispatch modes (checked on 2.13.0, 2.15.0) ---------------------------------------------------
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    autograd_would_have_decomposed,
+)
 
 __all__ = [
     "device_context_class",
@@ -69,6 +73,8 @@ __all__ = [
     "TensorBase",
     "binding_homes",
     "TorchDispatchMode",
+    "autograd_would_have_decomposed",
+    "has_kernel_for_dispatch_key",
     "UncompiledDispatchMode",
     "BatchNormBase",
     "compile_fx",
@@ -283,6 +289,11 @@ RANDOM_GUARD_KEY = "TESTING_ONLY_GenericMode"
 DispatchKey = _C.DispatchKey
 DispatchKeySet = _C.DispatchKeySet
 CompositeImplicitAutograd = DispatchKey.CompositeImplicitAutograd
+# Whether an op has a kernel for a dispatch key (``(op.name(), key)``); with
+# ``autograd_would_have_decomposed`` (imported above), how jit's recorder decides, as make_fx
+# does, to decompose a CompositeImplicitAutograd op that reached it (Note [Recording static
+# traces], _jit/_record.py). Checked on 2.13.0, 2.15.0.
+has_kernel_for_dispatch_key = _C._dispatch_has_kernel_for_dispatch_key
 AutogradFunctionality = DispatchKey.AutogradFunctionality
 AutogradOther = DispatchKey.AutogradOther
 AutogradNestedTensor = DispatchKey.AutogradNestedTensor

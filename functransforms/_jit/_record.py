@@ -61,7 +61,6 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import autograd_would_have_decomposed
 
 from .. import _compat
 
@@ -75,8 +74,8 @@ _RANDOM = torch.Tag.nondeterministic_seeded
 aten = torch.ops.aten
 _SIZES = (aten.size.default, aten.stride.default, aten.storage_offset.default)
 _DEVICE = torch.ops.prim.device.default
-_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
-_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+_CIA = _compat.CompositeImplicitAutograd
+_has_kernel = _compat.has_kernel_for_dispatch_key
 # make_fx's CONSTANT_NUMEL_LIMIT: results of constants stay constants up to this many elements
 _CONSTANT_NUMEL = 1
 
@@ -88,14 +87,14 @@ class RecordError(RuntimeError):
 class _Value(torch.Tensor):
     """A traced value's metadata without its data (``node.meta["val"]``)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _compat.disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RecordError(f"{func}: a jit graph's metadata tensor holds no values")
 
 
-_make_value = torch.Tensor._make_wrapper_subclass
+_make_value = _compat.make_wrapper_subclass
 
 
 def _value(t):
@@ -242,7 +241,7 @@ class Recorder(_compat.UncompiledDispatchMode):
             if e is None and type(t) not in _HANDLED:
                 return NotImplemented  # a wrapper: its __torch_dispatch__ first
             entries.append(e)
-        if func not in _SIZES and autograd_would_have_decomposed(func, flat):
+        if func not in _SIZES and _compat.autograd_would_have_decomposed(func, flat):
             with self:
                 if _has_kernel(func.name(), _CIA):  # the C++ decomposition eager runs
                     return func._op_dk(_CIA, *args, **kwargs)

@@ -574,9 +574,9 @@ class Jitted:
         # Note [One trace at a time]: torch's tracer (make_fx, dynamic=True) keeps its patcher
         # in a module global and patches nn.Module methods process-wide: two threads' first
         # calls of jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Our recorder
-        # needs no lock, but the watch's hooks and seeding wrappers are process-wide too. A
-        # jitted f called while tracing runs as is (_tracing.active), so the lock never nests
-        # across threads.
+        # needs no lock, but the watch's hooks and seeding wrappers are process-wide too.
+        # Misses only; a jitted f called while tracing runs as is (_tracing.active), so the
+        # lock never nests across threads.
         if not _core.DYNAMO_KEPT_OUT and "torch._dynamo" in sys.modules:
             _core.keep_dynamo_out()  # our modes' frames too (_compat.UncompiledDispatchMode)
         with _TRACE_LOCK:
