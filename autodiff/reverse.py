@@ -786,7 +786,8 @@ def _check_versions(node):
 #     (also under vmap), raises when a backward function returns NaN, naming it; our sweep
 #     returned the NaN silently. With the mode on (read once per sweep: nothing otherwise), each
 #     rule's cotangents are checked through every wrapper down to the plain value (all examples
-#     of a vmap at once). Not on meta/fake values, nor while ft.jit traces (no values there).
+#     of a vmap at once). Not on meta/fake values, nor while ft.jit traces (a replay would not
+#     check, and a read of traced values makes the signature fall back).
 def _raise_on_nan(node, input_cts):
     if _compat.proxy_tracing():
         return

@@ -178,8 +178,11 @@ class _Drawing(threading.local):
 _drawing = _Drawing()
 
 
-class DifferentRandomnessMode(_compat.TorchDispatchMode):
-    """Batches tensor-free random factory ops over every enclosing randomness='different' vmap."""
+class DifferentRandomnessMode(_compat.UncompiledDispatchMode):
+    """Batches tensor-free random factory ops over every enclosing randomness='different' vmap.
+
+    Uncompiled: its first op does not import torch._dynamo (~1 s); vmap's entry has put our
+    packages on dynamo's skip list if dynamo is loaded (_compat.UncompiledDispatchMode)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -2,6 +2,7 @@
 
     pip install -e '.[jax]'     # jax and jaxlib, CPU
     python benchmarks/bench_jax.py [--quick] [--no-inductor] [--only KEY]
+    python benchmarks/bench_jax.py --cold       # only the cold-start table (fresh processes)
     python benchmarks/bench_jax.py --out docs/performance-jax.md
 
 One process, one thread for both libraries (``torch.set_num_threads(1)``; XLA's CPU client
@@ -543,6 +544,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
     ap.add_argument("--no-inductor", action="store_true", help="skip the jit inductor column")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-start table")
+    ap.add_argument("--cold", action="store_true", help="only the cold-start table")
     ap.add_argument("--only", default=None, help="rows whose key contains this")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out", default=None, help="write a markdown page (and .json) here")
@@ -556,7 +558,7 @@ def main(argv=None):
     repeats = a.repeats or (7 if a.quick else 21)
     inductor = not a.no_inductor
     rows = []
-    for key, make, keep in all_cases(jax):
+    for key, make, keep in [] if a.cold else all_cases(jax):
         if a.only and a.only not in key:
             continue
         row = run_case(jax, key, make, keep, repeats, inductor)
@@ -567,7 +569,7 @@ def main(argv=None):
             + f" ms; jit/jax {row['jit_ms'] / row['jax_ms']:.2f}; err {row['max_rel_err']:.1e}",
             flush=True,
         )
-    cold = {} if a.no_cold or a.only else cold_start(3 if a.quick else 7)
+    cold = {} if a.no_cold or (a.only and not a.cold) else cold_start(3 if a.quick else 7)
     text = render(rows, cold, inductor)
     print(text)
     if a.out:

@@ -40,7 +40,11 @@ import torch
 import torch.utils._pytree as torch_pytree  # checked on 2.13.0, 2.15.0; arg_tree_leaves, tree_map
 
 # -- dispatch modes (checked on 2.13.0, 2.15.0) ---------------------------------------------------
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    autograd_would_have_decomposed,
+)
 
 __all__ = [
     "device_context_class",
@@ -69,6 +73,9 @@ __all__ = [
     "TensorBase",
     "binding_homes",
     "TorchDispatchMode",
+    "autograd_would_have_decomposed",
+    "has_kernel_for_dispatch_key",
+    "UncompiledDispatchMode",
     "BatchNormBase",
     "compile_fx",
     "decomposition_table",
@@ -92,6 +99,7 @@ __all__ = [
     "len_torch_dispatch_stack",
     "make_wrapper_subclass",
     "set_conj",
+    "set_neg",
     "nested_tensor_from_tensor_list",
     "set_fwd_grad_enabled",
     "set_grad_enabled",
@@ -110,6 +118,21 @@ __all__ = [
 ]
 
 _C = torch._C
+
+
+class UncompiledDispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch leaves unwrapped. torch wraps
+    a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``, which imports ``torch._dynamo``
+    (and sympy: ~850 modules, ~0.8 s of CPU) at the mode's first op, so dynamo never compiles
+    it. Ours are in our packages, on dynamo's skip list once dynamo is loaded (Note [torch.compile
+    inside our transforms], _core/levels.py): a first ``jit`` call imports none of it (Note
+    [Recording static traces], _jit/_record.py). ``_should_skip_dynamo``: checked on 2.13.0,
+    2.15.0."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
 
 # A context manager that turns every active TorchDispatchMode off (a jit trace, an audit) for
 # bookkeeping that is no part of the computation.
@@ -153,6 +176,9 @@ AutoDispatchBelowADInplaceOrView = _C._AutoDispatchBelowADInplaceOrView
 # Sets a tensor's conjugate bit (a wrapper that stands for a lazy conjugate: Note [Conjugate
 # views under vmap], batching/views.py). Checked on 2.13.0, 2.15.0.
 set_conj = _C._set_conj
+# Sets a tensor's negative bit (the metadata of a jit trace's values: Note [Recording static
+# traces], _jit/_record.py). Checked on 2.13.0, 2.15.0.
+set_neg = _C._set_neg
 DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # The C++ base of torch.Tensor: its metadata accessors (``dtype``, ``shape``, ``stride``, ...)
 # read under DisableTorchFunctionSubclass (Note [Metadata reads without __torch_function__],
@@ -168,8 +194,14 @@ binding_homes = (_C._VariableFunctions, _C._nn, _C.TensorBase)
 
 
 def proxy_tracing() -> bool:
-    """Whether make_fx (``ft.jit``) is tracing: its tracer holds one more reference to each
-    tensor it has seen. Checked on 2.13.0, 2.15.0."""
+    """Whether a tracer records ATen ops below our wrappers: make_fx (``ft.jit(dynamic=True)``,
+    or a caller's) or jit's own recorder (Note [Recording static traces], _jit/_record.py).
+    Its mode declines an op on a wrapper, and torch's dispatch then holds one more reference
+    to each argument while the wrapper's ``__torch_dispatch__`` runs. Checked on 2.13.0,
+    2.15.0."""
+    record = sys.modules.get("functransforms._jit._record")
+    if record is not None and record.recording():
+        return True
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     return proxy_tensor is not None and proxy_tensor.get_proxy_mode() is not None
 
@@ -206,6 +238,9 @@ def swap_proxy_slots(a, b, *, share=False):
     impl), else an op on a promoted buffer is recorded on the buffer's old value. With
     ``share``, ``a`` takes ``b``'s record and ``b`` keeps it (a tensor given its memory back
     aliases the holder). Checked on 2.13.0, 2.15.0 (``tracer.tensor_tracker``)."""
+    record = sys.modules.get("functransforms._jit._record")
+    if record is not None:  # jit's own recorder (Note [Recording static traces])
+        record.swap_records(a, b, share)
     proxy_tensor = sys.modules.get("torch.fx.experimental.proxy_tensor")
     mode = proxy_tensor.get_proxy_mode() if proxy_tensor is not None else None
     if mode is None:
@@ -254,6 +289,11 @@ RANDOM_GUARD_KEY = "TESTING_ONLY_GenericMode"
 DispatchKey = _C.DispatchKey
 DispatchKeySet = _C.DispatchKeySet
 CompositeImplicitAutograd = DispatchKey.CompositeImplicitAutograd
+# Whether an op has a kernel for a dispatch key (``(op.name(), key)``); with
+# ``autograd_would_have_decomposed`` (imported above), how jit's recorder decides, as make_fx
+# does, to decompose a CompositeImplicitAutograd op that reached it (Note [Recording static
+# traces], _jit/_record.py). Checked on 2.13.0, 2.15.0.
+has_kernel_for_dispatch_key = _C._dispatch_has_kernel_for_dispatch_key
 AutogradFunctionality = DispatchKey.AutogradFunctionality
 AutogradOther = DispatchKey.AutogradOther
 AutogradNestedTensor = DispatchKey.AutogradNestedTensor

@@ -691,7 +691,11 @@ def _for_inductor(gm) -> None:
 #   be one call of the node's overload with every schema argument equal (defaults filled in;
 #   a Python number the schema takes as a Tensor arrives as the 0-dim tensor both paths wrap
 #   it in). Python's overload resolution depends on the arguments' kinds (tensor, int, float,
-#   list, None, keyword names), so the verdict is cached per (overload, kinds).
+#   list, None, keyword names), so the verdict is cached per (overload, kinds). The mode runs
+#   no kernel: it returns empty stand-ins of the schema's results (the call succeeded when it
+#   was traced; what is checked is where it goes). Meta kernels would run Python for many ops
+#   (torch's elementwise refs), whose first call imports torch._dynamo and sympy: ~0.8 s of a
+#   process's first jit call (Note [Recording static traces], _record.py).
 # * Only ops with a tensor argument (factories stay on ``_op``: ``torch.set_default_device``'s
 #   mode would otherwise see them), and never for the ``out=`` steps of kept buffers.
 # * ``__torch_function__``: the bindings would call it on a tensor subclass argument, which
@@ -710,14 +714,32 @@ def _kind(a):
     return type(a).__name__
 
 
-class _Record(_compat.TorchDispatchMode):
+class _Record(_compat.UncompiledDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        return _stand_in(func)
+
+
+_STAND_INS = {
+    "TensorType": lambda: torch.empty(0, device="meta"),
+    "ListType": list,
+    "OptionalType": lambda: None,
+    "IntType": int,
+    "SymIntType": int,
+    "FloatType": float,
+    "NumberType": int,
+    "BoolType": bool,
+}
+
+
+def _stand_in(func):
+    """An empty value of each result of ``func``'s schema: what ``_Record`` returns."""
+    outs = [_STAND_INS[r.type.kind()]() for r in func._schema.returns]
+    return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _schema_values(schema, args, kwargs):
@@ -782,7 +804,7 @@ def _binding_of(node, gm):
                 warnings.simplefilter("ignore")
                 with rec:
                     fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - not this binding (or no meta kernel): keep _op
+        except Exception:  # noqa: BLE001 - not this binding: keep _op
             continue
         if len(rec.calls) != 1 or rec.calls[0][0] is not t:
             continue

@@ -2,22 +2,26 @@
 
 Note [Trace and replay]
 ~~~~~~~~~~~~~~~~~~~~~~~
-``make_fx`` traces through our wrapper subclasses unmodified: a wrapper's
-``__torch_dispatch__`` unwraps and runs ordinary ops on what it holds, and those ops reach the
-proxy mode, so the graph of ``vmap(grad(loss))`` holds only plain ATen ops, no transform
-machinery. Replaying that graph costs what the ops cost plus one Python call per op.
+The tracer is the innermost dispatch mode and traces through our wrapper subclasses
+unmodified: a wrapper's ``__torch_dispatch__`` unwraps and runs ordinary ops on what it holds,
+and those ops reach the tracer's mode, so the graph of ``vmap(grad(loss))`` holds only plain
+ATen ops, no transform machinery. Replaying that graph costs what the ops cost plus one Python
+call per op.
 
-* A static trace runs in make_fx's *real* mode: ``f`` runs once for real, its outputs are the
-  first call's result (nothing runs twice, side effects happen once) and every host-side check
-  of the library (vmap's ``randomness='error'`` RNG snapshot, shape checks) behaves as eagerly.
-* ``dynamic=True`` traces with symbolic shapes (fake tensors, nothing runs); the first result
-  comes from replaying the graph. The shape environment's guards are compiled into one
-  expression checked per call, so one graph serves every batch size that satisfies them.
+* A static trace is recorded by ``Recorder`` (Note [Recording static traces], ``_record.py``):
+  ``f`` runs once for real, its outputs are the first call's result (nothing runs twice, side
+  effects happen once) and every host-side check of the library (vmap's ``randomness='error'``
+  RNG snapshot, shape checks) behaves as eagerly. It builds the graph make_fx's real mode built,
+  op for op, without importing torch's symbolic-shapes stack (~1 s of a process's first call).
+* ``dynamic=True`` traces with ``make_fx`` and symbolic shapes (fake tensors, nothing runs);
+  the first result comes from replaying the graph. The shape environment's guards are compiled
+  into one expression checked per call, so one graph serves every batch size that satisfies
+  them.
 
 Note [Jit fallbacks]
 ~~~~~~~~~~~~~~~~~~~~
 A graph replays faithfully only if nothing in ``f`` depended on tensor *values* on the host.
-``_Watch``, a dispatch mode pushed on top of make_fx's for the duration of the trace, sees the
+``_Watch``, a dispatch mode pushed on top of the tracer's for the duration of the trace, sees the
 user's ops and records the first one that reads values (``.item()``, ``bool(x)``,
 ``torch.equal``; tag ``data_dependent_output``) or makes a data-dependent shape (``nonzero``,
 ``masked_select``, boolean indexing; tag ``dynamic_output_shape``), with the user's source line,
@@ -25,15 +29,13 @@ and a change of grad mode around tensors that require grad (``torch.no_grad()`` 
 ``autograd.Function`` inside ``f``: a replayed ATen graph would not keep them). A scan of the
 finished graph is the safety net for ops issued deeper down. Such a signature is recorded as
 *eager*: ``f`` runs as is for it from then on, with one ``JitFallbackWarning``; no graph that
-would replay wrongly is ever cached. In real mode the trace has already computed the right
-result (data-dependent reads return real values, ``_error_on_data_dependent_ops=False``), so
-the first call is not run twice.
+would replay wrongly is ever cached. A static trace has already computed the right result
+(data-dependent reads return real values), so the first call is not run twice.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import linecache
 import os
@@ -69,6 +71,7 @@ from ._guards import (
     untraced_constants,
 )
 from ._passes import _clean, _for_inductor, _impure, _roots
+from ._record import Recorder, RecordError
 from ._signature import (
     _TENSOR,
     _dict_orders,
@@ -168,12 +171,13 @@ def _data_dependent(func, args) -> str | None:
     return None
 
 
-class _Watch(_compat.TorchDispatchMode):
+class _Watch(_compat.UncompiledDispatchMode):
     """Sees the user's ops during a trace; records the first reason the trace is unfaithful."""
 
-    def __init__(self, symbolic: bool, grad_mode: bool):
+    def __init__(self, symbolic: bool, grad_mode: bool, tracked):
         super().__init__()
         self.symbolic = symbolic
+        self.tracked = tracked  # tensor -> whether the tracer records it
         self.grad_mode = grad_mode
         self.reason = None
         self.devices = set()
@@ -181,15 +185,8 @@ class _Watch(_compat.TorchDispatchMode):
         self.rng = RngWatch(_user_line)  # Note [Replay guards]: f must not seed a generator
 
     def _traced(self, flat):
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
-
-        mode = get_proxy_mode()
         for t in flat:
-            if isinstance(t, _Tensor) and (
-                isinstance(t, _core.TransformTensor)
-                or (mode is not None and has_proxy_slot(t, mode.tracer))
-                or _compat.is_fake_tensor(t)
-            ):
+            if isinstance(t, _Tensor) and (isinstance(t, _core.TransformTensor) or self.tracked(t)):
                 return True
         return False
 
@@ -241,6 +238,14 @@ class _Watch(_compat.TorchDispatchMode):
         with _compat.disable_current_modes():
             torch.rand(1, device=dev)
         self.devices.add(dev.type)
+
+
+def _proxy_tracked(t) -> bool:
+    """Whether make_fx (a symbolic trace) records ``t``."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, has_proxy_slot
+
+    mode = get_proxy_mode()
+    return (mode is not None and has_proxy_slot(t, mode.tracer)) or _compat.is_fake_tensor(t)
 
 
 def _op_name(func) -> str:
@@ -566,11 +571,14 @@ class Jitted:
 
     # -- tracing
     def _trace(self, key, tensors, rebuild):
-        # Note [One trace at a time]: torch's tracer (make_fx) keeps its patcher in a module
-        # global and patches nn.Module methods process-wide: two threads' first calls of
-        # jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Misses only; a
-        # jitted f called while tracing runs as is (_tracing.active), so the lock never nests
-        # across threads.
+        # Note [One trace at a time]: torch's tracer (make_fx, dynamic=True) keeps its patcher
+        # in a module global and patches nn.Module methods process-wide: two threads' first
+        # calls of jitted functions raised "CURRENT_PATCHER is None" in torch.fx. Our recorder
+        # needs no lock, but the watch's hooks and seeding wrappers are process-wide too.
+        # Misses only; a jitted f called while tracing runs as is (_tracing.active), so the
+        # lock never nests across threads.
+        if not _core.DYNAMO_KEPT_OUT and "torch._dynamo" in sys.modules:
+            _core.keep_dynamo_out()  # our modes' frames too (_compat.UncompiledDispatchMode)
         with _TRACE_LOCK:
             mark = _compat.fx_source_mark()
             try:
@@ -589,10 +597,10 @@ class Jitted:
             return entry, result
 
     def _trace_locked(self, key, tensors, rebuild):
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         grad_mode = torch.is_grad_enabled()
-        watch = _Watch(self.dynamic, grad_mode)
+        recorder = None if self.dynamic else Recorder()  # Note [Recording static traces]
+        tracked = _proxy_tracked if recorder is None else recorder.tracked
+        watch = _Watch(self.dynamic, grad_mode, tracked)
         box = {}
 
         def flat_fn(*ts):
@@ -613,17 +621,11 @@ class Jitted:
         _tracing.active = True
         modules = ModuleWatch()
         try:
-            with _metadata_context(self.dynamic), modules:
-                gm = make_fx(
-                    flat_fn,
-                    # An explicit (empty) table: torch >= 2.15 otherwise rewrites `detach` to
-                    # nothing, and a replay would let gradients through `x.detach()`.
-                    decomposition_table={},
-                    tracing_mode="symbolic" if self.dynamic else "real",
-                    _error_on_data_dependent_ops=False,
-                    # captured tensors (a module's weights) stay real: constants of the graph
-                    _allow_non_fake_inputs=True,
-                )(*tensors)
+            with modules:
+                if recorder is not None:
+                    gm = recorder.run(flat_fn, tensors)
+                else:
+                    gm = _symbolic_trace(flat_fn, tensors)
         except Exception as e:  # noqa: BLE001 - classified below
             _tracing.active = False
             if not self.dynamic and not _trace_machinery_error(e):
@@ -765,17 +767,26 @@ def _inductor(gm, tensors, dynamic, spares):
     return torch.compile(gm, backend="inductor", dynamic=dynamic)
 
 
-def _metadata_context(dynamic: bool):
-    """A real-mode trace records each node's metadata as a fake tensor, and without a fake
-    mode in the tracing context make_fx builds a new ``FakeTensorMode`` per node (each
-    capturing a Python stack: ~40% of a trace). One shared mode per trace."""
-    if dynamic:
-        return contextlib.nullcontext()
-    return _compat.tracing_context(_compat.fake_tensor_mode(allow_fallback_kernels=True))
+def _symbolic_trace(flat_fn, tensors):
+    """``make_fx`` with symbolic shapes (``dynamic=True``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(
+        flat_fn,
+        # An explicit (empty) table: torch >= 2.15 otherwise rewrites `detach` to nothing, and
+        # a replay would let gradients through `x.detach()`.
+        decomposition_table={},
+        tracing_mode="symbolic",
+        _error_on_data_dependent_ops=False,
+        # captured tensors (a module's weights) stay real: constants of the graph
+        _allow_non_fake_inputs=True,
+    )(*tensors)
 
 
 def _trace_machinery_error(e) -> bool:
-    """True if ``e`` is make_fx failing to trace, not ``f`` failing to run."""
+    """True if ``e`` is the tracer failing to trace, not ``f`` failing to run."""
+    if isinstance(e, RecordError):
+        return True
     mod = type(e).__module__ or ""
     return mod.startswith(("torch.fx", "torch._subclasses", "torch._dynamo")) or "tracing" in str(e)
 
@@ -836,8 +847,8 @@ def jit(
     ``f`` is any composition of this library's transforms or a plain function of pytrees of
     tensors. The first call with a new *signature* (pytree structure; each tensor's shape,
     strides, dtype, device and requires_grad; the value of every non-tensor leaf; grad mode,
-    default dtype and deterministic-algorithms mode) runs ``f`` once under ``make_fx`` and
-    records the ATen ops it issues; later calls with that signature replay the recorded graph,
+    default dtype and deterministic-algorithms mode) runs ``f`` once and records the ATen ops it
+    issues; later calls with that signature replay the recorded graph,
     with no transform machinery left. See docs/jit.md.
 
     Args:
