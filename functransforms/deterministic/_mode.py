@@ -102,8 +102,17 @@ def transform_name(interp) -> str:
     return call.split("(")[0]
 
 
-class TransformAwareMode(_compat.TorchDispatchMode):
-    """Sees every op, including those our transforms emit (Note [Seeing the ops...])."""
+class TransformAwareMode(_compat.UncompiledDispatchMode):
+    """Sees every op, including those our transforms emit (Note [Seeing the ops...]).
+    Uncompiled: its first op does not import torch._dynamo and sympy (~1 s); entering puts
+    our packages on dynamo's skip list if dynamo is loaded (_compat.UncompiledDispatchMode)."""
+
+    def __enter__(self):
+        from functransforms._core.levels import keep_dynamo_out
+
+        if "torch._dynamo" in sys.modules:
+            keep_dynamo_out()
+        return super().__enter__()
 
     def __init__(self):
         super().__init__()

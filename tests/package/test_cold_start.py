@@ -404,3 +404,13 @@ def test_first_jit_call_result_in_a_fresh_process():
         check=True,
     ).stdout.split()
     assert out == ["1", "True"]
+
+
+def test_first_determinism_check_does_not_import_sympy():
+    # the checker's dispatch modes are UncompiledDispatchModes too
+    code = (
+        "import functransforms as ft\n"
+        "from functransforms.deterministic import check_deterministic\n"
+        "check_deterministic(lambda x: ft.grad(lambda z: (z.sin() * z).sum())(x), torch.ones(3))"
+    )
+    assert _fresh(code) == ["False", "False"]
