@@ -8,6 +8,7 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
+from functransforms._autograd_function import _has_wrapper
 from functransforms._core.decomp import decomposition
 from functransforms._core.levels import (
     DEFERRING,
@@ -16,12 +17,11 @@ from functransforms._core.levels import (
     PlainMetadata,
     TransformTensor,
     below_torch_autograd,
-    innermost,
     is_floating,
     metadata,
 )
 from functransforms._core.ops import draws_random, facts, op_name
-from functransforms._custom import ClosedOverStandIn, _CustomFunction, _plain
+from functransforms._custom import ClosedOverStandIn, _CustomFunction
 from functransforms._vmap import vmap
 from functransforms.errors import (  # raise_*: re-exported for rule modules
     FallbackWarning,
@@ -580,7 +580,7 @@ class VmapInterpreter(Interpreter):
         residuals = vmap(setup, in_dims=(in_dims, 0), randomness=r)
 
         def fn(*a):
-            if _has_wrapper(a):  # an enclosing level: the batched Function is its op too
+            if _has_wrapper(a, {}):  # an enclosing level: the batched Function is its op too
                 return batched(*a)
             return run(*a)
 
@@ -641,10 +641,6 @@ class VmapInterpreter(Interpreter):
                 )
             wrapped.append(wrap_batched(o, 0, self) if b else o)
         return pt.tree_unflatten(out_spec, wrapped)
-
-
-def _has_wrapper(args) -> bool:
-    return not all(_plain(a) for a in args) and innermost(pt.tree_leaves(args)) is not None
 
 
 def _summed_over_unmapped(batched_bwd, args, bdims):
