@@ -18,15 +18,23 @@ ROOT = Path(__file__).resolve().parents[2]
 _REPORT = "print('torch.distributed.tensor' in sys.modules, 'sympy' in sys.modules)"
 
 
-def _fresh(code):
-    out = subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}\n{_REPORT}"],
+def _run(code):
+    """The lines ``code`` prints in a fresh process (after ``import sys, torch``)."""
+    return subprocess.run(
+        [sys.executable, "-c", f"import sys, torch\n{code}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
-    )
-    return out.stdout.split()[-2:]
+    ).stdout.split("\n")
+
+
+def _words(code):
+    return " ".join(_run(code)).split()
+
+
+def _fresh(code):
+    return _words(f"{code}\n{_REPORT}")[-2:]
 
 
 def test_first_transform_calls_do_not_import_distributed():
@@ -86,13 +94,7 @@ def test_import_leaves_the_rarely_used_parts_unloaded():
         "from functransforms.deterministic import check_deterministic, TABLE\n"
         "print(jit is ft.jit, TABLE is ft.deterministic.TABLE)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
+    out = _run(code)
     assert out[0].split() == ["False"] * len(lazy)
     assert out[1].split() == ["True", "functransforms.distributed", "True", "True", "True", "True"]
     assert out[2].split() == ["True", "True"]
@@ -119,14 +121,7 @@ def test_randomness_check_under_a_mode_needs_no_jit():
         "    print(type(e).__name__)\n"
         "print('functransforms._jit' in sys.modules)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    assert out == ["no", "error", "False"]
+    assert _words(code) == ["no", "error", "False"]
 
 
 def test_ops_torch_defines_after_the_first_call_enter_through_registered_rules():
@@ -146,14 +141,6 @@ def test_ops_torch_defines_after_the_first_call_enter_through_registered_rules()
 
 
 # -- Note [Rule families load on first use] (functransforms/_core/ops.py) ---------------------
-def _run(code):
-    return subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
 
 
 def test_import_loads_no_rule_family_and_a_first_grad_only_its_own():
@@ -336,13 +323,7 @@ def test_subpackages_are_attributes_loaded_at_first_use():
         "print(fl is ft.linalg, all(n in dir(ft) for n in "
         f"{subpackages!r}), ft.autodiff.__name__)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
+    out = _run(code)
     assert out[0].split() == ["False"] * len(subpackages)
     assert out[1].split() == [f"functransforms.{n}" for n in subpackages]
     assert out[2].split() == ["True", "True", "functransforms.autodiff"]
@@ -362,14 +343,8 @@ def test_static_first_jit_call_does_not_import_sympy():
     # config, and with it torch._dynamo and sympy); and no mode of ours lets torch wrap its
     # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at the first op
     code = _FIRST_JIT + "\nprint('torch._dynamo' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}\n{_REPORT}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    assert out == ["False", "False", "False"]  # torch._dynamo, torch.distributed.tensor, sympy
+    # torch._dynamo, torch.distributed.tensor, sympy
+    assert _words(f"{code}\n{_REPORT}") == ["False", "False", "False"]
 
 
 def test_first_vmap_with_different_randomness_does_not_import_sympy():
@@ -396,14 +371,7 @@ def test_first_jit_call_result_in_a_fresh_process():
         "j = ft.jit(ft.vmap(ft.grad(f))); x = torch.randn(2, 3); j(x)\n"
         "print(j.cache_info().misses, torch.allclose(j(x), ft.vmap(ft.grad(f))(x)))",
     )
-    out = subprocess.run(
-        [sys.executable, "-c", f"import sys, torch\n{code}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    assert out == ["1", "True"]
+    assert _words(code) == ["1", "True"]
 
 
 def test_first_determinism_check_does_not_import_sympy():
