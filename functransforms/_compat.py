@@ -373,10 +373,11 @@ _functorch_unwrapped = _C._functorch.get_unwrapped
 
 
 def torch_differentiates(t: torch.Tensor) -> bool:
-    """Whether one of torch's autodiff systems differentiates ``t``: a torch.func grad/jvp level
-    wraps it (batching levels are looked through), torch.autograd tracks it (grad mode on), or
-    it carries a tangent of torch's forward AD. Read only to decide whether linalg builds its
-    implicitly differentiated solve (checked on 2.13.0, 2.15.0)."""
+    """Whether one of torch's autodiff systems differentiates ``t``: a grad/jvp level of torch's
+    own transforms wraps it (batching levels are looked through), torch's autograd tracks it
+    (grad mode on), or it carries a tangent of torch's forward AD (its dual level, read, never
+    entered). Read only to decide whether linalg builds its implicitly differentiated solve
+    (checked on 2.13.0, 2.15.0)."""
     while _functorch_wrapped(t):
         if not _functorch_batched(t):
             return True
@@ -388,7 +389,7 @@ def torch_differentiates(t: torch.Tensor) -> bool:
 
 
 def is_torch_transform_wrapper(t: torch.Tensor) -> bool:
-    """A torch.func wrapper (grad, jvp or vmap level) around ``t``'s value."""
+    """A wrapper of torch's own transforms (grad, jvp or vmap level) around ``t``'s value."""
     return _functorch_wrapped(t)
 
 

@@ -232,8 +232,8 @@ def _broadcast(prefix, tree, what, call, out, path):
 
 
 def _raise_mapped_none(call, path, in_dim):
-    """An int in_dim for an input that is None: torch.func raises; JAX maps over nothing. We
-    raise, as torch.func (docs/torch_func_differences.md, section 6): a None where a mapped
+    """An int in_dim for an input that is None: torch's vmap raises; JAX maps over nothing. We
+    raise, as torch does (docs/torch_func_differences.md, section 6): a None where a mapped
     tensor was declared is a mistake more often than an optional argument."""
     raise ValueError(
         f"{call}: {path} is {in_dim!r}, but the matching input is None; expected a tensor to "
