@@ -140,6 +140,53 @@ def _fold_constants(gm, dynamic: bool) -> int:
     return replaced
 
 
+def _broadcast_result_strides(shape, *operands) -> tuple[int, ...]:
+    """The strides of a pointwise op's fresh result, as TensorIterator lays it out on CPU
+    and CUDA: dimensions ordered by the operands' strides, the first operand deciding,
+    broadcast dimensions ignored, ties to the smaller size (TensorIterator's
+    ``reorder_dimensions``). Written out because a meta-tensor op loads torch's Python meta
+    kernels, which import torch._dynamo and sympy (~1 s on a first trace). Callers compare
+    the result with the layout they need and keep the original op when it differs.
+    ``operands``: (shape, strides) pairs whose shapes broadcast to ``shape``."""
+    ndim = len(shape)
+    strides = []
+    for op_shape, op_strides in operands:
+        offset = ndim - len(op_shape)
+        s = [0] * offset + [
+            0 if size == 1 and shape[offset + i] != 1 else op_strides[i]
+            for i, size in enumerate(op_shape)
+        ]
+        strides.append(s)
+
+    def should_swap(dim0, dim1):
+        for s in strides:
+            s0, s1 = s[dim0], s[dim1]
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return 1 if s0 > s1 else -1
+            if shape[dim0] > shape[dim1]:
+                return 1
+        return 0
+
+    perm = list(range(ndim - 1, -1, -1))  # perm[0]: the fastest-moving dimension
+    for i in range(1, ndim):
+        dim1 = i
+        for dim0 in range(i - 1, -1, -1):
+            c = should_swap(perm[dim0], perm[dim1])
+            if c > 0:
+                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+                dim1 = dim0
+            elif c < 0:
+                break
+    result = [0] * ndim
+    step = 1
+    for d in perm:
+        result[d] = step
+        step *= shape[d]
+    return tuple(result)
+
+
 def _outer_products(gm) -> int:
     """``bmm``/``mm`` with a contraction of length 1 is an outer product: rewrite it as a
     broadcasting ``mul`` (bit-identical: one product per element, nothing summed), 3-4x
@@ -148,22 +195,24 @@ def _outer_products(gm) -> int:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (aten.bmm.default, aten.mm.default):
             a, b = (x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in node.args)
-            if isinstance(a, _Tensor) and isinstance(b, _Tensor):
-                if any(type(d) is not int for t in (a, b) for d in (*t.shape, *t.stride())):
-                    continue  # symbolic shapes: leave it
-                if a.shape[-1] == 1 and a.dtype == b.dtype and not a.is_complex():
-                    # Same layout as the matmul's result, or later views could fail.
-                    def meta(t):
-                        return torch.empty_strided(
-                            t.shape, t.stride(), dtype=t.dtype, device="meta"
-                        )
-
-                    out = node.meta.get("val")
-                    with _compat.disable_current_modes():
-                        prod = aten.mul.Tensor(meta(a), meta(b))
-                    if isinstance(out, _Tensor) and prod.stride() == out.stride():
-                        node.target = aten.mul.Tensor
-                        n += 1
+            out = node.meta.get("val")
+            if not all(isinstance(t, _Tensor) for t in (a, b, out)):
+                continue
+            if any(type(d) is not int for t in (a, b) for d in (*t.shape, *t.stride())):
+                continue  # symbolic shapes: leave it
+            if a.shape[-1] != 1 or a.dtype != b.dtype or a.is_complex():
+                continue
+            # Operands of one shape (a 1x1 result) or an empty result take TensorIterator's
+            # other layout paths: leave them.
+            if a.shape == b.shape or out.numel() == 0:
+                continue
+            # Same layout as the matmul's result, or later views could fail.
+            mul_strides = _broadcast_result_strides(
+                tuple(out.shape), (a.shape, a.stride()), (b.shape, b.stride())
+            )
+            if mul_strides == out.stride():
+                node.target = aten.mul.Tensor
+                n += 1
     return n
 
 

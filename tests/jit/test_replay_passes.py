@@ -345,3 +345,58 @@ def test_scalar_identities_keep_a_product_read_by_absolute_offsets():
     j(x)
     torch.testing.assert_close(j(x), f(x), rtol=0, atol=0)
     assert aten.mul.Tensor in _targets(j.graph(x))
+
+
+# -- outer products ----------------------------------------------------------------------------
+
+
+def _layouts(rng, shape):
+    """A tensor of ``shape`` in a random layout: a permuted dense buffer, sliced, or any
+    strides at all (ties and overlaps included)."""
+    if torch.rand(1, generator=rng) < 0.4:
+        strides = [int(s) for s in torch.randint(0, 7, (len(shape),), generator=rng)]
+        storage = torch.randn(200, dtype=torch.float64, generator=rng)
+        return storage.as_strided(shape, strides)
+    perm = torch.randperm(len(shape), generator=rng).tolist()
+    base = torch.randn([shape[p] * 2 for p in perm], dtype=torch.float64, generator=rng)
+    base = base[tuple(slice(None, None, 2) for _ in perm)]  # non-dense strides too
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return base.permute(inverse)
+
+
+def test_broadcast_result_strides_match_torch_mul():
+    # the outer-product pass swaps a matmul for a mul only when the mul's result has the
+    # matmul's layout; that layout is computed without running a meta kernel, and must be
+    # the one torch's mul gives
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        batch = torch.randint(1, 4, (int(torch.randint(0, 3, (1,), generator=rng)),), generator=rng)
+        m, n = torch.randint(1, 5, (2,), generator=rng).tolist()
+        a = _layouts(rng, (*batch.tolist(), m, 1))
+        b = _layouts(rng, (*batch.tolist(), 1, n))
+        if torch.rand(1, generator=rng) < 0.3:  # a broadcast operand
+            b = b[..., :1, :].expand(*batch.tolist(), 1, n) if n > 1 else b
+        out = a * b
+        computed = passes._broadcast_result_strides(
+            tuple(out.shape), (a.shape, a.stride()), (b.shape, b.stride())
+        )
+        assert computed == out.stride(), (a.shape, a.stride(), b.shape, b.stride())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_outer_products_become_products_with_the_matmul_layout(layout):
+    a = torch.randn(5, 4, 1, dtype=torch.float64)
+    b = torch.randn(5, 3, 1, dtype=torch.float64).transpose(1, 2)
+    if layout == "transposed":
+        a = torch.randn(5, 1, 4, dtype=torch.float64).transpose(1, 2)
+        b = torch.randn(5, 1, 3, dtype=torch.float64)
+
+    def f(a, b):
+        return torch.bmm(a, b).sin()
+
+    j = ft.jit(f)
+    out = j(a, b)
+    assert torch.equal(out, f(a, b))
+    assert out.stride() == f(a, b).stride()
+    targets = _targets(j.graph(a, b))
+    assert aten.bmm.default not in targets and aten.mul.Tensor in targets

@@ -347,6 +347,18 @@ def test_static_first_jit_call_does_not_import_sympy():
     assert _words(f"{code}\n{_REPORT}") == ["False", "False", "False"]
 
 
+def test_first_jit_of_an_outer_product_does_not_import_sympy():
+    # the outer-product pass checks the layout of the product it substitutes by TensorIterator's
+    # rule written out, not by a meta-tensor op (torch's Python meta kernels import torch._dynamo)
+    code = (
+        "import functransforms as ft\n"
+        "j = ft.jit(lambda a, b: torch.bmm(a, b).sin())\n"
+        "j(torch.randn(4, 3, 1), torch.randn(4, 1, 5))\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    assert _words(f"{code}\n{_REPORT}") == ["False", "False", "False"]
+
+
 def test_first_vmap_with_different_randomness_does_not_import_sympy():
     # its dispatch mode is an UncompiledDispatchMode too (torch would import torch._dynamo at
     # the mode's first op); inside jit as well
