@@ -43,6 +43,7 @@ from ._iterative import (
     _record,
     require_symmetric,
 )
+from ._rules import solve as _solve
 
 
 def _columns(A, B, call):
@@ -427,15 +428,12 @@ def _sym_ortho(a, b):
     return torch.where(r == 0, torch.ones_like(a), a / safe), b / safe, r
 
 
-def _lsmr(A: LinearOperator, Bm, damp, tol, atol, maxiter):
-    """LSMR (Fong and Saunders) on columns; ``(X, info)``, nothing differentiated."""
-    AH = A._adjoint()
-    m, n = A.shape[-2:]
-    maxiter = 10 * min(m, n) if maxiter is None else int(maxiter)
-    U = _broadcast(A, Bm)
+def _lsmr(matvec, rmatvec, U, damp, tol, atol, maxiter):
+    """LSMR (Fong and Saunders) on the columns of ``U`` for the operator whose products are
+    ``matvec`` and ``rmatvec`` (its adjoint's); ``(X, info)``, nothing differentiated."""
     beta = _norm(U)
     U = U / _safe(beta)
-    V = AH._matmul(U)
+    V = rmatvec(U)
     alpha = _norm(V)
     V = V / _safe(alpha)
     normb, zetabar, alphabar = beta, alpha * beta, alpha
@@ -452,10 +450,10 @@ def _lsmr(A: LinearOperator, Bm, damp, tol, atol, maxiter):
     for it in range(maxiter + 1):
         if it == maxiter or _try_bool(done.all()):
             break
-        U = A._matmul(V) - alpha * U
+        U = matvec(V) - alpha * U
         beta = _norm(U)
         U = U / _safe(beta)
-        V = AH._matmul(U) - beta * V
+        V = rmatvec(U) - beta * V
         alpha = _norm(V)
         V = V / _safe(alpha)
         # rotations: the damping, then the new subdiagonal, then the second bidiagonal
@@ -496,6 +494,82 @@ def _lsmr(A: LinearOperator, Bm, damp, tol, atol, maxiter):
         done = done | (new <= tol) | (zetabar.abs() <= atol)
     info = _info("lsmr", it, test, done, tol)
     return X, info
+
+
+def _right_preconditioner(A, P):
+    """``(P^{-1}, P^{-H})`` as callables on columns, or None (`lsmr`'s ``preconditioner``)."""
+    if P is None:
+        return None
+    if isinstance(P, str):
+        if P != "jacobi":
+            raise ValueError(
+                f"lsmr({A!r}, B, preconditioner={P!r}): expected 'jacobi' or an operator."
+            )
+        d = NormalOperator(_constant(A)).diagonal().sqrt().unsqueeze(-1)  # column norms
+        d = torch.where(d == 0, torch.ones_like(d), d)
+        return (lambda R: R / d), (lambda R: R / d.conj())
+    if isinstance(P, LinearOperator):
+        if not P.is_square or P.shape[-1] != A.shape[-1]:
+            raise ValueError(
+                f"lsmr({A!r}, B, preconditioner={P!r}): expected a square operator of size "
+                f"{A.shape[-1]} (A's columns), received shape {tuple(P.shape)}."
+            )
+        P, PH = _constant(P), _constant(P)._adjoint()
+        return (lambda R: _solve(P, R)), (lambda R: _solve(PH, R))
+    raise TypeError(
+        f"lsmr({A!r}, B, preconditioner=...): expected 'jacobi' or an operator (LSMR needs "
+        f"products with both P^{{-1}} and P^{{-H}}), received {type(P).__name__}."
+    )
+
+
+def _lsmr_from(A, Bm, damp, tol, atol, maxiter, X0, P):
+    """LSMR for ``min |A X - B|^2 + damp^2 |X|^2`` from ``X0`` (None: zeros) with the right
+    preconditioner ``P`` (`_right_preconditioner`). From zeros without a preconditioner, or
+    undamped: LSMR (with its own damping) on ``A P^{-1}``. Otherwise undamped LSMR on the
+    stacked ``[A; damp I] P^{-1}`` for the correction ``X - X0``: LSMR's own damping acts on
+    what it solves for (``P X`` or ``X - X0``), and the damping rows' right-hand side is
+    ``-damp X0``."""
+    m, n = A.shape[-2:]
+    maxiter = 10 * min(m, n) if maxiter is None else int(maxiter)
+    AH = A._adjoint()
+    Pinv, PinvH = P if P is not None else (lambda R: R, lambda R: R)
+    U = _broadcast(A, Bm)
+    if X0 is None and (P is None or not damp):  # LSMR's own damping is of the unknown it solves for
+        Y, info = _lsmr(
+            lambda V: A._matmul(Pinv(V)),
+            lambda U: PinvH(AH._matmul(U)),
+            U,
+            damp,
+            tol,
+            atol,
+            maxiter,
+        )
+        return (Pinv(Y) if P is not None else Y), info
+    if X0 is None:
+        X0 = torch.zeros(U.shape[:-2] + (n, U.shape[-1]), dtype=U.dtype, device=U.device)
+    else:
+        X0 = X0 + torch.zeros(U.shape[:-2] + X0.shape[-2:], dtype=U.dtype, device=U.device)
+    R = U - A._matmul(X0)
+    if damp:
+        R = torch.cat([R, -damp * X0], dim=-2)
+
+        def matvec(V):
+            W = Pinv(V)
+            return torch.cat([A._matmul(W), damp * W], dim=-2)
+
+        def rmatvec(U):
+            return PinvH(AH._matmul(U[..., :m, :]) + damp * U[..., m:, :])
+
+    else:
+
+        def matvec(V):
+            return A._matmul(Pinv(V))
+
+        def rmatvec(U):
+            return PinvH(AH._matmul(U))
+
+    D, info = _lsmr(matvec, rmatvec, R, 0.0, tol, atol, maxiter)
+    return X0 + Pinv(D), info
 
 
 class NormalOperator(LinearOperator):
@@ -548,6 +622,8 @@ def lsmr(
     tol: float = 1e-6,
     atol: float = 0.0,
     maxiter: int | None = None,
+    x0: torch.Tensor | None = None,
+    preconditioner=None,
 ) -> tuple[torch.Tensor, SolverInfo]:
     """LSMR (Fong and Saunders): ``X = argmin |A X - B|^2 + damp^2 |X|^2`` for a rectangular A.
 
@@ -563,6 +639,15 @@ def lsmr(
             (least squares), for every column (``r`` with the damping rows). atol: stop when
             ``|A^H r| <= atol``.
         maxiter: default 10 min(m, n).
+        x0: where the iterations start (the solution's shape); not differentiated, since the
+            solution does not depend on it. The problem stays the damped one: the start is
+            folded in as ``min |[A; damp I] D - [B - A x0; -damp x0]|`` for ``X = x0 + D``
+            (SciPy's ``x0`` damps the correction D instead).
+        preconditioner: a right preconditioner: an ``(n, n)`` operator P with ``A P^{-1}``
+            better conditioned (LSMR runs on it and returns ``X = P^{-1} Y``; products with
+            ``P^{-1}`` and ``P^{-H}`` by `solve`), or ``"jacobi"``: P the diagonal of A's
+            column norms. The derivative solves use ``(P^H P)^{-1}`` as MINRES's
+            preconditioner. With a preconditioner ``tol`` applies to the preconditioned problem.
 
     Returns:
         ``(X, info)``: X ``(..., n)`` or ``(..., n, k)``; info a `SolverInfo` whose
@@ -592,17 +677,35 @@ def lsmr(
         raise ValueError(
             f"lsmr({A!r}, B): expected B with {A.shape[-2]} rows, received shape {tuple(B.shape)}."
         )
+    X0 = None
+    if x0 is not None:
+        if not isinstance(x0, torch.Tensor):
+            raise TypeError(
+                f"lsmr({A!r}, B, x0=...): expected x0 to be a Tensor, received {type(x0).__name__}."
+            )
+        X0 = x0.unsqueeze(-1) if vec else x0
+        if X0.shape[-2:] != (A.shape[-1], Bm.shape[-1]):
+            raise ValueError(
+                f"lsmr({A!r}, B, x0=...): expected x0 shaped as the solution, "
+                f"{'(..., n)' if vec else '(..., n, k)'} with n = {A.shape[-1]} (A's columns)"
+                f"{'' if vec else f' and k = {Bm.shape[-1]}'}, received shape {tuple(x0.shape)}."
+            )
+        X0 = X0.detach()  # only where the iterations start: the solution does not depend on it
+    P = _right_preconditioner(A, preconditioner)
     infos = []
 
     def forward():
-        X, info = _lsmr(_constant(A), Bm.detach(), damp, tol, atol, maxiter)
+        X, info = _lsmr_from(_constant(A), Bm.detach(), damp, tol, atol, maxiter, X0, P)
         _record(info)
         infos.append(info)
         return X
 
     N = NormalOperator(A, damp)
     if differentiable([Bm, *_leaves(A)]):
-        method = SolveMethod("minres", (("tol", tol), ("atol", atol), ("maxiter", maxiter)))
+        opts = (("tol", tol), ("atol", atol), ("maxiter", maxiter))
+        if P is not None:  # the normal equations' preconditioner: (P^H P)^{-1} = P^{-1} P^{-H}
+            opts += (("preconditioner", lambda R, P=P: P[0](P[1](R))),)
+        method = SolveMethod("minres", opts)
         X = implicit_solve(N, A._adjoint()._matmul(Bm), method, forward=forward)
     else:
         X = forward()

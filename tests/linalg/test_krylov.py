@@ -450,6 +450,13 @@ def test_lsmr_vmap_over_right_hand_sides_and_operators():
     close(ft.vmap(f, in_dims=(None, 0))(p, Bs), _dense_lstsq(p[0], Bs.mT).mT)
     P = (torch.stack([p[0] * (1 + 0.2 * i) for i in range(3)]),)
     check_vmap(f, (P, Bs[:3]), atol=1e-9, rtol=1e-8)
+
+    def started(p, b, x0):  # a start and a preconditioner per batch element
+        return L.lsmr(build(p), b, damp=0.5, tol=TOL, x0=x0, preconditioner="jacobi")[0]
+
+    X0 = torch.randn(3, 12, generator=_gen(31), dtype=DT)
+    check_vmap(started, (P, Bs[:3], X0), atol=1e-9, rtol=1e-8)
+    close(ft.vmap(started)(P, Bs[:3], X0), _dense_lstsq(P[0], Bs[:3, :, None], 0.5)[..., 0])
     g = ft.vmap(ft.grad(lambda p, b: f(p, b).sum()), in_dims=(None, 0))(p, Bs)
     e = torch.func.vmap(
         torch.func.grad(lambda p, b: _dense_lstsq(p[0], b.unsqueeze(-1)).sum()), in_dims=(None, 0)
@@ -468,6 +475,94 @@ def test_lsmr_not_converged_warns_and_bad_inputs_refused():
         L.lsmr(M, torch.ones(12, dtype=DT))
     with pytest.raises(TypeError, match=r"lsmr\(A, B\): expected A to be a LinearOperator"):
         L.lsmr([[1.0]], torch.ones(1, dtype=DT))
+
+
+def _badly_scaled(m=40, n=10, seed=21):
+    """A tall matrix whose columns' scales span 1e-3 .. 1e3 (condition ~1e6 + that of _rect)."""
+    return _rect(m, n, seed) * torch.logspace(-3, 3, n, dtype=DT)
+
+
+@pytest.mark.parametrize("damp", [0.0, 0.7])
+@pytest.mark.parametrize("case", LSQ_CASES)
+def test_lsmr_from_a_start_solves_the_same_damped_problem(case, damp):
+    p, build = _lsq_case(case)
+    op = build(p)
+    B = torch.randn(*op.batch_shape, op.shape[-2], 3, generator=_gen(22), dtype=DT)
+    ref = _dense_lstsq(op.to_dense(), B, damp)
+    x0 = ref + 0.3 * torch.randn(ref.shape, generator=_gen(23), dtype=DT)
+    X, info = L.lsmr(op, B, damp=damp, tol=TOL, x0=x0)
+    close(X, ref, rtol=1e-9, atol=1e-10)
+    assert info.converged
+    x, _ = L.lsmr(op, B[..., 0], damp=damp, tol=TOL, x0=x0[..., 0])  # vectors too
+    close(x, ref[..., 0], rtol=1e-9, atol=1e-10)
+
+
+def test_lsmr_from_the_solution_stops_at_once():
+    M, b = _rect(30, 12, 0), torch.randn(30, generator=_gen(24), dtype=DT)
+    ref = _dense_lstsq(M, b.unsqueeze(-1), 0.5).squeeze(-1)
+    cold = L.lsmr(M, b, damp=0.5, tol=1e-8)[1]
+    warm = L.lsmr(M, b, damp=0.5, tol=1e-8, x0=ref)[1]
+    assert warm.iterations <= 1 < cold.iterations
+
+
+@pytest.mark.parametrize("damp", [0.0, 1e-3])  # a large damping conditions the problem itself
+def test_lsmr_jacobi_preconditioner_on_badly_scaled_columns(damp):
+    M = _badly_scaled()
+    b = torch.randn(40, generator=_gen(25), dtype=DT)
+    ref = _dense_lstsq(M, b.unsqueeze(-1), damp).squeeze(-1)
+    plain = L.lsmr(M, b, damp=damp, tol=1e-10, maxiter=400)
+    jacobi = L.lsmr(M, b, damp=damp, tol=1e-10, maxiter=400, preconditioner="jacobi")
+    close(jacobi[0], ref, rtol=1e-7, atol=1e-9)
+    assert jacobi[1].converged and jacobi[1].iterations < plain[1].iterations / 2
+    # with a start as well
+    x0 = torch.zeros(10, dtype=DT) + 1.0
+    close(L.lsmr(M, b, damp=damp, tol=1e-10, x0=x0, preconditioner="jacobi")[0], ref, rtol=1e-7)
+
+
+def test_lsmr_operator_preconditioner():
+    M = _badly_scaled()
+    b = torch.randn(40, 2, generator=_gen(26), dtype=DT)
+    R = torch.linalg.qr(M)[1]  # the exact right preconditioner: M R^{-1} is orthonormal
+    x, info = L.lsmr(M, b, tol=1e-12, preconditioner=L.TriangularOperator(R, upper=True))
+    close(x, _dense_lstsq(M, b), rtol=1e-9, atol=1e-10)
+    assert info.iterations <= 3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lsmr_derivatives_with_a_start_and_a_preconditioner(impl):
+    M0 = _badly_scaled(20, 6, 27)
+    B = torch.randn(20, 2, generator=_gen(28), dtype=DT)
+    W = torch.randn(6, 2, generator=_gen(29), dtype=DT)
+    x0 = torch.ones(6, 2, dtype=DT)
+
+    def f(p, b):
+        X = L.lsmr(p[0], b, damp=0.3, tol=1e-13, x0=x0, preconditioner="jacobi")[0]
+        return (X * W).sum()
+
+    def fd(p, b):
+        return (_dense_lstsq(p[0], b, 0.3) * W).sum()
+
+    p = (M0,)
+    close(_grads(impl, f, (p, B)), torch.func.grad(fd, argnums=(0, 1))(p, B), rtol=1e-6)
+
+
+def test_lsmr_start_is_not_differentiated_and_bad_options_refused():
+    M, b = _rect(30, 12, 0), torch.randn(30, generator=_gen(30), dtype=DT)
+    ref = _dense_lstsq(M, b.unsqueeze(-1)).squeeze(-1)
+    g = ft.grad(lambda x0: L.lsmr(M, b, tol=TOL, x0=x0)[0].sum())(ref + 1)
+    assert torch.count_nonzero(g) == 0  # the solution does not depend on where LSMR starts
+    with pytest.raises(
+        ValueError, match=r"lsmr\(.*x0=\.\.\.\): expected x0 shaped as the solution"
+    ):
+        L.lsmr(M, b, x0=torch.zeros(30, dtype=DT))
+    with pytest.raises(TypeError, match=r"lsmr\(.*x0=\.\.\.\): expected x0 to be a Tensor"):
+        L.lsmr(M, b, x0=[0.0] * 12)
+    with pytest.raises(TypeError, match=r"products with both P\^\{-1\} and P\^\{-H\}"):
+        L.lsmr(M, b, preconditioner=lambda r: r)
+    with pytest.raises(ValueError, match=r"expected 'jacobi' or an operator"):
+        L.lsmr(M, b, preconditioner="ilu")
+    with pytest.raises(ValueError, match=r"expected a square operator of size 12"):
+        L.lsmr(M, b, preconditioner=L.DiagonalOperator(torch.ones(30, dtype=DT)))
 
 
 def test_normal_operator_is_the_normal_matrix():
