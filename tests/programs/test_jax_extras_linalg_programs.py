@@ -168,6 +168,18 @@ def test_singular_structured_solve_raises_as_dense(name):
         ft.vmap(lambda b: torch.linalg.solve(op, b))(torch.stack([b, 2 * b]))
 
 
+def test_a_finite_solution_whose_sum_overflows_is_not_taken_for_singular():
+    # the singularity check sums the solution first; an overflowing sum of finite values
+    # must fall back to the elementwise test, not raise
+    import functransforms.linalg as L
+
+    d = torch.tensor([1e-300, 1e-300, 1.0], dtype=D)
+    b = torch.tensor([1e8, 1e8, 1.0], dtype=D)  # x = [1e308, 1e308, 1]: finite, sum inf
+    x = torch.linalg.solve(L.DiagonalOperator(d), b)
+    assert torch.isfinite(x).all() and not torch.isfinite(x.sum())
+    torch.testing.assert_close(x, b / d)
+
+
 def test_singular_diagonal_inverse_raises_as_dense():
     import functransforms.linalg as L
 
