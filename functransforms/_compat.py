@@ -185,7 +185,7 @@ DisableTorchFunctionSubclass = _C.DisableTorchFunctionSubclass
 # batching/_tensor.py). Checked on 2.13.0, 2.15.0.
 TensorBase = _C.TensorBase
 # Exchange two tensors' TensorImpls, keeping the Python objects (promoting a plain buffer that
-# a transformed function writes into: Note [Writing into plain tensors]).
+# a transformed function writes into: Note [Writing into a plain tensor]).
 swap_tensor_impl = _C._swap_tensor_impl
 # Where torch's Python bindings of the ATen ops live (``torch.sin``, ``F.linear``'s
 # ``torch._C._nn.linear``, the Tensor methods): the jit's replay calls them directly (Note

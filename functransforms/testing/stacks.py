@@ -9,17 +9,24 @@ the functorch API (``functransforms`` or the reference), so two libraries run th
 the same arguments and a differential test compares them.
 
 Every program is valid for its shapes by construction: each op is drawn among those that run on
-the sample values (an op that raises or makes non-finite values is redrawn).
+the sample values (an op that raises or makes non-finite values is redrawn). The transforms'
+options are drawn freely, so a stack may be one that both libraries refuse (an ``out_dims``
+beyond the output's dims, ``jacfwd`` of a complex input): a differential test compares errors too.
 
 Example:
+    >>> import torch.func
     >>> import functransforms as ft
     >>> from hypothesis import given, settings
     >>> from functransforms.testing import stacks
     >>> @settings(max_examples=3, derandomize=True, deadline=None)
     ... @given(stacks.stacks(max_depth=2))
-    ... def test_runs(stack):                   # e.g. vmap(grad(program))(x: [B, 2], y: [2])
-    ...     stack.build(ft)(*stack.args())
-    >>> test_runs()
+    ... def test_agrees(stack):                 # e.g. vmap(grad(program))(x: [B, 2], y: [2])
+    ...     try:
+    ...         expected = stack.build(torch.func)(*stack.args())
+    ...     except Exception:                   # refused by torch.func: compare errors instead
+    ...         return
+    ...     torch.testing.assert_close(stack.build(ft)(*stack.args()), expected)
+    >>> test_agrees()
 """
 
 from __future__ import annotations

@@ -410,7 +410,8 @@ _TIE_GRID_OPS = {
 def test_ties_and_nans_route_like_the_installed_torch(name):
     """Every (x, min, max) in {0, 1, 2, inf, nan}^3: the derivative at ties, at inverted bounds
     and at NaNs goes where the installed torch sends it, bit for bit (torch 2.15 changed these
-    for fmax/fmin and Tensor-bound clamp: Note [Clamp with Tensor bounds], autodiff/special.py).
+    for fmax/fmin and Tensor-bound clamp: Note [Selections as the installed torch],
+    autodiff/special.py).
     """
     import itertools
 

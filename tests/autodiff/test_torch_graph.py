@@ -141,7 +141,7 @@ def test_autograd_over_vmap_of_grad(name):
     _close(*got)
 
 
-def test_issue_example_meta_gradient_through_layer_norm():
+def test_meta_gradient_of_one_inner_step_through_layer_norm():
     """One inner step of ``ft.grad`` through Linear + LayerNorm, then ``.backward()``: the
     meta-gradient equals create_graph=True autograd's (it was 15% off)."""
     torch.manual_seed(0)

@@ -13,20 +13,41 @@ import torch
 
 import functransforms
 
-MODULES = sorted(
-    m.name
-    for pkg in (
-        "functransforms",
-        "functransforms._jit",
-        "functransforms.distributed",
-        "functransforms.batching",
-        "functransforms.autodiff",
-    )
-    for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")
+PACKAGES = (
+    "functransforms",
+    "functransforms._core",
+    "functransforms._jit",
+    "functransforms.distributed",
+    "functransforms.batching",
+    "functransforms.autodiff",
+    "functransforms.testing",
+)
+# Subpackages whose docstring examples run in their own subject's tests.
+OWN_DOCTESTS = {
+    "functransforms.linalg": "tests/linalg/test_doctests_linalg.py",
+    "functransforms.deterministic": "tests/determinism/test_deterministic.py",
+}
+
+
+def _modules(pkg):
     # in a source checkout functransforms.__path__ also holds the repository root (for the
     # subpackages), where functransforms/ itself would be found again as a second copy
-    if not m.name.endswith(("__main__", ".functransforms"))
-)
+    return [
+        m
+        for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")
+        if not m.name.endswith(("__main__", ".functransforms"))
+    ]
+
+
+MODULES = sorted(m.name for pkg in PACKAGES for m in _modules(pkg))
+
+
+def test_every_subpackage_runs_its_docstring_examples():
+    subpackages = {m.name for pkg in PACKAGES for m in _modules(pkg) if m.ispkg}
+    missing = subpackages - set(PACKAGES) - set(OWN_DOCTESTS)
+    assert not missing, f"add to PACKAGES (their modules' examples run nowhere): {missing}"
+    root = Path(__file__).resolve().parents[2]
+    assert all((root / path).exists() for path in OWN_DOCTESTS.values())
 
 
 @pytest.mark.parametrize("name", MODULES)

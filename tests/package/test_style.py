@@ -122,6 +122,62 @@ def test_no_history_in_names_docs_or_comments():
     )
 
 
+# Words of a file, folder or function name that say when or by whom it was written: a session
+# number (``_s9``, ``_s10b``), a probe, a session, an issue, the gaps of a round.
+HISTORY_WORD = re.compile(r"(?:^|_)(?:s\d+[a-z]?|probes?|sessions?|issues?|gaps)(?=_|$)")
+
+
+def history_in_names(paths):
+    """The files, folders and test functions among ``paths`` whose names carry a history word
+    (other functions may say probe in its English sense: ``stacks.probe`` makes probe tensors)."""
+    found = []
+    for path in paths:
+        rel = path.relative_to(ROOT)
+        found += [rel.as_posix() for part in rel.with_suffix("").parts if HISTORY_WORD.search(part)]
+        if path.suffix == ".py":
+            for name in re.findall(r"^\s*(?:async\s+)?def\s+(test_\w+)", path.read_text(), re.M):
+                if HISTORY_WORD.search(name):
+                    found.append(f"{rel.as_posix()}::{name}")
+    return sorted(set(found))
+
+
+def test_no_history_in_file_or_function_names():
+    files = [p for p in _repository_files() if p.suffix in (".py", ".md")]
+    found = history_in_names(files)
+    assert not found, f"names that say when, not what (name the subject): {found}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tests/test_probe_programs_s8.py",
+        "tests/test_probe_programs_s8b.py",
+        "tests/test_gaps_s9.py",
+        "tests/test_jit_probe_s9.py",
+        "tests/test_fuzz_stacks_s10.py",
+        "tests/test_x.py::test_issue_example_meta_gradient",
+    ],
+)
+def test_the_name_scanner_finds_history(name):
+    path, _, func = name.partition("::")
+    assert HISTORY_WORD.search(Path(path).stem) or HISTORY_WORD.search(func), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "test_audit_vmap_of_grad_names_grad_and_the_forward_line",
+        "test_view_round_trip_is_dropped",
+        "test_helpers",
+        "test_fuzz_stacks",
+        "test_release_saved",
+        "tests/interop/test_autograd_both_sides",
+    ],
+)
+def test_the_name_scanner_leaves_subjects_alone(name):
+    assert not HISTORY_WORD.search(name), name
+
+
 @pytest.mark.parametrize(
     "line",
     [
