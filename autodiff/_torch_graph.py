@@ -37,7 +37,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from functransforms import _compat
-from functransforms._core.levels import TransformTensor, copy_as_torch_records
+from functransforms._core.levels import (
+    _AUTOGRAD_KEYS,
+    TransformTensor,
+    _ForceKeys,
+    _tls_exclude,
+    _tls_include,
+    copy_as_torch_records,
+)
 from functransforms._core.ops import facts
 
 from ._util import match_dtype
@@ -72,7 +79,10 @@ class TorchGraphMode(TorchFunctionMode):
         kwargs = kwargs or {}
         recorded = _RECORDED_AS.get(func)
         if recorded is not None:  # Note [Ops torch's autograd cannot record]
-            return recorded(*args, **kwargs)
+            if not _holds_wrapper(args):
+                return recorded(*args, **kwargs)
+            with _ForceKeys(_tls_include(), _tls_exclude() | _AUTOGRAD_KEYS):
+                return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except RuntimeError as e:
@@ -119,6 +129,18 @@ def _written_into_copy(op, view, always=False):
         return out
 
     return run
+
+
+def _holds_wrapper(args) -> bool:
+    """Does the op run on our wrappers? Then a level's interpreter carries it out as it is, and
+    its rule runs the op again on plain values, where the substitution applies. The substitute
+    (a write through a view) on wrappers was lost by the level's own write bookkeeping, which
+    runs these scatters (complex ``x[1:3].copy_(y)``, ``zero_``, circular ``pad`` under
+    ``vjp``/``jvp``/``grad`` of an input that requires grad came out zero). The call on wrappers
+    goes below torch's autograd: what it would record there is the wrappers' own graph, never
+    differentiated (Note [Torch autograd through our transforms]), and for complex values it
+    refuses these ops."""
+    return any(isinstance(a, TransformTensor) for a in _flatten(args))
 
 
 def _zero_recorded(x):

@@ -143,7 +143,14 @@ def index_add_vjp_rule(ct, primals, kwargs, out, needs):
 #     out_i = x_i) and every src_k with index_k = i. For each member v of a group the partial
 #     d out_i / d v is a weight w(v): sum: 1; mean: 1 / count; amax/amin: 1 / #ties for the
 #     members equal to out_i, else 0 (torch splits ties evenly); prod: the product of the other
-#     members (with zeros: nonzero only for the one zero of a group that has one). So
+#     members (with zeros: nonzero only for the one zero of a group that has one). The prod
+#     weight is that product as a function of the other members, not only its value: in a
+#     group with one zero, a nonzero member's weight is 0 and moves with the zero (its
+#     derivative is the second derivative of out, which vjp(vjp) and torch's autograd over our
+#     vjp read); so the nonzero members' product comes divided by the member itself, and the
+#     other zero members' product is carried for up to two of them (by power sums), taken as 0
+#     for more: exact at every order with at most two zeros in a group, to the third
+#     derivative of out with more. So
 #     jvp = w_x tx + scatter_add(w_src ts), and the vjp is w_x ct, gather(ct) w_src (conjugated
 #     weights for complex). The weights are computed from the primal values with the same
 #     scatter_reduce, so everything runs under vmap.
@@ -166,23 +173,37 @@ def _group_weights(x, dim, index, src, reduce, include_self, self_ties=True):
         ties = (x_tie & self_ties).to(x.dtype).scatter_add(dim, index, src_tie.to(x.dtype))
         ties = ties.clamp_min(1)  # a group where only x attains out: no src weight
         return x_tie / ties, src_tie / ties.gather(dim, index)
-    if reduce == "prod":
+    if reduce == "prod":  # Note [Derivatives of scatter_reduce], prod
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        one = torch.ones((), dtype=x.dtype, device=x.device)
         x_zero = self_in & (x == 0)
         src_zero = src == 0
-        zeros = x_zero.to(torch.int64).scatter_add(dim, index, src_zero.to(torch.int64))
-        one = torch.ones((), dtype=x.dtype, device=x.device)
-        x_nz = torch.where(self_in & ~x_zero, x, one)
-        nz_prod = x_nz.scatter_reduce(
+        x_live = torch.where(self_in, x, one)  # a group's members, x where it takes part
+        nz_prod = torch.where(x_zero, one, x_live).scatter_reduce(
             dim, index, torch.where(src_zero, one, src), "prod", include_self=True
         )  # the product of a group's nonzero members
+        zeros = x_zero.to(x.dtype).scatter_add(dim, index, src_zero.to(x.dtype))
+        x_zeros, src_zeros = torch.where(x_zero, x, zero), torch.where(src_zero, src, zero)
+        zero_sum = x_zeros.scatter_add(dim, index, src_zeros)
+        zero_sq = (x_zeros * x_zeros).scatter_add(dim, index, src_zeros * src_zeros)
+        # the sum and the sum of squares of a group's zero members: 0, with their derivatives
 
-        def weight(v, v_zero, z, p):
-            w0 = p / torch.where(v_zero, one, v)  # no zero in the group
-            w1 = torch.where(v_zero, p, torch.zeros_like(p))  # one zero: only it moves
-            return torch.where(z == 0, w0, torch.where(z == 1, w1, torch.zeros_like(p)))
+        def weight(v, v_zero, z, p, s, q):
+            """The product of the group's other members: its nonzero members' product over v
+            (v itself if nonzero), times the product of its m other zero members, as their
+            elementary symmetric polynomial e_m from power sums (1; s; (s^2 - q) / 2), 0 for
+            m > 2 (whose derivatives below order m vanish too)."""
+            own = torch.where(v_zero, v, zero)
+            others = z - v_zero.to(z.dtype)
+            s, q = s - own, q - own * own
+            rest = torch.where(others == 1, s, (s * s - q) / 2)
+            rest = torch.where(others == 0, one, torch.where(others > 2, zero, rest))
+            return p / torch.where(v_zero, one, v) * rest
 
-        w_x = torch.where(self_in, weight(x, x_zero, zeros, nz_prod), torch.zeros_like(x))
-        w_src = weight(src, src_zero, zeros.gather(dim, index), nz_prod.gather(dim, index))
+        w_x = torch.where(self_in, weight(x, x_zero, zeros, nz_prod, zero_sum, zero_sq), zero)
+        w_src = weight(
+            src, src_zero, *(t.gather(dim, index) for t in (zeros, nz_prod, zero_sum, zero_sq))
+        )
         return w_x, w_src
     raise NotImplementedError(f"scatter_reduce: no derivative for reduce={reduce!r}")
 

@@ -242,6 +242,83 @@ def test_scatter_reduce_prod_second_order(include_self):
         torch.testing.assert_close(a, (h - l) / (2 * eps), atol=1e-6, rtol=1e-6)
 
 
+# groups of x's slots 0-4 with 0, 1 (in src), 1 (x itself), 2 and 3 zero members
+_PROD_INDEX = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 4, 4])
+_PROD_X = torch.tensor([1.5, -2.0, 0.0, 0.0, 0.0], dtype=F64)
+_PROD_SRC = torch.tensor([0.5, 3.0, 0.0, -1.5, 2.0, 0.0, 0.7, 0.0, 1.2, 0.0], dtype=F64)
+
+
+def _group_products(x, src):
+    """index_reduce(x, 0, _PROD_INDEX, src, 'prod') as products written out: the polynomial
+    itself, so plain autograd's derivatives of it are exact at every order."""
+    out = list(x.unbind())
+    for k, i in enumerate(_PROD_INDEX.tolist()):
+        out[i] = out[i] * src[k]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("op", ["index_reduce", "scatter_reduce"])
+def test_prod_second_derivative_through_zeros(op):
+    """The prod weight of a member moves with the group's zeros: torch's autograd over our vjp
+    (double backward), our own vjp(vjp) and hessian equal the polynomial's derivatives with 0,
+    1, 2 and 3 zeros in a group (a nonzero member of a group with one zero has weight 0, whose
+    derivative in the zero is not)."""
+    if op == "index_reduce":
+        f = lambda x, s: x.index_reduce(0, _PROD_INDEX, s, "prod")  # noqa: E731
+    else:
+        f = lambda x, s: x.scatter_reduce(0, _PROD_INDEX, s, "prod")  # noqa: E731
+    torch.testing.assert_close(f(_PROD_X, _PROD_SRC), _group_products(_PROD_X, _PROD_SRC))
+    c, wx, ws = _x(5, seed=1), _x(5, seed=2), _x(10, seed=3)
+
+    def second(pullback):
+        x, s = _PROD_X.clone().requires_grad_(), _PROD_SRC.clone().requires_grad_()
+        gx, gs = pullback(x, s)
+        return torch.autograd.grad((gx * wx).sum() + (gs * ws).sum(), (x, s))
+
+    ours = second(lambda x, s: ft.vjp(f, x, s)[1](c))
+    exact = second(
+        lambda x, s: torch.autograd.grad(_group_products(x, s), (x, s), c, create_graph=True)
+    )
+    torch.testing.assert_close(ours, exact)
+
+    def scalar(x, s):
+        return (c * f(x, s)).sum()
+
+    H = ft.hessian(scalar, argnums=(0, 1))(_PROD_X, _PROD_SRC)
+    H_exact = torch.autograd.functional.hessian(
+        lambda x, s: (c * _group_products(x, s)).sum(), (_PROD_X, _PROD_SRC)
+    )
+    for row, row_exact in zip(H, H_exact):
+        torch.testing.assert_close(row, row_exact)
+
+
+def test_prod_third_derivative_through_two_zeros():
+    """With at most two zeros in a group the prod weights are exact at every order: the third
+    derivative (jacfwd of our hessian) in x and src together equals the polynomial's."""
+    index, c = _PROD_INDEX[:7], _x(4, seed=1)  # the groups with 0, 1, 1 and 2 zeros
+
+    def split(z):
+        return z[:4], z[4:]
+
+    def ours(z):
+        x, s = split(z)
+        return (c * x.index_reduce(0, index, s, "prod")).sum()
+
+    def exact(z):
+        x, s = split(z)
+        out = list(x.unbind())
+        for k, i in enumerate(index.tolist()):
+            out[i] = out[i] * s[k]
+        return (c * torch.stack(out)).sum()
+
+    z = torch.cat([_PROD_X[:4], _PROD_SRC[:7]])
+    D3 = torch.autograd.functional.jacobian(
+        lambda z: torch.autograd.functional.hessian(exact, z, create_graph=True), z
+    )
+    assert D3.abs().max() > 0  # the groups of three members have third derivatives
+    torch.testing.assert_close(ft.jacfwd(ft.hessian(ours))(z), D3)
+
+
 @pytest.mark.parametrize("dtype", [F64, C128])
 def test_index_add_and_embedding_with_a_0d_index(dtype):
     """index_select treats a 0-d index as 1-d, so its transpose, index_add, gets a 0-d index

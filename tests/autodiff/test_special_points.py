@@ -300,7 +300,7 @@ XFAIL_INF: dict[str, str] = {
     **{
         name: _INF_DERIV
         for name in (
-            "cumprod masked.cumprod index_reduce.prod scatter_reduce.prod "
+            "cumprod masked.cumprod scatter_reduce.prod "
             "linalg.solve_triangular linalg.vander "
             "nn.functional.triplet_margin_loss nn.functional.triplet_margin_with_distance_loss"
         ).split()
