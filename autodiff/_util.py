@@ -10,6 +10,7 @@ from functransforms import _compat
 from functransforms._core.levels import TransformTensor, dtype_of, dtypes_of
 from functransforms._core.levels import below_torch_autograd as _below_torch_autograd
 from functransforms._core.ops import op_name, positional_with_defaults
+from functransforms._core.writes import physical_root
 from functransforms.errors import (
     missing_rule,
     raise_inplace_untracked,
@@ -561,12 +562,18 @@ class InplaceMixin:
             why = "the target is a lazily conjugated or negated view (call .resolve_conj() first)"
         else:
             root = target._base if target._base is not None else target
+            aliases = ()
+            if root is target:  # Note [Physical roots of writes under vmap]
+                named = physical_root(target)
+                if named is not None:
+                    root, aliases = named
+                    aliases = [a for a in aliases if a is not target and a is not root]
             if type(root) is not torch.Tensor or root.requires_grad:
                 why = "the target is a view of a tensor that cannot be promoted"
             elif _compat.has_internal_overlap(root) != 0 or root.dtype != target.dtype:
                 why = "the target's memory overlaps itself or is reinterpreted"
             else:
-                known = 1 if root is target else 2
+                known = (1 if root is target else 2) + len(aliases)
                 if _compat.storage_use_count(root.untyped_storage()._cdata) != known + 1:
                     why = "other tensors share its memory (views or aliases of it are alive)"
                 elif root._use_count() > (
@@ -582,8 +589,9 @@ class InplaceMixin:
                     why = "a torch kernel holds it (a composite op writing into its own buffer)"
         if why is not None:
             raise_inplace_untracked(self, func, why)
-        positions = None
-        if root is not target:
+        views = [v for v in (target, *aliases) if v is not root]
+        positions = []
+        if views:
             # Positions depend on metadata only: computed with dispatch off, they are
             # constants to a tracer (jit), and the check below is no data-dependent read.
             with _compat.DisableTorchDispatch():
@@ -593,18 +601,19 @@ class InplaceMixin:
                 store.as_strided(root.shape, root.stride(), root.storage_offset()).copy_(
                     torch.arange(root.numel(), device=dev).reshape(root.shape)
                 )
-                positions = store.as_strided(
-                    target.shape, target.stride(), target.storage_offset()
-                ).clone()
-                outside = bool((positions < 0).any())
+                for v in views:
+                    positions.append(
+                        store.as_strided(v.shape, v.stride(), v.storage_offset()).clone()
+                    )
+                outside = any(bool((p < 0).any()) for p in positions)
             if outside:
                 raise_inplace_view_outside_base(self, func)
         if self._promoted is None:
             self._promoted = []
         self._promote_one(root, root.clone(), None)
-        if positions is not None:
-            step = _IndexStep(positions)
-            self._promote_one(target, step.replay(root._primal), (root, step))
+        for v, p in zip(views, positions):
+            step = _IndexStep(p)
+            self._promote_one(v, step.replay(root._primal), (root, step))
 
     def _why_not_wrapper(self, target):
         """Why a lower level's wrapper cannot be promoted (None: it can): only a value that

@@ -21,6 +21,7 @@ from functransforms._core.levels import (
     metadata,
 )
 from functransforms._core.ops import draws_random, facts, op_name
+from functransforms._core.writes import writing_into
 from functransforms._custom import ClosedOverStandIn, _CustomFunction
 from functransforms._vmap import vmap
 from functransforms.errors import (  # raise_*: re-exported for rule modules
@@ -351,11 +352,13 @@ class VmapInterpreter(Interpreter):
         rule = f.vmap_rule
         if rule is None:
             return self._without_rule(func, f, args, kwargs)
-        if f.inplace and not below_torch_autograd() and torch.is_grad_enabled():
-            vals = _tracked_destination(self, args, vals)
-        out, out_bdim = rule(self, vals, bdims, kwargs)
         if f.inplace:
+            if not below_torch_autograd() and torch.is_grad_enabled():
+                vals = _tracked_destination(self, args, vals)
+            with _write_target(self, args, vals):  # Note [Physical roots of writes under vmap]
+                rule(self, vals, bdims, kwargs)
             return args[0]
+        out, out_bdim = rule(self, vals, bdims, kwargs)
         if f.inplace_view:
             return _set_view_inplace(args[0], out, out_bdim)
         if not below_torch_autograd():
@@ -740,6 +743,17 @@ def _select(a, interp, i):
     if type(a) is list or type(a) is tuple:
         return type(a)(_select(b, interp, i) for b in a)
     return a
+
+
+def _write_target(interp, args, vals):
+    """`writing_into` for an in-place op's target: its physical value, or for a view of a
+    wrapper of this level that wrapper's physical value with the view's as an alias."""
+    base = args[0]._base
+    if base is None:
+        return writing_into(vals[0])
+    if type(base) is BatchedTensor and base._interp is interp:
+        return writing_into(base._value, (args[0]._value,))
+    return writing_into(None)
 
 
 def _tracked_destination(interp, args, vals):

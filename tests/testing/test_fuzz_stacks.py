@@ -420,3 +420,59 @@ def test_unfold_with_a_negative_dim_gradient(shape, dim):
 
     _both(lambda m: m.grad(f)(x))
     _both(lambda m: m.vjp(lambda x: m.vjp(f, x)[1](torch.tensor(1.0, dtype=D))[0], x)[1](x.cos()))
+
+
+_WRITES = {
+    "add_": lambda h, w: h.add_(w),
+    "mul_": lambda h, w: h.mul_(w),
+    "addcmul_": lambda h, w: h.addcmul_(w, w),
+    "lerp_": lambda h, w: h.lerp_(w, 0.3),
+    "clamp_": lambda h, w: h.clamp_(min=w),
+    "masked_fill_": lambda h, w: h.masked_fill_(h > 0, w[0]),
+    "index_put_": lambda h, w: h.index_put_((torch.tensor([0, 2]),), w[:2]),
+    "scatter_": lambda h, w: h.scatter_(0, torch.tensor([2, 0]), w[:2]),
+    "copy_ of a slice": lambda h, w: h[1:].copy_(w[1:].sin()),
+}
+
+
+@pytest.mark.parametrize("in_dim", [0, 1, -1])
+@pytest.mark.parametrize("write", sorted(_WRITES))
+@pytest.mark.parametrize("transform", ["grad", "jvp", "hessian"])
+def test_writes_into_a_batched_buffer_with_the_batch_dim_anywhere(write, in_dim, transform):
+    """Crash (InplaceError "other tensors share its memory"): ``x.clone().add_(w)`` under
+    ``grad(vmap(f, in_dims=1))``, w tracked by grad. The vmap rule wrote through a view of the
+    buffer's physical value (its batch dim moved to the front) that torch made without
+    ``_base``, so the grad level saw an aliased plain tensor and refused to promote it; the
+    same for a write into a batched slice at any batch dim (Note [Physical roots of writes
+    under vmap], functransforms/_core/writes.py)."""
+    w = _rnd(3, seed=3)
+    x = _rnd(3, 2) if in_dim else _rnd(2, 3)
+
+    def example(x, w):
+        h = x.clone()
+        out = _WRITES[write](h, w)
+        return h * 1.0 + out.cos().sum()
+
+    def run(m):
+        def f(w):
+            return m.vmap(example, in_dims=(in_dim, None))(x, w).sin().sum()
+
+        if transform == "jvp":
+            return m.jvp(f, (w,), (torch.ones_like(w),))
+        return getattr(m, transform)(f)(w)
+
+    _both(run)
+
+
+def test_a_write_into_a_batched_slice_with_another_view_alive_raises():
+    """The other view's physical value would not see the promoted write: a clear error."""
+
+    def example(x, w):
+        h = x.clone()
+        a, b = h[1:], h[:2]
+        a.copy_(w[1:])
+        return h * 1.0 + b * 2.0
+
+    f = ft.grad(lambda w, x: ft.vmap(example, in_dims=(1, None))(x, w).sum())
+    with pytest.raises(ft.errors.InplaceError, match="share its memory"):
+        f(_rnd(3, seed=3), _rnd(3, 2))
