@@ -138,3 +138,15 @@ def test_the_sdist_carries_every_tracked_file(tmp_path):
     assert names - metadata == tracked - _REPOSITORY_ONLY
     assert {"LICENSE", "tests/conftest.py", "tests/batching/conftest.py", "docs/api.md"} <= names
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_one_install_command_everywhere():
+    """README's install command is the one CONTRIBUTING.md and CI run: a strict editable install
+    (the tests above build what it builds)."""
+    command = "pip install -e '.[test]' --config-settings editable_mode=strict"
+    for name in ("README.md", "CONTRIBUTING.md", ".ci/run"):
+        text = (ROOT / name).read_text()
+        installs = re.findall(r"pip install (?:-q )?-e '?\.[^&\n#]*", text)
+        assert installs, f"{name}: no editable install"
+        for found in installs:
+            assert found.replace("-q ", "").strip() == command, f"{name}: {found!r}"
