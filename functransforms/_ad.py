@@ -344,10 +344,15 @@ def grad_and_value(
         >>> g, v
         (tensor([2., 4.]), tensor(5.))
     """
+    return _grad_and_value(func, argnums, has_aux, holomorphic, "grad_and_value")
+
+
+def _grad_and_value(func, argnums, has_aux, holomorphic, transform):
+    """grad_and_value, with ``transform`` (the entry point the user called) named in errors."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        call = f"grad({_name(func)}, argnums={argnums!r})"
+        call = f"{transform}({_name(func)}, argnums={argnums!r})"
         _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
@@ -461,7 +466,7 @@ def grad(
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        g, v = grad_and_value(func, argnums, has_aux, holomorphic=holomorphic)(*args, **kwargs)
+        g, v = _grad_and_value(func, argnums, has_aux, holomorphic, "grad")(*args, **kwargs)
         return (g, v[1]) if has_aux else g
 
     return wrapper
@@ -480,7 +485,9 @@ def value_and_grad(
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        g, v = grad_and_value(func, argnums, has_aux, holomorphic=holomorphic)(*args, **kwargs)
+        g, v = _grad_and_value(func, argnums, has_aux, holomorphic, "value_and_grad")(
+            *args, **kwargs
+        )
         return v, g
 
     return wrapper

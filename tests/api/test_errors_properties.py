@@ -289,7 +289,7 @@ _ad_cases = dict(
 )
 
 
-@pytest.mark.parametrize("transform", ["grad", "jacrev", "jacfwd"])
+@pytest.mark.parametrize("transform", ["grad", "grad_and_value", "jacrev", "jacfwd"])
 @given(data=st.data(), **_ad_cases)
 def test_grad_and_jacobians_misuse(transform, data, args, output, has_aux, aux):
     argnums = data.draw(st.one_of(st.just(0), fts.argnums_specs(len(args))), label="argnums")
