@@ -145,6 +145,8 @@ def test_one_install_command_everywhere():
     (the tests above build what it builds)."""
     command = "pip install -e '.[test]' --config-settings editable_mode=strict"
     for name in ("README.md", "CONTRIBUTING.md", ".ci/run"):
+        if name == ".ci/run" and not (ROOT / name).exists():
+            continue  # an unpacked sdist: the repository's CI is not part of it
         text = (ROOT / name).read_text()
         installs = re.findall(r"pip install (?:-q )?-e '?\.[^&\n#]*", text)
         assert installs, f"{name}: no editable install"
