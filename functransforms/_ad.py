@@ -344,10 +344,15 @@ def grad_and_value(
         >>> g, v
         (tensor([2., 4.]), tensor(5.))
     """
+    return _grad_and_value(func, argnums, has_aux, holomorphic, "grad_and_value")
+
+
+def _grad_and_value(func, argnums, has_aux, holomorphic, transform):
+    """grad_and_value, with ``transform`` (the entry point the user called) named in errors."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        call = f"grad({_name(func)}, argnums={argnums!r})"
+        call = f"{transform}({_name(func)}, argnums={argnums!r})"
         _check_callable(func, call)
         nums = _check_argnums(func, argnums, len(args), call)
         f = _partial(lambda *a: func(*a, **kwargs), args, nums)
@@ -461,7 +466,7 @@ def grad(
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        g, v = grad_and_value(func, argnums, has_aux, holomorphic=holomorphic)(*args, **kwargs)
+        g, v = _grad_and_value(func, argnums, has_aux, holomorphic, "grad")(*args, **kwargs)
         return (g, v[1]) if has_aux else g
 
     return wrapper
@@ -480,7 +485,9 @@ def value_and_grad(
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        g, v = grad_and_value(func, argnums, has_aux, holomorphic=holomorphic)(*args, **kwargs)
+        g, v = _grad_and_value(func, argnums, has_aux, holomorphic, "value_and_grad")(
+            *args, **kwargs
+        )
         return v, g
 
     return wrapper
@@ -528,20 +535,17 @@ def jvp(
             f"{call}: expected tangents with the structure of primals, {spec}; got {tspec}."
         )
     flat_p = [_as_primal(p, call, "jvp", i) for i, p in enumerate(flat_p)]
-    flat_t = [
-        torch.tensor(t, dtype=p.dtype) if isinstance(t, (float, complex, int)) else t
-        for p, t in zip(flat_p, flat_t)
-    ]
+    flat_t = [_number_tangent(t, p) for p, t in zip(flat_p, flat_t)]
     for p, t in zip(flat_p, flat_t):
-        if isinstance(p, torch.Tensor) and (not isinstance(t, torch.Tensor) or t.shape != p.shape):
-            got = (
-                f"has shape {tuple(t.shape)}"
-                if isinstance(t, torch.Tensor)
-                else f"is {describe(t)}"
-            )
+        if isinstance(p, torch.Tensor) and not isinstance(t, torch.Tensor):
             raise RuntimeError(
-                f"{call}: a tangent {got} but its primal has shape {tuple(p.shape)}; "
-                "expected a tangent shaped like its primal."
+                f"{call}: a tangent is {describe(t)}; expected a tensor shaped like its primal "
+                f"(shape {tuple(p.shape)})."
+            )
+        if isinstance(p, torch.Tensor) and t.shape != p.shape:
+            raise RuntimeError(
+                f"{call}: a tangent has shape {tuple(t.shape)} but its primal has shape "
+                f"{tuple(p.shape)}; expected a tangent shaped like its primal."
             )
         if isinstance(p, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
             # functorch's ValueError: an integer tangent is a mistake (torch.ones(n, dtype=long)),
@@ -558,6 +562,17 @@ def jvp(
                 "expected a real tangent (pass the real and imaginary parts as two jvp calls)."
             )
     return _jvp(func, flat_p, flat_t, spec, has_aux, call, strict)
+
+
+def _number_tangent(t, p):
+    """A Python number is the tangent of a 0-d primal (as a Python float is a primal), of the
+    primal's dtype; a complex number for a real primal stays complex (refused below rather
+    than cut to its real part). Anything else is left for the checks to report as it is."""
+    if type(t) not in (float, complex, int) or not isinstance(p, torch.Tensor) or p.dim() != 0:
+        return t
+    if type(t) is complex and not p.is_complex():
+        return torch.tensor(t)
+    return torch.tensor(t, dtype=p.dtype)
 
 
 @eager_under_compile
@@ -654,8 +669,25 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
     _check_callable(func, call)
     res = _vjp(func, primals, has_aux, call)
     out, vjp_fn = res[0], res[1]
-    zeros = pt.tree_map(torch.zeros_like, out)
-    _, transpose = _vjp(lambda ct: vjp_fn(ct), (zeros,), False, call)
+    # only floating and complex outputs move: an integer output's tangent is a zero (as jvp's,
+    # section 20 of docs/torch_func_differences.md), and its cotangent is no input of the
+    # transpose
+    flat_out, out_spec = pt.tree_flatten(out)
+    moving = [o.is_floating_point() or o.is_complex() for o in flat_out]
+
+    def with_fixed(moved, fixed):
+        it = iter(moved)
+        return pt.tree_unflatten(
+            out_spec, [next(it) if m else fixed(o) for o, m in zip(flat_out, moving)]
+        )
+
+    zeros = [torch.zeros_like(o) for o, m in zip(flat_out, moving) if m]
+    if zeros:
+        _, transpose = _vjp(
+            lambda cts: vjp_fn(with_fixed(cts, torch.zeros_like)), (zeros,), False, call
+        )
+    else:
+        transpose = lambda _: ([],)  # nothing moves
     primal_spec = pt.tree_structure(primals)
     flat_primals = pt.tree_leaves(primals)
 
@@ -690,7 +722,7 @@ def linearize(func: Func, *primals: PyTree, has_aux: bool = False) -> tuple[Any,
                     f"is {p.dtype}; expected a tangent of the primal's dtype."
                 )
             cast.append(t.to(p.dtype) if t.dtype != p.dtype else t)
-        return transpose(pt.tree_unflatten(primal_spec, cast))[0]
+        return with_fixed(transpose(pt.tree_unflatten(primal_spec, cast))[0], torch.zeros_like)
 
     if has_aux:
         return out, jvp_fn, res[2]

@@ -153,6 +153,34 @@ def _shape_repr(x):
     return tuple(x.shape)
 
 
+def _not_a_tensor(call, i, d, x):
+    return ValueError(
+        f"{call}: input {i} (flattened) has in_dim={d}, but it is {describe(x)}; expected a "
+        "tensor (vmap maps over tensors only). Do: use None as its in_dim."
+    )
+
+
+def _dim_out_of_range(call, i, d, x):
+    n = x.dim()
+    want = f"in_dim in [{-n}, {n - 1}]" if n else "in_dim=None (a 0-d tensor has no dim)"
+    return ValueError(
+        f"{call}: input {i} (flattened) has in_dim={d}, but it has {n} dims (shape "
+        f"{tuple(x.shape)}); expected {want}."
+    )
+
+
+def _check_mappable(x, d, i, call):
+    """Raise _vmap_call's error for input ``i`` if in_dim ``d`` cannot map it at all."""
+    if d is None:
+        return
+    if not isinstance(x, torch.Tensor):
+        raise _not_a_tensor(call, i, d, x)
+    if x.is_nested:
+        _check_nested_input(x, d, i, call)
+    elif not -x.dim() <= d < x.dim():
+        raise _dim_out_of_range(call, i, d, x)
+
+
 def _check_nested_input(x, d, i, call):
     """Note [Nested tensors under vmap] (batching/_nested.py): a nested tensor maps over its
     components (dim 0), and needs at least one."""
@@ -458,26 +486,22 @@ def _vmap_call(
             norm_dims.append(None)
             continue
         if not isinstance(x, torch.Tensor):
-            raise ValueError(
-                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, but "
-                f"it is {describe(x)}; expected a tensor (vmap maps over tensors only). Do: "
-                "use None as its in_dim."
-            )
+            raise _not_a_tensor(call or _call_repr(func, in_dims), i, d, x)
         if x.is_nested:  # Note [Nested tensors under vmap] (batching/_nested.py)
             _check_nested_input(x, d, i, call or _call_repr(func, in_dims))
             d, nested = 0, True
         n = x.dim()
         if not -n <= d < n:
-            want = f"in_dim in [{-n}, {n - 1}]" if n else "in_dim=None (a 0-d tensor has no dim)"
-            raise ValueError(
-                f"{call or _call_repr(func, in_dims)}: input {i} (flattened) has in_dim={d}, "
-                f"but it has {n} dims (shape {tuple(x.shape)}); expected {want}."
-            )
+            raise _dim_out_of_range(call or _call_repr(func, in_dims), i, d, x)
         d %= n
         norm_dims.append(d)
         if batch_size is None:
             batch_size = x.size(d)
         elif x.size(d) != batch_size:
+            # a later input that cannot be mapped at all is the first mistake to report (as
+            # torch.func, which checks every input before the sizes)
+            for j in range(i + 1, len(flat_args)):
+                _check_mappable(flat_args[j], flat_dims[j], j, call or _call_repr(func, in_dims))
             sizes = [
                 (j, _shape_repr(a), e)
                 for j, (a, e) in enumerate(zip(flat_args, flat_dims))

@@ -408,21 +408,33 @@ def test_keyword_arguments_reach_the_function():
 
 
 @pytest.mark.parametrize(
-    "make",
+    "name, make",
     [
-        lambda M: M.grad(3)(z),
-        lambda M: M.grad_and_value(None)(z),
-        lambda M: M.jacrev(3)(z),
-        lambda M: M.jacfwd(3)(z),
-        lambda M: M.hessian(3)(z),
-        lambda M: M.vjp(3, z),
-        lambda M: M.jvp(3, (z,), (w,)),
-        lambda M: M.linearize(3, z),
-        lambda M: M.vmap(3)(x),
+        ("grad", lambda M: M.grad(3)(z)),
+        ("grad_and_value", lambda M: M.grad_and_value(None)(z)),
+        ("jacrev", lambda M: M.jacrev(3)(z)),
+        ("jacfwd", lambda M: M.jacfwd(3)(z)),
+        ("hessian", lambda M: M.hessian(3)(z)),
+        ("vjp", lambda M: M.vjp(3, z)),
+        ("jvp", lambda M: M.jvp(3, (z,), (w,))),
+        ("linearize", lambda M: M.linearize(3, z)),
+        ("vmap", lambda M: M.vmap(3)(x)),
     ],
+    ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_a_non_callable_func_raises_type_error_naming_the_call(make):
-    both_raise(make, TypeError, r"^(grad|jacrev|jacfwd|hessian|vjp|jvp|linearize|vmap)\(.*callable")
+def test_a_non_callable_func_raises_type_error_naming_the_call(name, make):
+    both_raise(make, TypeError, rf"^{name}\(.*callable")
+
+
+def test_value_and_grad_errors_name_the_entry_point():
+    """grad_and_value and JAX's value_and_grad name themselves, not the grad they share."""
+    for name in ("grad_and_value", "value_and_grad"):
+        with pytest.raises(
+            RuntimeError, match=rf"^{name}\(<lambda>, argnums=0\)\(\.\.\.\): .*scalar"
+        ):
+            getattr(ft, name)(lambda a: a)(z)
+        with pytest.raises(ValueError, match=rf"^{name}\(<lambda>, argnums=0\): .*an int \(3\)"):
+            getattr(ft, name)(lambda a: a * a)(3)
 
 
 xb = torch.randn(5, 4, dtype=torch.float64, generator=g)

@@ -10,6 +10,7 @@ import torch.func as tf
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import functransforms as ft
+from functransforms._compat import TORCH_VERSION
 
 f64 = torch.float64
 x32 = torch.randn(3, 2, dtype=f64)
@@ -268,3 +269,71 @@ def test_packed_sequences_under_another_default_device():
         batched = ft.vmap(ft.grad(f))(x.expand(2, 4, 3, 2))
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(batched, expected.expand(2, 4, 3, 2))
+
+
+# -- found by generating misuse -------------------------------------------------------------
+def test_vmap_mismatched_sizes_before_an_unmappable_input():
+    """Two mapped sizes disagree and a later input cannot be mapped at all: the unmappable
+    input is the error (torch.func checks every input before the sizes), never a crash while
+    describing the sizes."""
+    a, b = torch.randn(2, 2, dtype=f64), torch.randn(3, 2, dtype=f64)
+    both_raise(
+        ValueError,
+        lambda M: M.vmap(lambda *t: t[0])(a, b, 2),
+        r"input 2 \(flattened\) has in_dim=0, but it is an int \(2\); expected a tensor",
+    )
+    both_raise(
+        ValueError,
+        lambda M: M.vmap(lambda *t: t[0], in_dims=(0, 0, 2))(a, b, v3),
+        r"input 2 \(flattened\) has in_dim=2, but it has 1 dims \(shape \(3,\)\)",
+    )
+    both_raise(
+        ValueError,
+        lambda M: M.vmap(lambda *t: t[0])(a, b, v3),
+        r"input 0 of shape \(2, 2\) mapped over dim 0, input 1 of shape \(3, 2\) .*input 2",
+    )
+
+
+def test_linearize_of_an_integer_output_gives_a_zero_tangent():
+    """An integer output does not move: jvp_fn gives it a zero tangent of its dtype, as
+    torch.func's linearize and both libraries' jvp."""
+    f = lambda a: (a.sin(), (a * 3).long(), torch.tensor(3))  # noqa: E731
+    t = torch.ones_like(v3)
+    out, jvp_fn = ft.linearize(f, v3)
+    ref_out, ref_fn = tf.linearize(f, v3)
+    ours, ref = jvp_fn(t), ref_fn(t)
+    for o, r in zip(ours, ref):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        torch.testing.assert_close(o, r.detach())
+    torch.testing.assert_close(ours, ft.jvp(f, (v3,), (t,))[1])
+    out, jvp_fn = ft.linearize(lambda a: (a * 3).long(), v3)  # nothing moves at all
+    assert torch.equal(jvp_fn(t), torch.zeros(3, dtype=torch.long))
+
+
+def test_python_number_tangent_of_a_0d_primal():
+    """Section 1: a Python number is a tangent of its primal's dtype, as it is a primal;
+    torch.func raises. A tangent must still have its primal's shape."""
+    x = torch.tensor(0.5, dtype=f64)
+    with pytest.raises(RuntimeError):
+        tf.jvp(torch.sin, (x,), (1.0,))
+    out, t = ft.jvp(torch.sin, (x,), (1.0,))
+    assert t.dtype == f64
+    torch.testing.assert_close((out, t), tf.jvp(torch.sin, (x,), (torch.ones_like(x),)))
+    both_raise(
+        RuntimeError, lambda M: M.jvp(torch.sin, (v3,), (1.0,)), r"a tangent is a float \(1\.0\)"
+    )
+
+
+def test_vmap_output_independent_of_the_mapped_inputs_at_a_nonzero_out_dim():
+    """Section 39: an output that does not depend on the mapped inputs, placed at out_dim=k,
+    is that value repeated along dim k, as torch 2.15's torch.func gives it. torch 2.13's raises
+    from inside torch or, when the sizes happen to allow its expand, returns other values."""
+    a = torch.randn(2, 3, dtype=f64)
+    for out_dim, batch in ((1, 4), (2, 4), (1, 2)):
+        want = a.exp().unsqueeze(out_dim).expand(*[2, 3][:out_dim], batch, *[2, 3][out_dim:])
+        got = ft.vmap(lambda c, y: c.exp(), (None, 0), out_dim)(a, torch.randn(batch))
+        assert torch.equal(got, want)
+    square = torch.randn(2, 2, dtype=f64)
+    ref = tf.vmap(lambda c, y: c.exp(), (None, 0), 1)(square, torch.randn(2))
+    fixed = TORCH_VERSION >= (2, 15)
+    assert torch.equal(ref, square.exp().unsqueeze(1).expand(2, 2, 2)) == fixed

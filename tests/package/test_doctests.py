@@ -6,6 +6,7 @@ import doctest
 import importlib
 import pkgutil
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", flags=re.S | re.M)
 _NO_RUN = re.compile(r"no-run: \S.*")  # the reason is part of the fence
-_TEST_EXTRAS = {"pytest", "hypothesis", "expecttest", "xdist"}
 
 
 # What a page's examples must have computed, beyond running.
@@ -164,19 +164,48 @@ def _imported(code):
     return names
 
 
+# What `pip install functransforms` brings: its required dependencies (pyproject.toml) and the
+# standard library. numpy is not among them (torch does not require it either).
+_PLAIN = {"functransforms", "torch", "optree", *sys.stdlib_module_names}
+
+
+def _needs_an_extra(code):
+    """The top-level modules a block imports beyond a plain install, except under an
+    ``if importlib.util.find_spec(...)`` guard (an optional part of the example)."""
+    if code.lstrip().startswith(">>>"):
+        code = "\n".join(e.source for e in doctest.DocTestParser().get_examples(code))
+    tree = ast.parse(code)
+    guarded = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "find_spec" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    return {
+        name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded
+        for name in _imported(ast.unparse(node))
+    } - _PLAIN
+
+
 def test_markdown_blocks_run_in_a_plain_install():
     """A reader runs the examples after ``pip install functransforms``, without the test extras
-    (pytest, hypothesis, ...): no block imports one (write ``try``/``except`` with an assert on
-    the message where a test would use ``pytest.raises``)."""
+    (pytest, hypothesis, ...) or numpy: no block imports one (write ``try``/``except`` with an
+    assert on the message where a test would use ``pytest.raises``; guard an optional part with
+    ``if importlib.util.find_spec(...)``)."""
     needing = [
-        f"{p.relative_to(ROOT)}:{line} imports {sorted(_imported(code) & _TEST_EXTRAS)}"
+        f"{p.relative_to(ROOT)}:{line} imports {sorted(_needs_an_extra(code))}"
         for p in PAGES
         for line, info, code in _blocks(p)
-        if not info.startswith("no-run") and _imported(code) & _TEST_EXTRAS
+        if not info.startswith("no-run") and _needs_an_extra(code)
     ]
     assert not needing, needing
-    assert _imported("import pytest, torch.nn as nn\nfrom hypothesis import given") == {
+    assert _needs_an_extra("import pytest, torch.nn as nn, os\nfrom hypothesis import given") == {
         "pytest",
-        "torch",
         "hypothesis",
     }
+    assert _needs_an_extra("import numpy as np") == {"numpy"}
+    guarded = "import importlib.util\nif importlib.util.find_spec('numpy'):\n    import numpy"
+    assert _needs_an_extra(guarded) == set()

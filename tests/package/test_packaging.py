@@ -103,14 +103,52 @@ def test_required_dependencies_are_the_ones_the_library_imports():
     assert "numpy" not in imported  # numpy is a test extra only
 
 
-def test_the_sdist_carries_tests_docs_and_benchmarks():
-    # `python -m build --sdist` lists them (checked by hand); this keeps MANIFEST.in saying so
-    manifest = (ROOT / "MANIFEST.in").read_text().split("\n")
-    for line in (
-        "graft tests",
-        "graft docs",
-        "graft benchmarks",
-        "include LICENSE README.md CHANGELOG.md",
-    ):
-        assert line in manifest
+def _tracked_files():
+    r = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    return set(r.stdout.split())
+
+
+# tracked files that are the repository's, not the source distribution's
+_REPOSITORY_ONLY = {".ci/run", ".gitignore"}
+
+
+def test_the_sdist_carries_every_tracked_file(tmp_path):
+    """The sdist, built by setuptools from the tracked files, holds each of them (tests with
+    their conftest.py files and subfolders, docs, benchmarks, LICENSE, CHANGELOG.md, the
+    CONTRIBUTING.md that README links) and nothing else but its own metadata."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip("pyproject.toml's SPDX license needs setuptools >= 77 (its build-system)")
+    import shutil
+    import tarfile
+
+    tracked = _tracked_files()
+    src = tmp_path / "src"
+    for name in tracked:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
+    build = "from setuptools import build_meta; print(build_meta.build_sdist('dist'))"
+    r = _python(build, src)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with tarfile.open(src / "dist" / r.stdout.split()[-1]) as sdist:
+        names = {m.name.split("/", 1)[1] for m in sdist.getmembers() if m.isfile()}
+    metadata = {n for n in names if n in ("PKG-INFO", "setup.cfg") or ".egg-info/" in n}
+    assert names - metadata == tracked - _REPOSITORY_ONLY
+    assert {"LICENSE", "tests/conftest.py", "tests/batching/conftest.py", "docs/api.md"} <= names
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_one_install_command_everywhere():
+    """README's install command is the one CONTRIBUTING.md and CI run: a strict editable install
+    (the tests above build what it builds)."""
+    command = "pip install -e '.[test]' --config-settings editable_mode=strict"
+    for name in ("README.md", "CONTRIBUTING.md", ".ci/run"):
+        if name == ".ci/run" and not (ROOT / name).exists():
+            continue  # an unpacked sdist: the repository's CI is not part of it
+        text = (ROOT / name).read_text()
+        installs = re.findall(r"pip install (?:-q )?-e '?\.[^&\n#]*", text)
+        assert installs, f"{name}: no editable install"
+        for found in installs:
+            assert found.replace("-q ", "").strip() == command, f"{name}: {found!r}"
