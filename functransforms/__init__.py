@@ -37,9 +37,9 @@ with _paused_collector():
     from ._vmap import vmap
 
     _install_autograd_function()  # Note [autograd.Function under transforms]
-    # Note [torch.compile inside our transforms] (_core/levels.py)
+    # Note [torch.compile inside our transforms] (_core/compiling.py)
     if "torch._dynamo" in _sys.modules:
-        from ._core.levels import keep_dynamo_out as _keep_dynamo_out
+        from ._core.compiling import keep_dynamo_out as _keep_dynamo_out
 
         _keep_dynamo_out()
 

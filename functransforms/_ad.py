@@ -10,7 +10,9 @@ import torch
 
 from . import _pytree as pt
 from ._core.batched_like import batched_like, vmap_levels
-from ._core.levels import TransformTensor, dtype_of, eager_under_compile, is_floating, metadata
+from ._core.compiling import eager_under_compile
+from ._core.levels import TransformTensor
+from ._core.metadata import dtype_of, is_floating, metadata
 from ._typing import ArgNums, Func, PyTree, Randomness
 from .errors import describe
 
