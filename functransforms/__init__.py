@@ -23,9 +23,6 @@ with _paused_collector():
     from ._ad import (
         grad,
         grad_and_value,
-        hessian,
-        jacfwd,
-        jacrev,
         jvp,
         linearize,
         value_and_grad,
@@ -34,6 +31,7 @@ with _paused_collector():
     from ._autograd_function import install as _install_autograd_function  # noqa: E402
     from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
     from ._functionalize import functionalize
+    from ._jacobians import hessian, jacfwd, jacrev
     from ._vmap import vmap
 
     _install_autograd_function()  # Note [autograd.Function under transforms]
