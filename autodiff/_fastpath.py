@@ -22,13 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from functransforms import _compat
-from functransforms._core.levels import (
-    TransformTensor,
-    below_torch_autograd,
-    linear_args,
-    metadata,
-    metadata_conj,
-)
+from functransforms._core.levels import TransformTensor, below_torch_autograd, linear_args
+from functransforms._core.metadata import metadata, metadata_conj
 from functransforms._core.ops import facts
 
 from .reverse import GRAD_FAST, NONDIFFERENTIABLE, GradTensorInVmap, Node, _prune, wrap_grad

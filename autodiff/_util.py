@@ -7,8 +7,9 @@ import weakref
 import torch
 
 from functransforms import _compat
-from functransforms._core.levels import TransformTensor, dtype_of, dtypes_of
+from functransforms._core.levels import TransformTensor
 from functransforms._core.levels import below_torch_autograd as _below_torch_autograd
+from functransforms._core.metadata import dtype_of, dtypes_of
 from functransforms._core.ops import op_name, positional_with_defaults
 from functransforms._core.writes import physical_root
 from functransforms.errors import (

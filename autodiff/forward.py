@@ -7,15 +7,8 @@ import torch
 from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._core.decomp import decomposition
-from functransforms._core.levels import (
-    Interpreter,
-    TransformTensor,
-    data_as_constant,
-    dtype_conj,
-    is_floating,
-    metadata,
-    metadata_conj,
-)
+from functransforms._core.levels import Interpreter, TransformTensor, data_as_constant
+from functransforms._core.metadata import dtype_conj, is_floating, metadata, metadata_conj
 from functransforms._core.ops import facts
 
 from ._registry import decompose, missing_rule

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from functransforms._core.levels import dtype_of
+from functransforms._core.metadata import dtype_of
 from functransforms.deterministic import _ops as _det
 
 from ._registry import register_jvp_rule, register_vjp_rule

@@ -32,21 +32,23 @@ import torch
 from functransforms import _compat
 from functransforms import _pytree as pt
 from functransforms._ad import vjp
+from functransforms._core.compiling import eager_under_compile
 from functransforms._core.decomp import decomposition
 from functransforms._core.levels import (
     DEFERRING,
-    SLOW_METADATA,
     Interpreter,
-    PlainMetadata,
     TransformTensor,
     below_torch_autograd,
     data_as_constant,
-    eager_under_compile,
     interpreter_stack,
+    redispatch,
+)
+from functransforms._core.metadata import (
+    SLOW_METADATA,
+    PlainMetadata,
     is_floating,
     metadata,
     metadata_conj,
-    redispatch,
 )
 from functransforms._core.ops import facts
 

@@ -44,7 +44,8 @@ import torch
 
 from functransforms import _compat
 from functransforms import _pytree as pt
-from functransforms._core.levels import OWN_DISPATCH, SLOW_METADATA, TransformTensor, _innermost
+from functransforms._core.levels import OWN_DISPATCH, TransformTensor, _innermost
+from functransforms._core.metadata import SLOW_METADATA
 from functransforms._core.ops import draws_random, op_name
 from functransforms.errors import DataDependentError, FallbackWarning, InplaceError, raise_random
 

@@ -12,14 +12,11 @@ from functransforms._autograd_function import _has_wrapper
 from functransforms._core.decomp import decomposition
 from functransforms._core.levels import (
     DEFERRING,
-    SLOW_METADATA,
     Interpreter,
-    PlainMetadata,
     TransformTensor,
     below_torch_autograd,
-    is_floating,
-    metadata,
 )
+from functransforms._core.metadata import SLOW_METADATA, PlainMetadata, is_floating, metadata
 from functransforms._core.ops import draws_random, facts, op_name
 from functransforms._core.writes import writing_into
 from functransforms._custom import ClosedOverStandIn, _CustomFunction
@@ -173,7 +170,8 @@ class BatchedTensor(PlainMetadata, TransformTensor):
     #     a BatchedTensor). ``__torch_function__`` never changes what these return, so the class
     #     shadows torch's accessors with ones that read the same C++ fields with subclass torch
     #     functions disabled (torch function *modes* still see them, as before).
-    #     The accessors are PlainMetadata's (functransforms/_core/levels.py), a base of this class.
+    #     The accessors are PlainMetadata's (functransforms/_core/metadata.py), a base of this
+    #     class.
 
     def _inner_requires_grad(self):  # Note [Torch autograd through our transforms]
         v = self._value

@@ -9,15 +9,14 @@ import torch
 from functransforms import _compat
 from functransforms._core.levels import (
     _AUTOGRAD_KEYS,
-    SLOW_METADATA,
     TransformTensor,
     _ForceKeys,
     _tls_exclude,
     _tls_include,
     below_torch_autograd,
     copy_as_torch_records,
-    metadata,
 )
+from functransforms._core.metadata import SLOW_METADATA, metadata
 from functransforms.errors import InplaceError
 
 from ._fastpath import SHAPED_FUNCS, _live_value, _phys

@@ -23,9 +23,6 @@ with _paused_collector():
     from ._ad import (
         grad,
         grad_and_value,
-        hessian,
-        jacfwd,
-        jacrev,
         jvp,
         linearize,
         value_and_grad,
@@ -34,12 +31,13 @@ with _paused_collector():
     from ._autograd_function import install as _install_autograd_function  # noqa: E402
     from ._custom import custom_jvp, custom_vjp, custom_vmap, sequential_vmap, stop_gradient
     from ._functionalize import functionalize
+    from ._jacobians import hessian, jacfwd, jacrev
     from ._vmap import vmap
 
     _install_autograd_function()  # Note [autograd.Function under transforms]
-    # Note [torch.compile inside our transforms] (_core/levels.py)
+    # Note [torch.compile inside our transforms] (_core/compiling.py)
     if "torch._dynamo" in _sys.modules:
-        from ._core.levels import keep_dynamo_out as _keep_dynamo_out
+        from ._core.compiling import keep_dynamo_out as _keep_dynamo_out
 
         _keep_dynamo_out()
 

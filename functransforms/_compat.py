@@ -125,7 +125,7 @@ class UncompiledDispatchMode(TorchDispatchMode):
     a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``, which imports ``torch._dynamo``
     (and sympy: ~850 modules, ~0.8 s of CPU) at the mode's first op, so dynamo never compiles
     it. Ours are in our packages, on dynamo's skip list once dynamo is loaded (Note [torch.compile
-    inside our transforms], _core/levels.py): a first ``jit`` call imports none of it (Note
+    inside our transforms], _core/compiling.py): a first ``jit`` call imports none of it (Note
     [Recording static traces], _jit/_record.py). ``_should_skip_dynamo``: checked on 2.13.0,
     2.15.0."""
 
@@ -226,7 +226,7 @@ def dynamo_skip_paths(paths) -> None:
     ending in ``/``) as it runs torch's own internals: never trace into it, call it eagerly (a
     graph break where a traced frame calls in). What ``torch._dynamo.trace_rules.add`` does per
     module, with one recompile of the pattern for all (``add`` costs ~10 ms each). Checked on
-    2.13.0, 2.15.0 (Note [torch.compile inside our transforms], _core/levels.py)."""
+    2.13.0, 2.15.0 (Note [torch.compile inside our transforms], _core/compiling.py)."""
     trace_rules = importlib.import_module("torch._dynamo.trace_rules")
     trace_rules.SKIP_DIRS.extend(p.replace("\\", "/") for p in paths)
     trace_rules._recompile_re()

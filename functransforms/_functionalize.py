@@ -33,7 +33,9 @@ import torch
 
 from . import _compat
 from . import _pytree as pt
-from ._core.levels import Interpreter, TransformTensor, eager_under_compile, metadata
+from ._core.compiling import eager_under_compile
+from ._core.levels import Interpreter, TransformTensor
+from ._core.metadata import metadata
 from ._core.ops import facts, op_name
 from ._typing import Func
 

@@ -12,9 +12,10 @@ from . import _pytree as pt
 from ._compat import dispatch_tls_is_dispatch_key_included as _is_included
 from ._compat import dispatch_tls_set_dispatch_key_included as _set_included
 from ._compat import functorch_interpreter as _functorch_interpreter
+from ._core import compiling as _compiling
 from ._core import levels as _core
+from ._core.compiling import eager_under_compile
 from ._core.gcpause import collector_paused
-from ._core.levels import eager_under_compile
 from ._typing import Dims, Func, Randomness
 from .errors import describe
 
@@ -104,8 +105,8 @@ def vmap(
         if lean:
             # eager_under_compile's test (the general path below is wrapped by it)
             dynamo = _modules.get("torch._dynamo")
-            if dynamo is not None and not _core.DYNAMO_KEPT_OUT:
-                _core.keep_dynamo_out()
+            if dynamo is not None and not _compiling.DYNAMO_KEPT_OUT:
+                _compiling.keep_dynamo_out()
             if dynamo is None or not torch.compiler.is_compiling():
                 if _functorch_interpreter() is not None:
                     _core._raise_inside_torch_func()
@@ -114,7 +115,7 @@ def vmap(
                 try:
                     out = _lean_call(func, facts[0], out_dims, axis_name, args, kwargs)
                 except RuntimeError as e:  # Note [Pre-dispatch tracing]
-                    _core.raise_if_pre_dispatch(e)
+                    _compiling.raise_if_pre_dispatch(e)
                     raise
                 if out is not _GENERAL:
                     return out

@@ -63,7 +63,7 @@ def describe(value):
     if value is None:
         return "None"
     if isinstance(value, torch.Tensor):
-        from ._core.levels import metadata
+        from ._core.metadata import metadata
 
         if value.is_nested:
             return f"a nested tensor of dtype {value.dtype}"

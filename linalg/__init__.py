@@ -28,11 +28,10 @@ from . import _dispatch  # noqa: F401  (binds __torch_function__'s table: Note [
 from ._base import LinearOperator
 from ._batch import BatchSumOperator, repeat, sum_batch
 from ._block import BlockOperator, ZeroOperator, cat
+from ._block_diagonal import BatchedBlockDiagonalOperator, BlockDiagonalOperator
 from ._circulant import CirculantOperator, circulant_preconditioner
 from ._composite import (
     AdjointOperator,
-    BatchedBlockDiagonalOperator,
-    BlockDiagonalOperator,
     ProductOperator,
     SumOperator,
     TransposeOperator,

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _compat
+from .._core import compiling as _compiling
 from .._core import levels as _core
 from .._pytree import tree_flatten, tree_unflatten
 from ..errors import JitFallbackWarning
@@ -577,8 +578,8 @@ class Jitted:
         # needs no lock, but the watch's hooks and seeding wrappers are process-wide too.
         # Misses only; a jitted f called while tracing runs as is (_tracing.active), so the
         # lock never nests across threads.
-        if not _core.DYNAMO_KEPT_OUT and "torch._dynamo" in sys.modules:
-            _core.keep_dynamo_out()  # our modes' frames too (_compat.UncompiledDispatchMode)
+        if not _compiling.DYNAMO_KEPT_OUT and "torch._dynamo" in sys.modules:
+            _compiling.keep_dynamo_out()  # our modes' frames too (_compat.UncompiledDispatchMode)
         with _TRACE_LOCK:
             mark = _compat.fx_source_mark()
             try:

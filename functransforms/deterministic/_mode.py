@@ -108,7 +108,7 @@ class TransformAwareMode(_compat.UncompiledDispatchMode):
     our packages on dynamo's skip list if dynamo is loaded (_compat.UncompiledDispatchMode)."""
 
     def __enter__(self):
-        from functransforms._core.levels import keep_dynamo_out
+        from functransforms._core.compiling import keep_dynamo_out
 
         if "torch._dynamo" in sys.modules:
             keep_dynamo_out()

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from .. import _pytree as pt
-from .._core.levels import TransformTensor, eager_under_compile
+from .._core.compiling import eager_under_compile
+from .._core.levels import TransformTensor
 from .._typing import Dims, Func
 from . import _collective_ops as ops
 
