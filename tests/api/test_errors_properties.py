@@ -2,8 +2,9 @@
 structures, non-tensor and integer inputs and None outputs (functransforms.testing.strategies'
 misuse strategies), and the same call is made with torch.func. Each call must either compute
 what torch.func computes (values compared) or raise, at our API edge (functransforms/_ad.py,
-_vmap.py, errors.py: never from deep inside torch), one of the exception classes torch.func
-raises for it, with a message that names the transform, the argument and the received value.
+_jacobians.py, _vmap.py, errors.py: never from deep inside torch), one of the exception classes
+torch.func raises for it, with a message that names the transform, the argument and the
+received value.
 
 The only calls that may return where torch.func raises, or raise where it computes, are the
 documented differences (docs/torch_func_differences.md), each checked by its own reason below.
@@ -24,7 +25,8 @@ from functransforms import _pytree as pt
 from functransforms.testing import strategies as fts
 
 _EDGE = tuple(
-    os.path.join(os.path.dirname(ft.__file__), name) for name in ("_ad.py", "_vmap.py", "errors.py")
+    os.path.join(os.path.dirname(ft.__file__), name)
+    for name in ("_ad.py", "_jacobians.py", "_vmap.py", "errors.py")
 )
 _CLASSES = (TypeError, ValueError, RuntimeError, IndexError)  # torch.func's, for these misuses
 _ARGUMENT_WORDS = (
