@@ -335,6 +335,17 @@ def _partial(func, args, nums):
     return f
 
 
+def _bind_inputs(func, argnums, args, kwargs, call, holomorphic):
+    """``(f, diff)``: ``func`` as a function of the inputs ``argnums`` names (the others and
+    ``kwargs`` bound), and those inputs; argnums and holomorphic inputs checked."""
+    _check_callable(func, call)
+    nums = _check_argnums(func, argnums, len(args), call)
+    diff = tuple(args[i] for i in nums)
+    if holomorphic:
+        _check_holomorphic_inputs(diff, call)
+    return _partial(lambda *a: func(*a, **kwargs), args, nums), diff
+
+
 def grad_and_value(
     func: Func, argnums: ArgNums = 0, has_aux: bool = False, *, holomorphic: bool = False
 ) -> Func:
@@ -355,12 +366,7 @@ def _grad_and_value(func, argnums, has_aux, holomorphic, transform):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = f"{transform}({_name(func)}, argnums={argnums!r})"
-        _check_callable(func, call)
-        nums = _check_argnums(func, argnums, len(args), call)
-        f = _partial(lambda *a: func(*a, **kwargs), args, nums)
-        diff = tuple(args[i] for i in nums)
-        if holomorphic:
-            _check_holomorphic_inputs(diff, call)
+        f, diff = _bind_inputs(func, argnums, args, kwargs, call, holomorphic)
         # flat values (as jacrev): no pytree round trip for the output and the seed
         flat_out, out_spec, spec, pull, aux = _vjp_flat(f, diff, has_aux, call)
         out = flat_out[0] if out_spec.is_leaf() else pt.tree_unflatten(out_spec, flat_out)

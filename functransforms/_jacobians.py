@@ -9,13 +9,10 @@ import torch
 from . import _pytree as pt
 from ._ad import (
     _as_primal,
-    _check_argnums,
-    _check_callable,
-    _check_holomorphic_inputs,
+    _bind_inputs,
     _check_jacobian_dtypes,
     _jvp,
     _name,
-    _partial,
     _vjp_flat,
 )
 from ._core.batched_like import batched_like, vmap_levels
@@ -52,12 +49,7 @@ def jacrev(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacrev({_name(func)}, argnums={argnums!r})"
-        _check_callable(func, call)
-        nums = _check_argnums(func, argnums, len(args), call)
-        f = _partial(lambda *a: func(*a, **kwargs), args, nums)
-        diff = tuple(args[i] for i in nums)
-        if holomorphic:
-            _check_holomorphic_inputs(diff, call)
+        f, diff = _bind_inputs(func, argnums, args, kwargs, call, holomorphic)
         flat_out, out_spec, in_spec, pull, aux = _vjp_flat(f, diff, has_aux, call, holomorphic)
         _check_jacobian_dtypes(flat_out, call, holomorphic, "output")
         sizes = [o.numel() for o in flat_out]
@@ -126,12 +118,7 @@ def jacfwd(
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         call = _call or f"jacfwd({_name(func)}, argnums={argnums!r})"
-        _check_callable(func, call)
-        nums = _check_argnums(func, argnums, len(args), call)
-        f = _partial(lambda *a: func(*a, **kwargs), args, nums)
-        diff = tuple(args[i] for i in nums)
-        if holomorphic:
-            _check_holomorphic_inputs(diff, call)
+        f, diff = _bind_inputs(func, argnums, args, kwargs, call, holomorphic)
         flat_in, in_spec = pt.tree_flatten(diff)
         flat_in = [_as_primal(x, call, True, i) for i, x in enumerate(flat_in)]
         if not flat_in:  # functorch's class ("Thing passed to transform API must be Tensor")
