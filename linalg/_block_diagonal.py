@@ -15,6 +15,7 @@ from ._composite import (
     add,
     as_operator,
     matmul,
+    slogdet_of_product,
 )
 from ._dense import (
     DenseOperator,
@@ -384,11 +385,7 @@ def _inv_block_diagonal(A):
 @slogdet.register(BlockDiagonalOperator)
 def _slogdet_block_diagonal(A):
     # det blockdiag(A_i) = prod det(A_i)
-    signs, logs = zip(*(slogdet(op) for op in A.ops))
-    sign, logabs = signs[0], logs[0]
-    for s, l in zip(signs[1:], logs[1:]):
-        sign, logabs = sign * s, logabs + l
-    return sign, logabs
+    return slogdet_of_product(A.ops)
 
 
 @cholesky.register(BlockDiagonalOperator)

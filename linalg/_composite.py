@@ -382,7 +382,12 @@ def _slogdet_product(A):
     # det(A_1 ... A_k) = prod det(A_i) (square factors)
     if not A._all_square():
         return dense_slogdet(A)
-    signs, logs = zip(*(slogdet(op) for op in A.ops))
+    return slogdet_of_product(A.ops)
+
+
+def slogdet_of_product(ops):
+    """``(sign, logabs)`` of ``prod_i det(ops_i)``: the factors' slogdets multiplied."""
+    signs, logs = zip(*(slogdet(op) for op in ops))
     sign, logabs = signs[0], logs[0]
     for s, l in zip(signs[1:], logs[1:]):
         sign, logabs = sign * s, logabs + l
