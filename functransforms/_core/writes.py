@@ -6,7 +6,8 @@ Note [Physical roots of writes under vmap]
     scatter_ rules do the same. It makes that view below torch's autograd, so the view has no
     ``_base``: a grad level below that sees a write of a value it tracks into the view
     (``x.clone().add_(w)`` under ``grad(vmap(f, in_dims=1))``) found a plain tensor whose memory
-    something else shares, and refused to promote it (InplaceError, where torch.func computes).
+    something else shares, and refused to promote it (InplaceError, where torch's own vmap
+    computes).
     The vmap level names the physical value it hands to the rule while the rule runs
     (`writing_into`); a level promoting a plain target without ``_base`` takes that value as
     the target's base when they share a storage (`physical_root`), so the value and the view
